@@ -1,0 +1,280 @@
+"""Shared plumbing for the objectives: input checks, masking, aggregation, regularisers, metrics.
+
+Every objective follows the same tensor contract (docs: shared/docs/objectives.md §0):
+``logprobs``, ``behavior_logprobs``, ``advantages`` and ``mask`` are ``[B, T]``; only ``logprobs``
+carries gradient; ``mask`` marks valid response tokens. Masked positions may hold anything,
+including inf and NaN: they are replaced by 0 *before* any arithmetic, so that 0·inf never
+produces NaN in the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .kl import kl_estimate
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+DEFAULT_LOG_RATIO_CLIP = 20.0
+
+
+@dataclass
+class ObjectiveOutput:
+    """What every objective returns.
+
+    loss: scalar tensor (the quantity to minimise, i.e. −J), differentiable w.r.t. ``logprobs``.
+    metrics: plain floats for logging (no tensors, no gradient).
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CommonOptions:
+    """Options every objective accepts besides its own.
+
+    aggregation: "token_mean" (Σ m·ℓ / N), "seq_mean_token_mean" ((1/S) Σ_i mean_t ℓ_i,t) or
+        "seq_mean_token_sum" ((1/S) Σ_i Σ_t ℓ_i,t / seq_constant, Dr.GRPO, arXiv 2503.20783).
+    num_tokens: global N for "token_mean" (valid tokens over every micro-batch and rank of the
+        optimizer step). None uses this call's own count. Passing the global N makes the losses of
+        the micro-batches sum to the loss of the whole batch.
+    num_sequences: global S for the sequence aggregations; None counts this call's non-empty rows.
+    seq_constant: the Dr.GRPO constant; None uses T (the padded response length).
+    log_ratio_clip: bound L on |log ρ| before exp (docs §1.8 item 3); tokens beyond it are counted
+        in the ``log_ratio_clamped`` metric.
+    ref_logprobs, ref_kl_coef, ref_kl: optional KL to a frozen reference policy, added per token
+        as ref_kl_coef · k(logprobs − ref_logprobs) with estimator ``ref_kl`` (k1, k2, k3).
+    entropy, entropy_coef: optional entropy bonus, subtracted per token (``entropy`` is [B, T],
+        full-vocabulary entropy in nats).
+    check_finite: raise on non-finite log-probs at valid positions (one host sync per call).
+    """
+
+    aggregation: str = "token_mean"
+    num_tokens: float | None = None
+    num_sequences: float | None = None
+    seq_constant: float | None = None
+    log_ratio_clip: float = DEFAULT_LOG_RATIO_CLIP
+    ref_logprobs: torch.Tensor | None = None
+    ref_kl_coef: float = 0.0
+    ref_kl: str = "k3"
+    entropy: torch.Tensor | None = None
+    entropy_coef: float = 0.0
+    check_finite: bool = True
+
+    @classmethod
+    def parse(cls, objective: str, options: dict) -> "CommonOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown option {unknown[0]!r} for objective {objective!r}; "
+                f"it takes its own keywords plus {sorted(known)}"
+            )
+        opts = cls(**options)
+        if opts.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={opts.aggregation!r} is not one of {AGGREGATIONS}")
+        if not opts.log_ratio_clip > 0:
+            raise ValueError(f"log_ratio_clip must be > 0, got {opts.log_ratio_clip}")
+        return opts
+
+
+@dataclass
+class Prepared:
+    """Validated, sanitised inputs. Masked positions hold 0 in every float tensor."""
+
+    logprobs: torch.Tensor  # [B, T], compute dtype, with gradient
+    behavior_logprobs: torch.Tensor  # [B, T], detached
+    advantages: torch.Tensor  # [B, T], detached
+    mask: torch.Tensor  # [B, T] bool
+    maskf: torch.Tensor  # [B, T] compute dtype
+    log_ratio: torch.Tensor  # [B, T] log π_θ − log π_b, with gradient, unclamped
+    opts: CommonOptions
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.maskf.sum()
+
+    def clamped_log_ratio(self) -> torch.Tensor:
+        """log ρ clamped to ±log_ratio_clip. Gradient flows inside the bound, is 0 outside."""
+        c = self.opts.log_ratio_clip
+        return self.log_ratio.clamp(-c, c)
+
+    def sanitize(self, name: str, t: torch.Tensor | None, *, grad: bool = False) -> torch.Tensor | None:
+        """Check the shape of an extra [B, T] input and zero it at masked positions."""
+        if t is None:
+            return None
+        t = _as_2d(name, t, self.mask.shape)
+        t = t.to(self.logprobs.dtype)
+        if not grad:
+            t = t.detach()
+        if self.opts.check_finite:
+            _check_finite(name, t, self.mask)
+        return torch.where(self.mask, t, torch.zeros((), dtype=t.dtype))
+
+
+def _as_2d(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; pass [B, T] tensors")
+    return t
+
+
+def _check_finite(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
+    bad = (~torch.isfinite(t)) & mask
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite values at valid (mask=True) positions; "
+            "mask those tokens out or fix the log-prob computation"
+        )
+
+
+def prepare(
+    objective: str,
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    options: dict,
+) -> Prepared:
+    """Validate the four standard inputs and return them sanitised.
+
+    Shapes: all ``[B, T]``; ``advantages`` may also be ``[B]`` (a sequence scalar copied to every
+    token). Compute dtype: float32, or float64 when ``logprobs`` is float64 (for gradcheck).
+
+    Raises:
+        ValueError: wrong type or shape, a mask that is not bool or 0/1, non-finite log-probs or
+            advantages at valid positions, an unknown option.
+    """
+    opts = CommonOptions.parse(objective, options)
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs must be a [B, T] tensor, got "
+            f"{tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__}"
+        )
+    shape = logprobs.shape
+    if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == shape[0]:
+        advantages = advantages[:, None].expand(shape)
+    behavior_logprobs = _as_2d("behavior_logprobs", behavior_logprobs, shape)
+    advantages = _as_2d("advantages", advantages, shape)
+    mask = _as_2d("mask", mask, shape)
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask must be bool or hold only 0 and 1")
+        mask = mask != 0
+    mask = mask.to(logprobs.device)
+
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    if opts.check_finite:
+        _check_finite("logprobs", logprobs.detach(), mask)
+        _check_finite("behavior_logprobs", behavior_logprobs, mask)
+        _check_finite("advantages", advantages, mask)
+    lp = torch.where(mask, logprobs.to(dtype), zero)
+    blp = torch.where(mask, behavior_logprobs.detach().to(dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(dtype), zero)
+    return Prepared(
+        logprobs=lp,
+        behavior_logprobs=blp,
+        advantages=adv,
+        mask=mask,
+        maskf=mask.to(dtype),
+        log_ratio=lp - blp,
+        opts=opts,
+    )
+
+
+def aggregate(per_token: torch.Tensor, prep: Prepared) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` (already 0 at masked positions) to a scalar.
+
+    Modes (docs §3 shared conventions; §3.4 for Dr.GRPO): see ``CommonOptions.aggregation``.
+    An all-masked input gives a zero loss that is still connected to the graph.
+    """
+    o = prep.opts
+    m = prep.maskf
+    if o.aggregation == "token_mean":
+        denom = o.num_tokens if o.num_tokens is not None else prep.count.clamp_min(1.0)
+        return per_token.sum() / denom
+    lens = m.sum(dim=1)
+    nseq = o.num_sequences if o.num_sequences is not None else (lens > 0).sum().clamp_min(1).to(m.dtype)
+    if o.aggregation == "seq_mean_token_mean":
+        per_seq = per_token.sum(dim=1) / lens.clamp_min(1.0)
+    else:
+        const = o.seq_constant if o.seq_constant is not None else float(per_token.shape[1])
+        per_seq = per_token.sum(dim=1) / const
+    return per_seq.sum() / nseq
+
+
+def add_regularizers(per_token: torch.Tensor, prep: Prepared, metrics: dict) -> torch.Tensor:
+    """Add the optional reference-KL penalty and entropy bonus (each 0 unless its coefficient is set)."""
+    o = prep.opts
+    if o.ref_logprobs is not None and o.ref_kl_coef != 0.0:
+        ref = prep.sanitize("ref_logprobs", o.ref_logprobs)
+        c = o.log_ratio_clip
+        k = kl_estimate((prep.logprobs - ref).clamp(-c, c), o.ref_kl)
+        per_token = per_token + o.ref_kl_coef * k
+        metrics["kl_ref"] = _masked_mean(k.detach(), prep)
+    if o.entropy is not None:
+        ent = prep.sanitize("entropy", o.entropy, grad=True)
+        metrics["entropy"] = _masked_mean(ent.detach(), prep)
+        if o.entropy_coef != 0.0:
+            per_token = per_token - o.entropy_coef * ent
+    return torch.where(prep.mask, per_token, torch.zeros((), dtype=per_token.dtype))
+
+
+def _masked_mean(t: torch.Tensor, prep: Prepared) -> torch.Tensor:
+    return (t * prep.maskf).sum() / prep.count.clamp_min(1.0)
+
+
+def ratio_metrics(prep: Prepared, ratio: torch.Tensor, clip_eps: float = 0.2) -> dict:
+    """Diagnostics shared by every objective, as 0-dim tensors (converted to floats once, at the end).
+
+    ratio: [B, T] detached ρ = exp(clamped log ρ). Keys: ess (normalized ESS of this call's tokens,
+    docs §1.1), ratio_p50/p99/max, abs_log_ratio_mean/max (|logprobs − behavior_logprobs|),
+    log_ratio_clamped (fraction beyond ±log_ratio_clip), kl_behavior (k3 vs behaviour, token mean),
+    clip_fraction (tokens a PPO clip of ``clip_eps`` would zero), num_tokens.
+    """
+    m = prep.mask
+    lr = prep.log_ratio.detach()
+    n = prep.count
+    out: dict = {"num_tokens": n}
+    vals = ratio[m]
+    if vals.numel() == 0:
+        z = torch.zeros((), dtype=ratio.dtype)
+        out.update(ratio_p50=z + 1, ratio_p99=z + 1, ratio_max=z + 1, abs_log_ratio_mean=z,
+                   abs_log_ratio_max=z, log_ratio_clamped=z, kl_behavior=z, clip_fraction=z, ess=z + 1)
+        return out
+    q = torch.quantile(vals.float(), torch.tensor([0.5, 0.99], dtype=torch.float32))
+    alr = lr.abs()
+    r64 = vals.double()
+    s1, s2 = r64.sum(), (r64 * r64).sum()
+    adv = prep.advantages
+    clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
+    out.update(
+        ratio_p50=q[0],
+        ratio_p99=q[1],
+        ratio_max=vals.max(),
+        abs_log_ratio_mean=(alr * prep.maskf).sum() / n,
+        abs_log_ratio_max=alr.max(),
+        log_ratio_clamped=((alr > prep.opts.log_ratio_clip) & m).sum() / n,
+        kl_behavior=_masked_mean(kl_estimate(prep.clamped_log_ratio().detach(), "k3"), prep),
+        clip_fraction=(clipped & m).sum() / n,
+        ess=(s1 * s1 / (n.double() * s2)).clamp(max=1.0),
+    )
+    return out
+
+
+def finish(loss: torch.Tensor, metrics: dict) -> ObjectiveOutput:
+    """Convert tensor metrics to floats with a single host transfer."""
+    keys = list(metrics)
+    vals = [metrics[k] for k in keys]
+    tens = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+    if tens:
+        floats = torch.stack([vals[i].detach().double().reshape(()) for i in tens]).tolist()
+        for i, f in zip(tens, floats):
+            vals[i] = f
+    out = {k: float(v) for k, v in zip(keys, vals)}
+    out["loss"] = float(loss.detach())
+    return ObjectiveOutput(loss=loss, metrics=out)

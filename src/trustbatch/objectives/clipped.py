@@ -1,0 +1,228 @@
+"""Clipped and capped policy-gradient baselines: GRPO/PPO, DAPO, decoupled PPO, CISPO, GSPO, REINFORCE.
+
+Each is ``f(logprobs, behavior_logprobs, advantages, mask, **options) -> ObjectiveOutput`` with the
+shared contract of ``trustbatch.objectives``. The ratio is r = π_θ/π_old where π_old is
+``old_logprobs`` when given (a trainer recompute, "decoupled") and ``behavior_logprobs`` otherwise
+("bypass"; docs/objectives.md §1.8 item 6). A mismatch ``correction`` (tis/mis, token/sequence)
+weighs the per-token loss by a function of π_old/π_behaviour, so it needs ``old_logprobs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
+from .corrections import correction_weights
+
+
+def _split_correction(options: dict) -> tuple[torch.Tensor | None, dict]:
+    keys = ("old_logprobs", "correction", "correction_cap", "correction_band", "correction_seq_reduce")
+    corr = {k: options.pop(k) for k in keys if k in options}
+    return corr.pop("old_logprobs", None), corr
+
+
+def _old_and_weight(prep: Prepared, old_logprobs, corr: dict, metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (log π_old, correction weight or None)."""
+    kind = corr.get("correction")
+    if old_logprobs is None:
+        if kind is not None:
+            raise ValueError(
+                f"correction={kind!r} needs old_logprobs (the trainer's log-probs at the rollout's "
+                "parameters); without them π_old = π_behaviour and the weight would be 1"
+            )
+        return prep.behavior_logprobs, None
+    old = prep.sanitize("old_logprobs", old_logprobs)
+    if kind is None:
+        return old, None
+    w, cm = correction_weights(
+        old,
+        prep.behavior_logprobs,
+        prep.mask,
+        kind,
+        cap=corr.get("correction_cap", 2.0),
+        band=tuple(corr.get("correction_band", (0.5, 5.0))),
+        seq_reduce=corr.get("correction_seq_reduce", "mean"),
+        log_ratio_clip=prep.opts.log_ratio_clip,
+    )
+    metrics.update(cm)
+    return old, w
+
+
+def ppo_clip_per_token(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token −min(r·A, clip(r, 1−ε_l, 1+ε_h)·A), with optional dual clip c for A < 0.
+
+    PPO (arXiv 1707.06347), asymmetric bounds from DAPO (arXiv 2503.14476), dual clip from
+    arXiv 1912.09729: for A < 0 the objective is max(min(...), c·A). Returns (loss [B, T],
+    zero-gradient mask [B, T]: tokens whose gradient the clip removes).
+    """
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(surr1, surr2)
+    clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (typically 3), got {dual_clip}")
+        neg = adv < 0
+        cap = -dual_clip * adv
+        loss = torch.where(neg, torch.minimum(loss, cap), loss)
+        clipped = clipped | (neg & (ratio > dual_clip))
+    return loss, clipped
+
+
+def _clipped_objective(
+    name: str, logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options
+) -> ObjectiveOutput:
+    old_logprobs, corr = _split_correction(options)
+    prep = prepare(name, logprobs, behavior_logprobs, advantages, mask, options)
+    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
+    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    c = prep.opts.log_ratio_clip
+    ratio = (prep.logprobs - old).clamp(-c, c).exp()
+    per_token, clipped = ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
+    if w is not None:
+        per_token = per_token * w
+    per_token = add_regularizers(per_token, prep, metrics)
+    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
+    return finish(aggregate(per_token, prep), metrics)
+
+
+def grpo(
+    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
+    dual_clip: float | None = None, **options,
+) -> ObjectiveOutput:
+    """GRPO / PPO clipped surrogate (arXiv 2402.03300 Eq. 3; arXiv 1707.06347; docs §3.1–3.2).
+
+    Per token: ℓ = −min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), r = exp(logprobs − old). The gradient
+    is exactly 0 where the clipped branch wins: (A > 0, r > 1+eps_high) or (A < 0, r < 1−eps_low).
+    ``dual_clip`` c > 1 bounds the loss of A < 0 tokens at −c·A (zero gradient once r > c).
+    The default aggregation is the token mean (DAPO-style); pass aggregation="seq_mean_token_mean"
+    for the original GRPO. The reference KL (β = 0.04 in the paper) is ``ref_kl_coef`` with k3.
+
+    Extra options: ``old_logprobs`` [B, T] and ``correction`` ("tis_token", "tis_sequence",
+    "mis_token", "mis_sequence") with ``correction_cap``, ``correction_band``, ``correction_seq_reduce``.
+    Shapes, errors and common options as ``trustbatch.objectives.p3o``.
+    """
+    return _clipped_objective("grpo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
+
+
+def dapo(
+    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+    dual_clip: float | None = None, **options,
+) -> ObjectiveOutput:
+    """DAPO preset (arXiv 2503.14476; docs §3.3): clip-higher (0.2, 0.28) and a token-level mean.
+
+    Dynamic sampling and overlong shaping live on the data side (``trustbatch.advantages``).
+    """
+    options.setdefault("aggregation", "token_mean")
+    return _clipped_objective("dapo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
+
+
+def decoupled_ppo(
+    logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs: torch.Tensor,
+    eps_low: float = 0.2, eps_high: float = 0.2, behavior_weight_cap: float | None = None,
+    dual_clip: float | None = None, **options,
+) -> ObjectiveOutput:
+    """Decoupled PPO with a proximal policy (Hilton et al., arXiv 2110.00641; docs §3.7).
+
+    ℓ_t = sg(w_t)·(−min(r^prox·A, clip(r^prox, 1−ε_l, 1+ε_h)·A)), r^prox = π_θ/π_prox,
+    w_t = π_prox/π_behaviour, capped at ``behavior_weight_cap`` when set (FeynRL uses 5.0 in async).
+    Reduces to PPO when π_prox = π_behaviour.
+
+    Args:
+        proximal_logprobs: [B, T] log π_prox (no gradient): the policy at the start of the epoch.
+    """
+    prep = prepare("decoupled_ppo", logprobs, behavior_logprobs, advantages, mask, options)
+    prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
+    c = prep.opts.log_ratio_clip
+    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
+    w = (prox - prep.behavior_logprobs).clamp(-c, c).exp()
+    if behavior_weight_cap is not None:
+        metrics["behavior_weight_capped"] = ((w > behavior_weight_cap) & prep.mask).sum() / prep.count.clamp_min(1.0)
+        w = w.clamp(max=behavior_weight_cap)
+    ratio = (prep.logprobs - prox).clamp(-c, c).exp()
+    per_token, clipped = ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
+    per_token = add_regularizers(per_token * w, prep, metrics)
+    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
+    metrics["behavior_weight_mean"] = (w * prep.maskf).sum() / prep.count.clamp_min(1.0)
+    return finish(aggregate(per_token, prep), metrics)
+
+
+def cispo(
+    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float | None = None, eps_high: float = 4.0,
+    **options,
+) -> ObjectiveOutput:
+    """CISPO (MiniMax-M1, arXiv 2506.13585; docs §3.6): ℓ_t = −sg(clip(r, 1−ε_l, 1+ε_h))·A·log π_θ.
+
+    Every token keeps its gradient. ``eps_low=None`` (default) means no lower bound (0), as the
+    paper effectively uses; the default upper bound 1 + 4 = 5. Supports ``old_logprobs`` and
+    ``correction`` like ``grpo``.
+    """
+    old_logprobs, corr = _split_correction(options)
+    prep = prepare("cispo", logprobs, behavior_logprobs, advantages, mask, options)
+    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
+    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    c = prep.opts.log_ratio_clip
+    r = (prep.logprobs.detach() - old).clamp(-c, c).exp()
+    low = 0.0 if eps_low is None else 1.0 - eps_low
+    high = 1.0 + eps_high
+    per_token = -r.clamp(low, high) * prep.advantages * prep.logprobs
+    if w is not None:
+        per_token = per_token * w
+    per_token = add_regularizers(per_token, prep, metrics)
+    metrics["clip_fraction"] = (((r > high) | (r < low)) & prep.mask).sum() / prep.count.clamp_min(1.0)
+    return finish(aggregate(per_token, prep), metrics)
+
+
+def gspo(
+    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4, **options,
+) -> ObjectiveOutput:
+    """GSPO, token form (arXiv 2507.18071; docs §3.5).
+
+    s_i = exp((1/|y_i|) Σ_t log r_i,t) is the length-normalised sequence ratio; each token uses
+    s_i,t = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) (value s_i, gradient s_i·∇log π_θ) in the PPO clip, so a
+    whole sequence is clipped together. Default aggregation: sequence mean of token means, which
+    equals the GSPO sequence objective when the advantage is constant over a sequence.
+    Supports ``old_logprobs`` and ``correction`` like ``grpo``.
+    """
+    options.setdefault("aggregation", "seq_mean_token_mean")
+    old_logprobs, corr = _split_correction(options)
+    prep = prepare("gspo", logprobs, behavior_logprobs, advantages, mask, options)
+    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
+    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    c = prep.opts.log_ratio_clip
+    lens = prep.maskf.sum(1, keepdim=True).clamp_min(1.0)
+    seq_lr = ((prep.logprobs.detach() - old) * prep.maskf).sum(1, keepdim=True) / lens
+    s = seq_lr.clamp(-c, c).exp()
+    s_tok = s * torch.exp(prep.logprobs - prep.logprobs.detach())
+    per_token, clipped = ppo_clip_per_token(s_tok, prep.advantages, eps_low, eps_high, None)
+    if w is not None:
+        per_token = per_token * w
+    per_token = add_regularizers(per_token, prep, metrics)
+    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
+    metrics["seq_ratio_mean"] = s.mean()
+    return finish(aggregate(per_token, prep), metrics)
+
+
+def reinforce(
+    logprobs, behavior_logprobs, advantages, mask, *, importance_weight: bool = True, **options,
+) -> ObjectiveOutput:
+    """Importance-weighted REINFORCE: ℓ_t = −sg(ρ_t)·A·log π_θ, ρ_t = π_θ/π_b (no cap, no clip).
+
+    Its gradient is ρ·A·∇log π_θ, the unbiased off-policy policy gradient (per token). With
+    ``importance_weight=False`` the weight is 1 (on-policy REINFORCE). A reference for the others:
+    P3O on on-policy data equals this (docs §1.2 Limits).
+    """
+    old_logprobs, corr = _split_correction(options)
+    prep = prepare("reinforce", logprobs, behavior_logprobs, advantages, mask, options)
+    ratio = prep.clamped_log_ratio().detach().exp()
+    metrics = ratio_metrics(prep, ratio)
+    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    c = prep.opts.log_ratio_clip
+    weight = (prep.logprobs.detach() - old).clamp(-c, c).exp() if importance_weight else torch.ones_like(ratio)
+    per_token = -weight * prep.advantages * prep.logprobs
+    if w is not None:
+        per_token = per_token * w
+    per_token = add_regularizers(per_token, prep, metrics)
+    return finish(aggregate(per_token, prep), metrics)

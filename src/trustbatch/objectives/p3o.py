@@ -1,0 +1,197 @@
+"""P3O: the batch-adaptive objective of "Trust the Batch" (arXiv 2605.12380), and its two-anchor extension.
+
+Per valid token (Eq. 12 per the read-through; docs/objectives.md §1.2):
+
+    w_t = sg(min(ρ_t, e_B))                  one-sided cap, ρ_t = π_θ/π_b
+    ℓ_t = −w_t · A_t · log π_θ(y_t)  +  (1 − e_B) · KL_t(π_θ ‖ π_b)
+    ∂ℓ_t/∂log π_θ = −min(ρ_t, e_B)·A_t + (1 − e_B)·∂KL_t/∂log π_θ
+
+with e_B = sg(ESS(B)) the normalized effective sample size of the batch's ratios (Eq. 11).
+On-policy data (ρ ≡ 1) gives e_B = 1, so the update is token-mean REINFORCE with no KL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
+from .kl import kl_estimate
+from .ratio_stats import RatioStats
+
+ESS_SCOPES = ("batch", "micro_batch", "sequence")
+
+
+def _resolve_ess(
+    ess, scope: str, ratio: torch.Tensor, prep: Prepared, name: str = "ess"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(e, fallbacks)``: e is a 0-dim tensor (batch/micro-batch) or [B, 1] (sequence).
+
+    ``ess`` given by the caller wins (a float, a RatioStats, or a [B]/[B, 1] tensor for sequence
+    scope). Otherwise it is computed from this call's tokens: for "batch" and "micro_batch" that
+    is the whole input (the trainer passes the batch value when it splits a batch).
+    """
+    dtype = prep.logprobs.dtype
+    if scope not in ESS_SCOPES:
+        raise ValueError(f"ess_scope={scope!r} is not one of {ESS_SCOPES}")
+    if isinstance(ess, RatioStats):
+        e, fb = ess.ess()
+        return torch.tensor(e, dtype=dtype), torch.tensor(float(fb))
+    if isinstance(ess, torch.Tensor) and ess.numel() > 1:
+        e = ess.detach().to(dtype).reshape(-1, 1)
+        if e.shape[0] != ratio.shape[0]:
+            raise ValueError(f"{name} has {e.shape[0]} rows but the batch has {ratio.shape[0]}; pass [B] or a scalar")
+        return e.clamp(0.0, 1.0), torch.tensor(0.0)
+    if ess is not None:
+        e = float(ess)
+        if not (0.0 <= e <= 1.0):
+            raise ValueError(f"{name}={e} is outside [0, 1]; pass the normalized ESS (RatioStats.ess())")
+        return torch.tensor(e, dtype=dtype), torch.tensor(0.0)
+    if scope == "sequence":
+        r = torch.where(prep.mask, ratio.double(), 0.0)
+        s1, s2, n = r.sum(1), (r * r).sum(1), prep.mask.sum(1).double()
+        e = s1 * s1 / (n * s2)
+        bad = (n < 0.5) | ~torch.isfinite(e)
+        e = torch.where(bad, 1.0, e).clamp(max=1.0)
+        # An empty row is padding, not a fallback worth counting.
+        fb = (bad & (n > 0.5)).sum().double()
+        return e.to(dtype)[:, None], fb
+    e, fb = RatioStats.from_ratio(ratio, prep.mask).ess()
+    return torch.tensor(e, dtype=dtype), torch.tensor(float(fb))
+
+
+def p3o(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ess: float | RatioStats | torch.Tensor | None = None,
+    ess_scope: str = "batch",
+    kl: str = "k3",
+    **options,
+) -> ObjectiveOutput:
+    """P3O loss (arXiv 2605.12380 Eq. 11–12; docs/objectives.md §1).
+
+    Args:
+        logprobs: [B, T] log π_θ(y_t|c_t), with gradient.
+        behavior_logprobs: [B, T] log π_b(y_t|c_t) stored at sampling (temperature applied).
+        advantages: [B, T] or [B], detached; a sequence scalar copied to every token.
+        mask: [B, T] bool or 0/1, valid response tokens.
+        ess: the batch ESS to use, when the caller computed it over more tokens than this call sees
+            (the trainer's "batch" scope over micro-batches and ranks): a float in [0, 1], a
+            ``RatioStats``, or for "sequence" scope a [B] tensor. None computes it from this call.
+        ess_scope: "batch" (default; the whole optimizer batch), "micro_batch" (the reference
+            code's choice: each micro-batch on its own) or "sequence" (one ESS per row).
+        kl: behaviour-KL estimator, "k3" (reference code, default), "k2" or "k1".
+        **options: ``CommonOptions`` (aggregation, num_tokens, log_ratio_clip, ref KL, entropy).
+
+    Returns:
+        ObjectiveOutput; metrics add ``ess``, ``ess_fallback`` (count), ``cap_fraction`` (tokens
+        with ρ > e_B), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
+        ``policy_loss`` and ``kl_loss`` (the two terms, aggregated), and the shared ratio metrics.
+
+    Raises:
+        ValueError: bad shapes, mask values, non-finite log-probs at valid positions, an ``ess``
+            outside [0, 1], an unknown scope, estimator or option.
+    """
+    prep = prepare("p3o", logprobs, behavior_logprobs, advantages, mask, options)
+    lr = prep.clamped_log_ratio()
+    ratio = lr.detach().exp()
+    e, fallbacks = _resolve_ess(ess, ess_scope, ratio, prep)
+    weight = torch.minimum(ratio, e)  # ρ ≥ 0 already, so this is clamp(ρ, 0, e)
+    kl_t = kl_estimate(lr, kl)
+    zero = torch.zeros((), dtype=lr.dtype)
+    policy_t = torch.where(prep.mask, -weight * prep.advantages * prep.logprobs, zero)
+    kl_term_t = torch.where(prep.mask, (1.0 - e) * kl_t, zero)
+    metrics = ratio_metrics(prep, ratio)
+    per_token = add_regularizers(policy_t + kl_term_t, prep, metrics)
+    loss = aggregate(per_token, prep)
+    n = prep.count.clamp_min(1.0)
+    e_mean = _mean_ess(e, prep)
+    metrics.update(
+        ess=e_mean,
+        ess_fallback=fallbacks,
+        cap_fraction=((ratio > e) & prep.mask).sum() / n,
+        kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
+        kl_weight=1.0 - e_mean,
+        policy_loss=aggregate(policy_t.detach(), prep),
+        kl_loss=aggregate(kl_term_t.detach(), prep),
+    )
+    return finish(loss, metrics)
+
+
+def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
+    """Mean e over non-empty rows (sequence scope) or e itself."""
+    if e.dim() == 0:
+        return e
+    rows = prep.maskf.sum(1) > 0
+    return (e[:, 0] * rows).sum() / rows.sum().clamp_min(1)
+
+
+def p3o_two_anchor(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor,
+    ess: float | RatioStats | None = None,
+    ess_proximal: float | RatioStats | None = None,
+    kl: str = "k3",
+    **options,
+) -> ObjectiveOutput:
+    """Two-anchor P3O (arXiv 2605.12380 §3.1, Eq. 13, App. B per the read-through; docs §2). Experimental.
+
+    Follows the reference code P4O (FeynRL algs/P4O/p4o.py), because the paper's exact e_mix is
+    unverified:
+
+        e_b = ESS(π_θ/π_b), e_p = ESS(π_θ/π_prox), e_mix = min(e_b, e_p)
+        w_b = 1 − e_b, w_p = 1 − e_p
+        log π_mix(y_t) = log[(w_b·π_b(y_t) + w_p·π_prox(y_t)) / (w_b + w_p)]   (sampled-token mixture)
+        ℓ_t = −sg(min(ρ_b, e_mix))·A·log π_θ + (1 − e_mix)·KL_t(π_θ ‖ π_mix)
+
+    When both anchors have ESS 1 the mixture weights are both 0; the KL coefficient (1 − e_mix)
+    is then 0 too, and π_mix is taken as the even mixture. It reduces to P3O when π_prox = π_b.
+
+    Args:
+        proximal_logprobs: [B, T] log π_prox(y_t), no gradient (a snapshot at the start of the epoch).
+        ess, ess_proximal: batch ESS of each anchor when computed by the caller (float or RatioStats).
+        Others as ``p3o`` (batch scope only).
+
+    Raises:
+        ValueError: as ``p3o``; ``proximal_logprobs`` with a wrong shape or non-finite valid values.
+    """
+    prep = prepare("p3o_two_anchor", logprobs, behavior_logprobs, advantages, mask, options)
+    prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
+    c = prep.opts.log_ratio_clip
+    lr_b = prep.clamped_log_ratio()
+    ratio_b = lr_b.detach().exp()
+    ratio_p = (prep.logprobs.detach() - prox).clamp(-c, c).exp()
+    e_b, fb_b = _resolve_ess(ess, "batch", ratio_b, prep)
+    e_p, fb_p = _resolve_ess(ess_proximal, "batch", ratio_p, prep, name="ess_proximal")
+    e_mix = torch.minimum(e_b, e_p)
+    w_b, w_p = (1.0 - e_b).clamp_min(0.0), (1.0 - e_p).clamp_min(0.0)
+    if float(w_b + w_p) <= 0.0:
+        w_b = w_p = torch.ones((), dtype=lr_b.dtype)
+    log_mix = torch.logaddexp(torch.log(w_b) + prep.behavior_logprobs, torch.log(w_p) + prox) - torch.log(w_b + w_p)
+    kl_t = kl_estimate((prep.logprobs - log_mix).clamp(-c, c), kl)
+    zero = torch.zeros((), dtype=lr_b.dtype)
+    weight = torch.minimum(ratio_b, e_mix)
+    policy_t = torch.where(prep.mask, -weight * prep.advantages * prep.logprobs, zero)
+    kl_term_t = torch.where(prep.mask, (1.0 - e_mix) * kl_t, zero)
+    metrics = ratio_metrics(prep, ratio_b)
+    per_token = add_regularizers(policy_t + kl_term_t, prep, metrics)
+    loss = aggregate(per_token, prep)
+    n = prep.count.clamp_min(1.0)
+    metrics.update(
+        ess=e_mix,
+        ess_behavior=e_b,
+        ess_proximal=e_p,
+        ess_fallback=fb_b + fb_p,
+        cap_fraction=((ratio_b > e_mix) & prep.mask).sum() / n,
+        kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
+        kl_weight=1.0 - e_mix,
+        policy_loss=aggregate(policy_t.detach(), prep),
+        kl_loss=aggregate(kl_term_t.detach(), prep),
+    )
+    return finish(loss, metrics)

@@ -1,0 +1,70 @@
+"""The default base policy: a small Llama with a task-trained tokenizer, warmed up by SFT, cached on disk.
+
+No model hub is reachable on the machines we target, so the default path builds its own model.
+The result is cached under ``$TRUSTBATCH_CACHE`` (default ``~/.cache/trustbatch``) by a hash of
+everything that determines it, and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ..data import TaskSplit
+from .model import Policy, build_small_llama, load_policy
+from .sft import sft
+from .tokenizer import train_tokenizer
+
+BASE_FORMAT = 1  # bump when the recipe changes, to invalidate old caches
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRUSTBATCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "trustbatch"
+    )
+    return Path(root)
+
+
+def base_key(task_cfg: dict, model_cfg: dict) -> str:
+    blob = json.dumps({"format": BASE_FORMAT, "task": task_cfg, "model": model_cfg}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_base(
+    task: TaskSplit, task_cfg: dict, model_cfg: dict, on_step: Callable[[int, float], None] | None = None
+) -> tuple[Policy, Path, bool]:
+    """Return (policy, directory, built_now). Builds and caches the base if it is not cached yet.
+
+    model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_steps, sft_batch_size, sft_lr, seed.
+    The directory is written to a temporary sibling and renamed, so a crash never leaves half a model.
+    """
+    key = base_key(task_cfg, model_cfg)
+    final = cache_dir() / "base" / f"{task.name}-{key}"
+    if (final / "config.json").exists():
+        return load_policy(final), final, False
+    texts = [e.prompt for e in task.train] + [" " + e.answer for e in task.train]
+    tok = train_tokenizer(texts, vocab_size=model_cfg["vocab_size"])
+    model = build_small_llama(
+        len(tok), hidden=model_cfg["hidden"], layers=model_cfg["layers"], heads=model_cfg["heads"],
+        max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
+    )
+    policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    sft(
+        policy, [(e.prompt, " " + e.answer) for e in task.train], steps=model_cfg["sft_steps"],
+        batch_size=model_cfg["sft_batch_size"], lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step,
+    )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        policy.save(tmp)
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "config.json").exists():
+            raise
+    return load_policy(final), final, True

@@ -1,0 +1,72 @@
+"""Packing prompt + completion ids into model inputs, and per-token log-probs of the completions.
+
+Layout: every sequence is ``prompt + completion`` left-padded to a common length L, so the
+completions are right-aligned and occupy the last C = max completion length positions. Tensors
+over the response are therefore ``[B, C]``, the ``[B, T]`` of the objectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [B, L] long
+    response_mask: torch.Tensor  # [B, C] bool, valid completion tokens
+
+    def select(self, idx: torch.Tensor | slice) -> "Packed":
+        return Packed(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.response_mask[idx])
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Packed:
+    """Left-pad ``prompt + completion`` pairs. Raises ValueError on empty completions or length mismatch."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if any(len(c) == 0 for c in completions):
+        raise ValueError("every completion needs at least one token (EOS counts)")
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    L = max(len(s) for s in seqs)
+    C = max(len(c) for c in completions)
+    B = len(seqs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    resp = torch.zeros((B, C), dtype=torch.bool)
+    for i, (s, c) in enumerate(zip(seqs, completions)):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        att[i, L - len(s):] = 1
+        resp[i, C - len(c):] = True
+    pos = (att.cumsum(1) - 1).clamp_min(0)
+    return Packed(ids, att, pos, resp)
+
+
+def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0):
+    """Log π(y_t | c_t) for the completion tokens, float32 ``[B, C]``, and optionally the entropy ``[B, C]``.
+
+    Only the last C + 1 positions' logits are computed (``logits_to_keep``). Values at positions
+    outside ``response_mask`` are meaningless (the caller masks them). ``temperature`` divides the
+    logits first (to score a policy at T ≠ 1).
+    """
+    C = packed.response_mask.shape[1]
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        logits_to_keep=C + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = packed.input_ids[:, -C:]
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent

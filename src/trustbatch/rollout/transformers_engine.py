@@ -1,0 +1,72 @@
+"""Rollouts with ``transformers`` ``generate`` on CPU (or any torch device)."""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import Rollout
+
+
+class TransformersEngine:
+    """Samples with ``model.generate`` and records behaviour log-probs from the processed scores.
+
+    ``generate`` returns, per step, the scores after temperature and top-p; their log-softmax at
+    the sampled token is exactly the log-prob under the sampling distribution.
+
+    If ``model`` is the learner's own module (``share=True``), ``sync_weights`` only bumps the
+    version; otherwise the engine keeps a copy and loads the learner's weights into it.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512):
+        self.model = model
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+        self.version = 0
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        if model is not self.model:
+            self.model.load_state_dict(model.state_dict())
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts, n, *, temperature=1.0, top_p=1.0, max_new_tokens=16, greedy=False):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}; use greedy=True for argmax decoding")
+        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        out: list[Rollout] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for s in range(0, len(flat), self.batch_size):
+                out.extend(self._generate_chunk(flat[s:s + self.batch_size], temperature, top_p, max_new_tokens, greedy))
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, items, temperature, top_p, max_new_tokens, greedy):
+        P = max(len(p) for _, p in items)
+        ids = torch.full((len(items), P), self.pad_id, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for j, (_, p) in enumerate(items):
+            ids[j, P - len(p):] = torch.tensor(p)
+            att[j, P - len(p):] = 1
+        kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        gen = self.model.generate(
+            input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            output_scores=True, return_dict_in_generate=True, **kwargs,
+        )
+        new = gen.sequences[:, P:]
+        scores = torch.stack(gen.scores, dim=1).float()  # [N, steps, V], processed (T, top-p)
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        rows = []
+        for j, (i, p) in enumerate(items):
+            toks = new[j].tolist()
+            end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
+            rows.append(Rollout(
+                prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
+                behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
+                policy_version=self.version,
+            ))
+        return rows

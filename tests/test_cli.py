@@ -1,0 +1,66 @@
+"""Bad input ends with one line on stderr naming the cause, and exit code 2; a raising scorer gives reward 0."""
+
+import subprocess
+import sys
+
+import pytest
+
+from trustbatch import rewards
+from trustbatch.config import load_config
+from trustbatch.errors import UserError
+
+
+def run_cli(*args, env_extra=None, tmp_path=None):
+    import os
+
+    env = dict(os.environ)
+    if tmp_path is not None:
+        env["TRUSTBATCH_CACHE"] = str(tmp_path / "cache")
+    return subprocess.run([sys.executable, "-m", "trustbatch", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["train", "train.lr=-1"], "invalid value for 'train.lr'"),
+    (["train", "objective.name=ppo2"], "unknown objective 'ppo2'"),
+    (["train", "task.name=no_such_task", "run_dir=RUN"], "unknown task 'no_such_task'"),
+    (["train", "model.path=/nonexistent/model", "run_dir=RUN"], "model path '/nonexistent/model' does not exist"),
+    (["train", "objective.options={epsilon: 0.2}", "run_dir=RUN"], "unknown option 'epsilon'"),
+    (["train", "task.heldout_size=5000", "run_dir=RUN"], "distinct prompts"),
+    (["train", "--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
+    (["train", "--resume", "/nonexistent_run"], "cannot resume"),
+])
+def test_bad_input_one_line_exit_2(args, message, tmp_path):
+    args = [a.replace("RUN", str(tmp_path / "run")) for a in args]
+    p = run_cli(*args, tmp_path=tmp_path)
+    assert p.returncode == 2, p.stderr
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, p.stderr
+    assert message in lines[0]
+    assert lines[0].startswith("trustbatch: error:")
+
+
+def test_overrides_parse_as_yaml():
+    cfg = load_config(None, ["train.steps=7", "objective.name=grpo", "objective.options={eps_high: 0.28}", "task.params.max_terms=4"])
+    assert cfg.train.steps == 7 and cfg.objective.name == "grpo" and cfg.objective.options == {"eps_high": 0.28}
+    assert cfg.task.params["max_terms"] == 4 and cfg.task.params["min_terms"] == 2
+    with pytest.raises(UserError, match="key=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_raising_scorer_gives_zero_and_is_counted():
+    def scorer(c, r):
+        if c == "boom":
+            raise RuntimeError("scorer bug")
+        return float("nan") if c == "nan" else 1.0
+
+    out, errors = rewards.score_all(scorer, ["ok", "boom", "nan", "ok"], ["", "", "", ""])
+    assert out == [1.0, 0.0, 0.0, 1.0] and errors == 2
+
+
+def test_reasoning_gym_scorer():
+    import json
+
+    s = rewards.get("rg:chain_sum")
+    ref = json.dumps({"answer": "-4", "metadata": {}})
+    assert s(" -4", ref) == 1.0 and s(" 4", ref) == 0.0
