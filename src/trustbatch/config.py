@@ -73,6 +73,7 @@ class ObjectiveConfig(_Strict):
 class TrainConfig(_Strict):
     steps: int = Field(150, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
     lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(256, ge=1)

@@ -60,7 +60,7 @@ class Learner:
 
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
-                 ess_scope: str = "batch"):
+                 ess_scope: str = "batch", warmup_steps: int = 0):
         self.model = model
         self.name = objective
         self.fn = objectives.get(objective)
@@ -69,6 +69,11 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.ess_scope = ess_scope
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
+        # a large random kick to a warmed-up policy when the policy gradient is noisy.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+        )
 
     def _chunks(self, n: int) -> list[slice]:
         return [slice(s, min(n, s + self.micro_batch_size)) for s in range(0, n, self.micro_batch_size)]
@@ -131,10 +136,12 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         local = float(mask.sum())
         out_m = {k: (v if k in ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens") else v / max(local, 1.0))
                  for k, v in sums.items()}
         out_m.update(maxes)
         out_m["grad_norm"] = float(grad_norm)
+        out_m["lr"] = self.scheduler.get_last_lr()[0]
         return out_m

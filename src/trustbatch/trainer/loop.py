@@ -109,11 +109,13 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)  # sync: shares the learner's weights
     learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=cfg.train.lr,
                       weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
-                      micro_batch_size=cfg.train.micro_batch_size, ess_scope=cfg.train.ess_scope)
+                      micro_batch_size=cfg.train.micro_batch_size, ess_scope=cfg.train.ess_scope,
+                      warmup_steps=cfg.train.warmup_steps)
     log = MetricsLog(run_dir)
     if ckpt is not None:
         state = load_trainer_state(ckpt)
         learner.optimizer.load_state_dict(state["optimizer"])
+        learner.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         start_step = state["step"]
@@ -215,7 +217,8 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             log.log(step, m)
             last = m
             if step % cfg.checkpoint_every == 0 or step == tr.steps:
-                save_checkpoint(run_dir, step, policy, learner.optimizer, {"policy_version": engine.version})
+                save_checkpoint(run_dir, step, policy, learner.optimizer,
+                                {"policy_version": engine.version, "scheduler": learner.scheduler.state_dict()})
             info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
             if "heldout_accuracy" in m:
                 info += f"  held-out {m['heldout_accuracy']:.3f}"
