@@ -46,6 +46,10 @@ class ModelConfig(_Strict):
     heads: int = Field(4, ge=1)
     vocab_size: int = Field(384, ge=260)
     max_len: int = Field(64, ge=8)
+    sft_examples: int | None = Field(None, ge=1, description="demonstrations for SFT: the first N train prompts (None: all)")
+    sft_teacher_error: float = Field(
+        0.25, ge=0, lt=1, description="fraction of SFT demonstrations whose answer is another prompt's (a weak teacher)"
+    )
     sft_steps: int = Field(600, ge=0)
     sft_batch_size: int = Field(64, ge=1)
     sft_lr: float = Field(3e-3, gt=0)
@@ -54,7 +58,7 @@ class ModelConfig(_Strict):
 
 class RolloutConfig(_Strict):
     group_size: int = Field(8, ge=2, description="G completions per prompt")
-    prompts_per_step: int = Field(32, ge=1)
+    prompts_per_step: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(8, ge=1)
@@ -72,11 +76,11 @@ class ObjectiveConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(150, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(3e-4, gt=0)
     warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(256, ge=1)
+    micro_batch_size: int = Field(512, ge=1)
     minibatches: int = Field(1, ge=1, description="optimizer steps per epoch over one rollout batch")
     epochs: int = Field(1, ge=1, description="passes over one rollout batch (replay)")
     ess_scope: Literal["batch", "micro_batch", "sequence"] = "batch"

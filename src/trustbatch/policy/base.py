@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,12 +36,27 @@ def base_key(task_cfg: dict, model_cfg: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def weak_teacher(demos: list[tuple[str, str]], error: float, seed: int) -> list[tuple[str, str]]:
+    """Replace the answer of a fixed fraction ``error`` of demonstrations by another demonstration's answer.
+
+    This simulates warm-up data from an imperfect teacher (distillation from a weaker model, unverified
+    human answers), the usual starting point of RL with a verifier: the wrong answers follow the task's
+    own answer distribution, so they are plausible, and each demonstration is corrupted once, not per epoch.
+    """
+    if error <= 0:
+        return demos
+    rng = random.Random(seed + 7919)
+    answers = [c for _, c in demos]
+    return [(p, rng.choice(answers) if rng.random() < error else c) for p, c in demos]
+
+
 def default_base(
     task: TaskSplit, task_cfg: dict, model_cfg: dict, on_step: Callable[[int, float], None] | None = None
 ) -> tuple[Policy, Path, bool]:
     """Return (policy, directory, built_now). Builds and caches the base if it is not cached yet.
 
-    model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_steps, sft_batch_size, sft_lr, seed.
+    model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_examples, sft_steps, sft_batch_size, sft_lr, seed.
+    The tokenizer is trained on all train prompts (text only, no answers needed beyond the demos').
     The directory is written to a temporary sibling and renamed, so a crash never leaves half a model.
     """
     key = base_key(task_cfg, model_cfg)
@@ -54,8 +70,10 @@ def default_base(
         max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
     )
     policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    demos = [(e.prompt, " " + e.answer) for e in task.train[: model_cfg.get("sft_examples") or len(task.train)]]
+    demos = weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
     sft(
-        policy, [(e.prompt, " " + e.answer) for e in task.train], steps=model_cfg["sft_steps"],
+        policy, demos, steps=model_cfg["sft_steps"],
         batch_size=model_cfg["sft_batch_size"], lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step,
     )
     final.parent.mkdir(parents=True, exist_ok=True)
