@@ -75,7 +75,7 @@ class ObjectiveConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    steps: int = Field(150, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
+    steps: int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
     lr: float = Field(3e-4, gt=0)
     warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     weight_decay: float = Field(0.0, ge=0)
@@ -88,7 +88,7 @@ class TrainConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    every: int = Field(25, ge=1, description="held-out evaluation every N rollout rounds")
+    every: int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
     samples_per_prompt: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
 
