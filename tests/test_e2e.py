@@ -83,3 +83,28 @@ def test_dapo_with_dynamic_sampling_and_overlong_shaping(tmp_path, cache):
         if "skipped_step" not in r:
             # kept groups never exceed the target, and the batch holds whole groups only
             assert r["num_tokens"] > 0
+
+
+def test_train_from_a_local_hf_model_directory(tmp_path, cache, shared_dir):
+    run = tmp_path / "run"
+    model = shared_dir / "models" / "stories260K-hf"
+    cfg = load_config(None, TINY + ["train.steps=1", f"run_dir={run}", f"model.path={model}"])
+    summary = train(cfg)
+    assert summary["final_heldout_accuracy"] is not None
+    ck = run / "checkpoints" / "step_000001"
+    assert (ck / "model.safetensors").is_file() and (ck / "tokenizer.json").is_file()
+    recs = _records(run)
+    assert all(math.isfinite(v) for r in recs for v in r.values())
+
+
+def test_weak_teacher_corrupts_a_fixed_fraction_with_plausible_answers():
+    from trustbatch.policy.base import weak_teacher
+
+    demos = [(f"q{i}", f" {i % 37}") for i in range(4000)]
+    out = weak_teacher(demos, 0.25, seed=0)
+    assert [p for p, _ in out] == [p for p, _ in demos]
+    changed = sum(a != b for (_, a), (_, b) in zip(out, demos))
+    # a replaced answer equals the original 1/37 of the time, so ~0.25·36/37 of rows change
+    assert abs(changed / 4000 - 0.25 * 36 / 37) < 0.03
+    assert {c for _, c in out} <= {c for _, c in demos}
+    assert weak_teacher(demos, 0.25, seed=0) == out and weak_teacher(demos, 0.0, seed=0) == demos
