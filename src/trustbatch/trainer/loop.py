@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .. import rewards
+from .. import objectives, rewards
 from ..advantages import group_advantages, overlong_penalty
 from ..config import Config, dump_config, load_config
 from ..data import load_task
@@ -40,8 +40,6 @@ def build_batch(rollouts, adv: torch.Tensor, pad_id: int) -> TrainBatch:
 
 def _check_objective_options(cfg: Config) -> None:
     """Call the objective once on a 1×2 batch so that a bad option fails before any work is done."""
-    from .. import objectives
-
     fn = objectives.get(cfg.objective.name)
     lp = torch.zeros(1, 2, requires_grad=True)
     kw = {"proximal_logprobs": torch.zeros(1, 2)} if cfg.objective.name in objectives.NEEDS_PROXIMAL else {}
@@ -184,7 +182,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             groups = torch.arange(len(rollouts)) // ro_cfg.group_size
             adv = group_advantages(rew_t, groups, cfg.objective.advantage, std=cfg.objective.std)
             batch = build_batch(rollouts, adv, policy.pad_id)
-            if cfg.objective.name in ("p3o_two_anchor", "decoupled_ppo"):
+            if cfg.objective.name in objectives.NEEDS_PROXIMAL:
                 batch.proximal_logprobs = learner.logprobs(batch)  # π_prox: the policy before this batch's updates
             # 4. learner: epochs × minibatches optimizer steps (later ones are off-policy: replay)
             step_metrics: list[dict] = []
