@@ -42,23 +42,23 @@ def sft(
     from rich.console import Console
 
     from .config import load_config
-    from .data import load_task
     from .policy import load_policy
-    from .policy.base import default_base
+    from .policy.base import default_base, sft_demos
     from .policy.sft import sft as run_sft
+    from .trainer.loop import configured_task
 
     console = Console()
     cfg = load_config(config, overrides)
-    task = load_task(cfg.task.name, train_size=cfg.task.train_size, heldout_size=cfg.task.heldout_size,
-                     seed=cfg.task.seed, params=cfg.task.params)
+    task = configured_task(cfg)
+    model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
-        policy, path, built = default_base(task, cfg.task.model_dump(mode="json"), cfg.model.model_dump(mode="json"))
+        policy, path, built = default_base(task, cfg.task.model_dump(mode="json"), model_cfg)
         console.print(f"default base {'built' if built else 'already cached'} at {path}")
     else:
         if out is None:
             raise UserError("SFT of model.path needs --out DIR for the result")
         policy = load_policy(cfg.model.path)
-        loss = run_sft(policy, [(e.prompt, " " + e.answer) for e in task.train], steps=cfg.model.sft_steps,
+        loss = run_sft(policy, sft_demos(task, model_cfg), steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")
     if out is not None:

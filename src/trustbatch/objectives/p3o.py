@@ -98,9 +98,18 @@ def p3o(
     lr = prep.clamped_log_ratio()
     ratio = lr.detach().exp()
     e, fallbacks = _resolve_ess(ess, ess_scope, ratio, prep)
-    weight = torch.minimum(ratio, e)  # ρ ≥ 0 already, so this is clamp(ρ, 0, e)
     kl_t = kl_estimate(lr, kl)
-    zero = torch.zeros((), dtype=lr.dtype)
+    return _capped_pg_plus_kl(prep, ratio, e, kl_t, {"ess_fallback": fallbacks})
+
+
+def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_t: torch.Tensor,
+                       extra: dict) -> ObjectiveOutput:
+    """ℓ_t = −sg(min(ρ_t, e))·A·log π_θ + (1 − e)·kl_t, aggregated, with the P3O metrics.
+
+    ``e`` is 0-dim or [B, 1]; ``kl_t`` [B, T] carries gradient through log π_θ.
+    """
+    zero = torch.zeros((), dtype=ratio.dtype)
+    weight = torch.minimum(ratio, e)  # ρ ≥ 0 already, so this is clamp(ρ, 0, e)
     policy_t = torch.where(prep.mask, -weight * prep.advantages * prep.logprobs, zero)
     kl_term_t = torch.where(prep.mask, (1.0 - e) * kl_t, zero)
     metrics = ratio_metrics(prep, ratio)
@@ -110,12 +119,12 @@ def p3o(
     e_mean = _mean_ess(e, prep)
     metrics.update(
         ess=e_mean,
-        ess_fallback=fallbacks,
         cap_fraction=((ratio > e) & prep.mask).sum() / n,
         kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
         kl_weight=1.0 - e_mean,
         policy_loss=aggregate(policy_t.detach(), prep),
         kl_loss=aggregate(kl_term_t.detach(), prep),
+        **extra,
     )
     return finish(loss, metrics)
 
@@ -175,23 +184,5 @@ def p3o_two_anchor(
         w_b = w_p = torch.ones((), dtype=lr_b.dtype)
     log_mix = torch.logaddexp(torch.log(w_b) + prep.behavior_logprobs, torch.log(w_p) + prox) - torch.log(w_b + w_p)
     kl_t = kl_estimate((prep.logprobs - log_mix).clamp(-c, c), kl)
-    zero = torch.zeros((), dtype=lr_b.dtype)
-    weight = torch.minimum(ratio_b, e_mix)
-    policy_t = torch.where(prep.mask, -weight * prep.advantages * prep.logprobs, zero)
-    kl_term_t = torch.where(prep.mask, (1.0 - e_mix) * kl_t, zero)
-    metrics = ratio_metrics(prep, ratio_b)
-    per_token = add_regularizers(policy_t + kl_term_t, prep, metrics)
-    loss = aggregate(per_token, prep)
-    n = prep.count.clamp_min(1.0)
-    metrics.update(
-        ess=e_mix,
-        ess_behavior=e_b,
-        ess_proximal=e_p,
-        ess_fallback=fb_b + fb_p,
-        cap_fraction=((ratio_b > e_mix) & prep.mask).sum() / n,
-        kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
-        kl_weight=1.0 - e_mix,
-        policy_loss=aggregate(policy_t.detach(), prep),
-        kl_loss=aggregate(kl_term_t.detach(), prep),
-    )
-    return finish(loss, metrics)
+    return _capped_pg_plus_kl(prep, ratio_b, e_mix, kl_t,
+                              {"ess_behavior": e_b, "ess_proximal": e_p, "ess_fallback": fb_b + fb_p})

@@ -50,13 +50,21 @@ def weak_teacher(demos: list[tuple[str, str]], error: float, seed: int) -> list[
     return [(p, rng.choice(answers) if rng.random() < error else c) for p, c in demos]
 
 
+def sft_demos(task: TaskSplit, model_cfg: dict) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs for the SFT warm-up: the first ``sft_examples`` train prompts, with a
+    ``sft_teacher_error`` fraction of answers replaced by ``weak_teacher``."""
+    n = model_cfg.get("sft_examples") or len(task.train)
+    demos = [(e.prompt, " " + e.answer) for e in task.train[:n]]
+    return weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
+
+
 def default_base(
     task: TaskSplit, task_cfg: dict, model_cfg: dict, on_step: Callable[[int, float], None] | None = None
 ) -> tuple[Policy, Path, bool]:
     """Return (policy, directory, built_now). Builds and caches the base if it is not cached yet.
 
-    model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_examples, sft_steps, sft_batch_size, sft_lr, seed.
-    The tokenizer is trained on all train prompts (text only, no answers needed beyond the demos').
+    model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_examples, sft_teacher_error, sft_steps,
+    sft_batch_size, sft_lr, seed.
     The directory is written to a temporary sibling and renamed, so a crash never leaves half a model.
     """
     key = base_key(task_cfg, model_cfg)
@@ -70,10 +78,8 @@ def default_base(
         max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
     )
     policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    demos = [(e.prompt, " " + e.answer) for e in task.train[: model_cfg.get("sft_examples") or len(task.train)]]
-    demos = weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
     sft(
-        policy, demos, steps=model_cfg["sft_steps"],
+        policy, sft_demos(task, model_cfg), steps=model_cfg["sft_steps"],
         batch_size=model_cfg["sft_batch_size"], lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step,
     )
     final.parent.mkdir(parents=True, exist_ok=True)

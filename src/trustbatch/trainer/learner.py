@@ -36,6 +36,11 @@ class TrainBatch:
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx], prox)
 
 
+# Metrics each micro-batch reports already normalised by the global token count (or as counts):
+# they add up over micro-batches instead of being token-weighted.
+_ADDITIVE = ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens")
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -130,8 +135,8 @@ class Learner:
             for k, v in metrics.items():
                 if k.endswith("_max"):
                     maxes[k] = max(maxes.get(k, float("-inf")), v)
-                elif k in ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens"):
-                    sums[k] = sums.get(k, 0.0) + v  # already globally normalised, or counts
+                elif k in _ADDITIVE:
+                    sums[k] = sums.get(k, 0.0) + v
                 else:
                     sums[k] = sums.get(k, 0.0) + v * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -139,7 +144,7 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         local = float(mask.sum())
-        out_m = {k: (v if k in ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens") else v / max(local, 1.0))
+        out_m = {k: (v if k in _ADDITIVE else v / max(local, 1.0))
                  for k, v in sums.items()}
         out_m.update(maxes)
         out_m["grad_norm"] = float(grad_norm)

@@ -49,10 +49,15 @@ def _check_objective_options(cfg: Config) -> None:
         raise UserError(f"invalid objective.options for {cfg.objective.name!r}: {e}") from None
 
 
+def configured_task(cfg: Config):
+    """The task split that ``cfg.task`` describes."""
+    return load_task(cfg.task.name, train_size=cfg.task.train_size, heldout_size=cfg.task.heldout_size,
+                     seed=cfg.task.seed, params=cfg.task.params)
+
+
 def prepare_run(cfg: Config, console=None):
     """Task, policy, scorer: everything a run, SFT or eval needs from the config."""
-    task = load_task(cfg.task.name, train_size=cfg.task.train_size, heldout_size=cfg.task.heldout_size,
-                     seed=cfg.task.seed, params=cfg.task.params)
+    task = configured_task(cfg)
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path), cfg.model.path
     else:
