@@ -1,4 +1,4 @@
-"""The ``trustbatch`` command: ``train`` and ``sft`` (``eval`` and ``lab`` come with their issues).
+"""The ``trustbatch`` command: ``train``, ``sft`` and ``eval``.
 
 Bad input (a config key, a value, a path, a name) ends with one line on stderr and exit code 2.
 """
@@ -45,14 +45,14 @@ def sft(
     from .policy import load_policy
     from .policy.base import default_base, sft_demos
     from .policy.sft import sft as run_sft
-    from .trainer.loop import configured_task
+    from .trainer.loop import configured_task, task_key
 
     console = Console()
     cfg = load_config(config, overrides)
     task = configured_task(cfg)
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
-        policy, path, built = default_base(task, cfg.task.model_dump(mode="json"), model_cfg)
+        policy, path, built = default_base(task, task_key(cfg), model_cfg)
         console.print(f"default base {'built' if built else 'already cached'} at {path}")
     else:
         if out is None:
@@ -64,6 +64,91 @@ def sft(
     if out is not None:
         policy.save(out)
         console.print(f"saved to {out}")
+
+
+@app.command("eval")
+def eval_(
+    model: str = typer.Option(..., "--model", "-m", help="local Hugging Face model directory"),
+    benchmark: List[str] = typer.Option(..., "--benchmark", "-b", help="gsm8k, math500, aime2024, amc2023, countdown, a JSONL file, or hf:PATH:SPLIT; repeat for several"),
+    n: int = typer.Option(16, "-n", help="samples per prompt"),
+    k: str = typer.Option("1,2,4,8,16", "-k", help="comma-separated k for pass@k (each <= n)"),
+    temperature: float = typer.Option(1.0, "--temperature", "-t"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="first N prompts of each benchmark"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where benchmark names resolve (default $TRUSTBATCH_DATA)"),
+    reward: Optional[str] = typer.Option(None, "--reward", help="override the benchmark's reward (math, gsm8k, countdown, rg:TASK, module:function)"),
+    fmt: str = typer.Option("auto", "--format", help="auto, gsm8k, math, countdown or jsonl"),
+    prompt_field: Optional[str] = typer.Option(None, "--prompt-field"),
+    answer_field: Optional[str] = typer.Option(None, "--answer-field"),
+    workers: int = typer.Option(2, "--workers", help="reward worker processes (0: in-process, no time limit)"),
+    timeout: float = typer.Option(10.0, "--timeout", help="seconds per scored completion"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
+):
+    """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
+    import json
+    from datetime import datetime
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .data.benchmarks import load_benchmark
+    from .eval.benchmarks import evaluate_benchmarks
+    from .policy import load_policy
+    from .rewards import RewardPool, get
+    from .rollout import TransformersEngine
+    from .trainer.runlog import atomic_write
+
+    try:
+        ks = sorted({int(x) for x in k.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"-k {k!r} must be comma-separated integers, e.g. -k 1,2,4") from None
+    if n < 1 or not ks or ks[0] < 1 or ks[-1] > n:
+        raise UserError(f"need 1 <= k <= n for every k; got n={n}, k={k!r} (raise -n or lower -k)")
+    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
+        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
+    if reward is not None:
+        get(reward)  # an unknown reward fails before the model loads
+    console = Console()
+    benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
+                              answer_field=answer_field, limit=limit) for b in benchmark]
+    policy = load_policy(model)
+    torch.manual_seed(seed)
+    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    with progress:
+        res = evaluate_benchmarks(policy, engine, benches,
+                                  lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
+                                  n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
+    res = {"model": str(model), "n": n, "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens,
+           "seed": seed, "limit": limit, **res}
+    table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
+    table.add_column("benchmark")
+    table.add_column("prompts", justify="right")
+    for kk in ks:
+        table.add_column(f"pass@{kk}", justify="right")
+    rows = [(name, r) for name, r in res["benchmarks"].items()] + [("average", res["average"])]
+    for name, r in rows:
+        table.add_row(name, str(r.get("prompts", "")), *[f"{r[f'pass@{kk}']:.3f} ± {r[f'pass@{kk}_se']:.3f}" for kk in ks])
+    console.print(table)
+    dest = Path(out or f"eval-{Path(model).name}-{datetime.now():%Y%m%d-%H%M%S}.json")
+    atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
+    errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
+    console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
+
+
+def _finite_or_null(x):
+    """NaN (a standard error from one prompt) is not JSON; write null."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite_or_null(v) for v in x]
+    return x
 
 
 def main() -> None:

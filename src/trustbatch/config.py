@@ -37,6 +37,30 @@ class TaskConfig(_Strict):
         return self
 
 
+class DataConfig(_Strict):
+    """Training data from local files (GSM8K, MATH, AIME, AMC, Countdown or any JSONL); replaces ``task`` when ``train`` is set.
+
+    ``data=FILE`` on the command line is short for ``data.train=FILE``.
+    """
+
+    train: str | None = Field(None, description="JSONL file or benchmark name to train on")
+    heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
+    dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
+    format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = "auto"
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    train_size: int | None = Field(None, ge=1, description="use at most this many train rows")
+    heldout_size: int = Field(256, ge=1)
+
+
+class RewardConfig(_Strict):
+    """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
+
+    name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
+    workers: int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
+    timeout_s: float = Field(10.0, gt=0)
+
+
 class ModelConfig(_Strict):
     """``path`` loads any local HF model directory; without it the default small base is built (and cached)."""
 
@@ -95,6 +119,8 @@ class EvalConfig(_Strict):
 
 class Config(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -103,6 +129,11 @@ class Config(_Strict):
     run_dir: str | None = None
     checkpoint_every: int = Field(50, ge=1)
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_shorthand(cls, v):
+        return {"train": v} if isinstance(v, str) else v
 
     @field_validator("objective")
     @classmethod
@@ -114,6 +145,8 @@ class Config(_Strict):
 
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:
+    if key == "data" and isinstance(value, str):  # data=FILE is short for data.train=FILE
+        key = "data.train"
     parts = key.split(".")
     for p in parts[:-1]:
         nxt = d.setdefault(p, {})

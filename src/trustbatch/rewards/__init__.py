@@ -1,8 +1,14 @@
 """Reward scorers: ``score(completion: str, reference: str) -> float`` in [0, 1].
 
-Names: ``rg:TASK`` (a reasoning-gym task's own ``score_answer``) and ``module:function`` (a user
-function with the same signature). ``score_all`` never raises on a scorer's error: the reward is 0
-and the error is counted.
+Names (``get``):
+- ``math``: final answer (last ``\\boxed{}``, else last number) verified by math-verify;
+- ``gsm8k``: the number after ``####``;
+- ``countdown``: an expression over the given numbers that equals the target;
+- ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
+- ``module:function``: a user function with the scorer signature.
+
+``RewardPool`` runs any of them in worker processes with a time limit; ``score_all`` runs one in
+this process. Neither raises on a scorer's error: the reward is 0 and the error is counted.
 """
 
 from __future__ import annotations
@@ -13,8 +19,14 @@ import math
 from typing import Callable
 
 from ..errors import UserError
+from .countdown import countdown_reward
+from .gsm8k import gsm8k_reward
+from .math_answer import math_reward
+from .pool import RewardPool, ScoreResult
 
 Scorer = Callable[[str, str], float]
+
+BUILTIN: dict[str, Scorer] = {"math": math_reward, "gsm8k": gsm8k_reward, "countdown": countdown_reward}
 
 
 class ReasoningGymScorer:
@@ -35,7 +47,14 @@ class ReasoningGymScorer:
 
 
 def get(name: str) -> Scorer:
-    """The scorer named ``name``; UserError if it cannot be found."""
+    """The scorer named ``name`` (see the module docstring).
+
+    Raises:
+        UserError: unknown name, a reasoning-gym task that does not exist, or a ``module:function``
+            that cannot be imported or is not callable.
+    """
+    if name in BUILTIN:
+        return BUILTIN[name]
     if name.startswith("rg:"):
         return ReasoningGymScorer(name[3:])
     if ":" in name:
@@ -47,13 +66,14 @@ def get(name: str) -> Scorer:
         if not callable(f):
             raise UserError(f"reward {name!r} is not callable")
         return f
-    raise UserError(f"unknown reward {name!r}; use 'rg:TASK' or 'module:function'")
+    raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
 
 
 def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> tuple[list[float], int]:
-    """Score each completion; a scorer that raises or returns a non-finite value gives 0.
+    """Score each completion in this process; a scorer that raises or returns a non-finite value gives 0.
 
-    Returns (rewards, number of errors). Rewards are clamped to [0, 1].
+    Returns (rewards, number of errors). Rewards are clamped to [0, 1]. No time limit: use
+    ``RewardPool`` for that.
     """
     out, errors = [], 0
     for c, r in zip(completions, references):
@@ -65,3 +85,6 @@ def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> 
             v, errors = 0.0, errors + 1
         out.append(min(1.0, max(0.0, v)))
     return out, errors
+
+
+__all__ = ["BUILTIN", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "get", "score_all"]

@@ -17,6 +17,7 @@ from .. import objectives, rewards
 from ..advantages import group_advantages, overlong_penalty
 from ..config import Config, dump_config, load_config
 from ..data import load_task
+from ..data.benchmarks import load_file_task
 from ..errors import UserError
 from ..eval import evaluate_heldout
 from ..policy import load_policy
@@ -50,22 +51,30 @@ def _check_objective_options(cfg: Config) -> None:
 
 
 def configured_task(cfg: Config):
-    """The task split that ``cfg.task`` describes."""
+    """The task split that ``cfg.data`` (files) or else ``cfg.task`` (reasoning-gym) describes."""
+    if cfg.data.train:
+        return load_file_task(cfg.data)
     return load_task(cfg.task.name, train_size=cfg.task.train_size, heldout_size=cfg.task.heldout_size,
                      seed=cfg.task.seed, params=cfg.task.params)
 
 
+def task_key(cfg: Config) -> dict:
+    """What determines the task's prompts, for the default base's cache key."""
+    return cfg.data.model_dump(mode="json") if cfg.data.train else cfg.task.model_dump(mode="json")
+
+
 def prepare_run(cfg: Config, console=None):
-    """Task, policy, scorer: everything a run, SFT or eval needs from the config."""
+    """Task, policy, reward pool: everything a run, SFT or eval needs from the config."""
     task = configured_task(cfg)
+    pool = rewards.RewardPool(cfg.reward.name or task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path), cfg.model.path
     else:
         if console:
             console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
-        policy, path, built = default_base(task, cfg.task.model_dump(mode="json"), cfg.model.model_dump(mode="json"))
+        policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
         source = f"{path} ({'built now' if built else 'cached'})"
-    return task, policy, rewards.get(task.reward), source
+    return task, policy, pool, source
 
 
 def train(cfg: Config | None = None, resume: str | None = None, overrides: list[str] | None = None, console=None) -> dict:
@@ -103,9 +112,9 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
-    # ---- task, policy, scorer, engine, learner ---------------------------------------------
+    # ---- task, policy, reward pool, engine, learner ---------------------------------------------
     t_start = time.time()
-    task, policy, scorer, source = prepare_run(cfg, console)
+    task, policy, pool, source = prepare_run(cfg, console)
     start_step = 0
     if ckpt is not None:
         policy = load_policy(ckpt)
@@ -131,7 +140,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise UserError("the task produced no training prompts; raise task.train_size")
 
     def evaluate() -> dict:
-        return evaluate_heldout(policy, engine, task.heldout, scorer, samples_per_prompt=cfg.eval.samples_per_prompt,
+        return evaluate_heldout(policy, engine, task.heldout, pool, samples_per_prompt=cfg.eval.samples_per_prompt,
                                 temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
 
     console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
@@ -153,16 +162,18 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         for step in range(start_step + 1, tr.steps + 1):
             t0 = time.time()
             # 1–2. rollouts from the behaviour policy, scored by the task's scorer
-            rollouts, rew, sampled, reward_errors, dropped = [], [], [], 0, 0
+            rollouts, rew, sampled, reward_errors, reward_timeouts, dropped = [], [], [], 0, 0, 0
             for _round in range(ro_cfg.max_sampling_rounds if ro_cfg.dynamic_sampling else 1):
                 need = ro_cfg.prompts_per_step - len(rollouts) // ro_cfg.group_size
                 idx = [rng.randrange(len(task.train)) for _ in range(need)]
                 new = engine.generate([train_prompts[i] for i in idx], ro_cfg.group_size,
                                       temperature=ro_cfg.temperature, top_p=ro_cfg.top_p,
                                       max_new_tokens=ro_cfg.max_new_tokens)
-                r, errs = rewards.score_all(scorer, [policy.decode(x.completion_ids) for x in new],
-                                            [task.train[idx[x.prompt_index]].reference for x in new])
-                reward_errors += errs
+                scored = pool.score([policy.decode(x.completion_ids) for x in new],
+                                    [task.train[idx[x.prompt_index]].reference for x in new])
+                r = scored.rewards
+                reward_errors += scored.errors
+                reward_timeouts += scored.timeouts
                 sampled += r
                 for j in range(need):  # one group per prompt, G consecutive rollouts
                     g = slice(j * ro_cfg.group_size, (j + 1) * ro_cfg.group_size)
@@ -206,6 +217,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                 reward_std=float(torch.tensor(sampled).std()),
                 groups_dropped=float(dropped),
                 reward_errors=float(reward_errors),
+                reward_timeouts=float(reward_timeouts),
                 response_length=n_tok / len(rollouts),
                 truncated_fraction=sum(r.truncated for r in rollouts) / len(rollouts),
                 tokens_per_s=n_tok / dt,
@@ -227,6 +239,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                 info += f"  held-out {m['heldout_accuracy']:.3f}"
             progress.update(bar, advance=1, info=info)
     log.close()
+    pool.close()
 
     # ---- plot and summary ------------------------------------------------------------------------
     records = read_metrics(run_dir / "metrics.jsonl")

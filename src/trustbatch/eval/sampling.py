@@ -1,0 +1,68 @@
+"""Sample n completions per prompt with a rollout engine and score them: the common core of every evaluation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..data import Example
+from .passk import pass_at_k
+
+
+@dataclass
+class Scored:
+    """Per-prompt results of ``sample_and_score``."""
+
+    n: int  # samples per prompt
+    correct: list[int]  # per prompt: samples with reward >= 0.5
+    reward_mean: float  # mean reward over all samples
+    reward_errors: int
+    reward_timeouts: int
+    response_tokens: float  # mean completion length
+    truncated_fraction: float
+
+    def pass_at(self, k: int) -> tuple[float, float]:
+        """(mean over prompts of the unbiased pass@k, its standard error over prompts).
+
+        The standard error is the sample standard deviation of the per-prompt pass@k divided by
+        √P; it measures the spread over prompts (the benchmark's finite size), the dominant term
+        when n ≫ k. NaN when P = 1.
+        """
+        vals = [pass_at_k(self.n, c, k) for c in self.correct]
+        P = len(vals)
+        mean = sum(vals) / P
+        if P < 2:
+            return mean, float("nan")
+        var = sum((v - mean) ** 2 for v in vals) / (P - 1)
+        return mean, math.sqrt(var / P)
+
+
+def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, temperature: float,
+                     max_new_tokens: int, greedy: bool = False, chunk_prompts: int = 64,
+                     on_progress: Callable[[int], None] | None = None) -> Scored:
+    """Generate ``n`` completions per example (greedy: one) and score them with ``pool`` (a RewardPool).
+
+    A sample counts as correct when its reward is ≥ 0.5, so partial-credit scorers (reasoning-gym
+    gives 0.01 for a wrongly formatted attempt) do not count a wrong answer as solved.
+    ``on_progress(prompts_done)`` is called after each chunk of ``chunk_prompts`` prompts.
+    """
+    n = 1 if greedy else n
+    correct: list[int] = []
+    total, tokens, truncated, errors, timeouts = 0.0, 0, 0, 0, 0
+    for s in range(0, len(examples), chunk_prompts):
+        part = examples[s:s + chunk_prompts]
+        ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, temperature=temperature,
+                             top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
+        res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro])
+        errors, timeouts = errors + res.errors, timeouts + res.timeouts
+        total += sum(res.rewards)
+        tokens += sum(len(x.completion_ids) for x in ro)
+        truncated += sum(x.truncated for x in ro)
+        for i in range(len(part)):
+            correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= 0.5))
+        if on_progress is not None:
+            on_progress(min(s + chunk_prompts, len(examples)))
+    m = n * len(examples)
+    return Scored(n=n, correct=correct, reward_mean=total / m, reward_errors=errors, reward_timeouts=timeouts,
+                  response_tokens=tokens / m, truncated_fraction=truncated / m)

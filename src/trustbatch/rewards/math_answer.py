@@ -1,0 +1,80 @@
+"""The ``math`` reward: the final answer (last ``\\boxed{}``, else the last number) checked by math-verify.
+
+math-verify (https://github.com/huggingface/Math-Verify) decides equivalence symbolically and
+numerically (fractions, intervals, tuples, sets, units). It parses LaTeX only between math
+delimiters, so both the gold answer and the extracted prediction are wrapped in ``$…$``.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces; None if there is none."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        # \boxed 5 (no braces) is valid LaTeX for one token
+        m = re.match(r"\\(?:boxed|fbox)\s+(\S+)", text[start:])
+        return m.group(1).rstrip("$.") if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None  # unbalanced: the completion was cut
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` with thousands separators removed (``1,000`` → ``1000``); None if none."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    return found[-1].replace(",", "").rstrip(".")
+
+
+def _unbold(ans: str) -> str:
+    """``\\textbf{(073)}`` → ``073``: AoPS-style bold answer choices that math-verify does not parse."""
+    ans = re.sub(r"\\textbf\{([^{}]*)\}", r"\1", ans).strip()
+    m = re.fullmatch(r"\(\s*(-?[\d.]+)\s*\)", ans)
+    return m.group(1) if m else ans
+
+
+def extract_answer(completion: str) -> str | None:
+    """The model's final answer: the last ``\\boxed{}`` content, falling back to the last number."""
+    boxed = extract_boxed(completion)
+    return _unbold(boxed) if boxed is not None and boxed.strip() else last_number(completion)
+
+
+def gold_text(answer) -> str:
+    """A gold answer as text; JSON numbers such as AMC's ``27.0`` become ``27``."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer).strip()
+
+
+def math_reward(completion: str, reference: str) -> float:
+    """1.0 if the completion's final answer is mathematically equivalent to ``reference`` (LaTeX or a number), else 0.0.
+
+    Extraction: the last ``\\boxed{…}``, else the last number in the completion; no answer gives 0.
+    Raises whatever math-verify raises on pathological input; the reward pool turns that into 0.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    gold = parse(f"${reference}$", extraction_config=configs)
+    got = parse(f"${pred}$", extraction_config=configs)
+    if not gold or not got:
+        return 0.0
+    return 1.0 if verify(gold, got) else 0.0

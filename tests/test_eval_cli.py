@@ -1,0 +1,80 @@
+"""``trustbatch eval`` end to end on the real stories260K model, and ``trustbatch train data=FILE``."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from trustbatch.config import load_config
+from trustbatch.trainer.loop import train
+
+
+def _cli(*args, tmp_path):
+    import os
+
+    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "trustbatch", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_eval_story_model_on_gsm8k_reports_pass_at_k_about_zero(tmp_path, shared_dir):
+    out = tmp_path / "eval.json"
+    p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"),
+             "-b", str(shared_dir / "data" / "gsm8k" / "test.jsonl"), "-b", "countdown",
+             "--data-dir", str(shared_dir / "data"), "--limit", "6", "-n", "4", "-k", "1,2,4",
+             "--max-new-tokens", "48", "--out", str(out), tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["benchmarks"]) == {"gsm8k", "countdown"}
+    for name, row in res["benchmarks"].items():
+        assert row["prompts"] == 6 and len(row["correct"]) == 6 and all(0 <= c <= 4 for c in row["correct"])
+        for k in (1, 2, 4):
+            assert 0.0 <= row[f"pass@{k}"] <= 0.05, (name, k, row[f"pass@{k}"])  # a story model: about 0
+            assert row[f"pass@{k}_se"] is not None and row[f"pass@{k}_se"] >= 0
+        assert row["reward_errors"] == 0 and row["reward_timeouts"] == 0
+    assert set(res["average"]) == {f"pass@{k}{s}" for k in (1, 2, 4) for s in ("", "_se")}
+    assert "pass@4" in p.stdout and "average" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-b", "gsm8k", "-n", "2", "-k", "1,4"], "need 1 <= k <= n"),
+    (["-b", "/nonexistent.jsonl"], "neither a file nor a known benchmark"),
+    (["-b", "gsm8k", "--reward", "nosuch"], "unknown reward 'nosuch'"),
+])
+def test_eval_bad_input_one_line(args, message, tmp_path, shared_dir):
+    p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "--data-dir",
+             str(shared_dir / "data"), *args, tmp_path=tmp_path)
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+
+
+def test_train_on_a_gsm8k_file_with_a_hanging_scorer(tmp_path, shared_dir):
+    """data=FILE trains from a GSM8K-format file; a scorer that hangs is cut and the run goes on."""
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        f"data={shared_dir / 'data' / 'gsm8k' / 'train.jsonl'}", "data.train_size=32", "data.heldout_size=4",
+        f"model.path={shared_dir / 'models' / 'stories260K-hf'}", "reward.name=scorers_for_tests:hang_on_odd_answer",
+        "reward.timeout_s=0.3", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+        "train.steps=2", "eval.every=2", "eval.samples_per_prompt=2", f"run_dir={run}",
+    ])
+    assert cfg.data.train.endswith("train.jsonl")
+    summary = train(cfg)
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["step"] > 0]
+    assert len(steps) == 2 and summary["heldout_prompts"] == 4
+    timeouts = sum(r["reward_timeouts"] for r in steps)
+    assert timeouts > 0  # every completion for an odd gold answer was cut at 0.3 s
+    assert all(math.isfinite(v) for r in recs for v in r.values())
+
+
+def test_data_shorthand_and_heldout_is_disjoint(shared_dir, tmp_path):
+    from trustbatch.trainer.loop import configured_task
+
+    f = tmp_path / "d.jsonl"
+    rows = [{"question": f"q{i % 30}", "answer": f"#### {i}"} for i in range(40)]  # 30 distinct prompts
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(None, [f"data={f}", "data.heldout_size=10"])
+    task = configured_task(cfg)
+    assert task.reward == "gsm8k" and len(task.heldout) == 10 and len(task.train) == 20
+    assert not {e.prompt for e in task.heldout} & {e.prompt for e in task.train}

@@ -1,0 +1,200 @@
+"""Rewards on the real benchmark files: gold answers score 1 on every row, perturbed answers 0;
+the pool cuts a hanging scorer and goes on. Gold answers are read with this file's own parsing."""
+
+import itertools
+import json
+import random
+import re
+
+import pytest
+
+from trustbatch.data.benchmarks import detect_format, load_benchmark
+from trustbatch.rewards import RewardPool, get
+from trustbatch.rewards.countdown import solve
+from trustbatch.rewards.math_answer import extract_answer, extract_boxed
+
+
+def _rows(shared_dir, name):
+    return [json.loads(l) for l in (shared_dir / "data" / name / "test.jsonl").read_text().splitlines() if l.strip()]
+
+
+def _gold(answer) -> str:
+    if isinstance(answer, float) and answer == int(answer):
+        return str(int(answer))
+    return str(answer)
+
+
+def _perturbed(gold: str, other: str) -> str:
+    """gold + 1 when gold is a plain number, else another row's (textually different) answer."""
+    try:
+        return str(int(gold) + 1)
+    except ValueError:
+        pass
+    try:
+        return str(float(gold) + 1)
+    except ValueError:
+        return other
+
+
+@pytest.mark.parametrize("bench", ["math500", "aime2024", "amc2023"])
+def test_math_reward_gold_scores_one_and_perturbed_zero_on_every_row(shared_dir, bench):
+    rows = _rows(shared_dir, bench)
+    golds = [_gold(r["answer"]) for r in rows]
+    math = get("math")
+    wrong_gold, right_perturbed = [], []
+    for i, g in enumerate(golds):
+        # MATH-500 ships worked solutions ending in \boxed{...}: score the real text; else a boxed answer
+        completion = rows[i].get("solution") if bench == "math500" else f"So the answer is $\\boxed{{{g}}}$."
+        if math(completion, g) != 1.0:
+            wrong_gold.append(g)
+        others = [o for o in golds[i + 1:] + golds[:i] if o.replace(" ", "") != g.replace(" ", "")]
+        p = _perturbed(g, others[0])
+        if math(f"The answer is \\boxed{{{p}}}.", g) != 0.0:
+            right_perturbed.append((g, p))
+    assert not wrong_gold, f"{len(wrong_gold)}/{len(golds)} gold answers not accepted: {wrong_gold[:5]}"
+    assert not right_perturbed, f"perturbed answers accepted: {right_perturbed[:5]}"
+
+
+def test_gsm8k_reward_gold_scores_one_and_perturbed_zero_on_every_row(shared_dir):
+    rows = _rows(shared_dir, "gsm8k")
+    gsm8k, math = get("gsm8k"), get("math")
+    bad = []
+    for r in rows:
+        gold = r["answer"].split("####")[-1].strip().replace(",", "")
+        wrong = str(float(gold) + 1)
+        checks = [
+            (gsm8k(r["answer"], gold), 1.0),  # the dataset's own worked solution
+            (gsm8k(f"reasoning... #### {gold}", r["answer"]), 1.0),  # reference given as a whole solution
+            (gsm8k(f"#### {wrong}", gold), 0.0),
+            (gsm8k(f"I think {gold}. #### {wrong}", gold), 0.0),  # the #### answer wins over earlier numbers
+        ]
+        if [a for a, _ in checks] != [b for _, b in checks]:
+            bad.append((gold, [a for a, _ in checks]))
+    assert not bad, bad[:5]
+    # the math reward on GSM8K golds, on a fixed sample (math-verify is slower)
+    for r in random.Random(0).sample(rows, 200):
+        gold = r["answer"].split("####")[-1].strip().replace(",", "")
+        assert math(f"\\boxed{{{gold}}}", gold) == 1.0
+        assert math(f"\\boxed{{{int(float(gold)) + 1}}}", gold) == 0.0
+
+
+def _brute_force(numbers, target):
+    """Every expression over all the numbers (each once), checked with Python's own eval."""
+    ops = "+-*/"
+    for perm in itertools.permutations(numbers):
+        a, b, c = perm
+        for o1, o2 in itertools.product(ops, ops):
+            for e in (f"({a} {o1} {b}) {o2} {c}", f"{a} {o1} ({b} {o2} {c})"):
+                try:
+                    if abs(eval(e) - target) < 1e-9:
+                        return e
+                except ZeroDivisionError:
+                    pass
+    return None
+
+
+def test_countdown_reward_on_every_row(shared_dir):
+    cd = get("countdown")
+    rows = _rows(shared_dir, "countdown")
+    solvable = 0
+    for r in rows:
+        nums = [int(x) for x in r["input"].split(",")]
+        target = int(r["output"])
+        ref = json.dumps({"numbers": nums, "target": target})
+        mine = _brute_force(nums, target)
+        lib = solve(nums, target)
+        assert (mine is None) == (lib is None), (nums, target)
+        if lib is not None:  # the library's solution is checked independently: numbers and value
+            assert sorted(int(x) for x in re.findall(r"\d+", lib)) == sorted(nums)
+            assert abs(eval(lib) - target) < 1e-9
+        if mine is None:
+            continue
+        solvable += 1
+        assert cd(f"<think>...</think> <answer> {mine} </answer>", ref) == 1.0
+        assert cd(f"<answer>{mine} = {target}</answer>", ref) == 1.0
+        assert cd(f"<answer>{mine} + 1</answer>", json.dumps({"numbers": nums + [1], "target": target})) == 0.0
+        assert cd(f"<answer>{mine}</answer>", json.dumps({"numbers": nums, "target": target + 1})) == 0.0
+        twice = [nums[0], nums[0], nums[1]]  # allowed only if the row itself holds these numbers
+        allowed = all(twice.count(x) <= nums.count(x) for x in twice)
+        assert cd(f"<answer>{nums[0]} + {nums[0]} + {nums[1]}</answer>",
+                  json.dumps({"numbers": nums, "target": sum(twice)})) == (1.0 if allowed else 0.0)
+    assert solvable >= 0.9 * len(rows)
+
+
+def test_countdown_at_most_once_and_safety():
+    cd = get("countdown")
+    ref = json.dumps({"numbers": [3, 5, 7], "target": 8})
+    assert cd("<answer>3 + 5</answer>", ref) == 1.0  # at most once: 7 unused is fine
+    assert cd("<answer>3 + 5 + 3 - 3</answer>", ref) == 0.0  # 3 used three times
+    assert cd("<answer>__import__('os')</answer>", ref) == 0.0
+    assert cd("<answer>8</answer>", ref) == 0.0  # 8 is not a given number
+    assert cd("<answer>7 / (5 - 5) + 8</answer>", ref) == 0.0
+    assert cd("", ref) == 0.0
+
+
+def test_boxed_extraction():
+    assert extract_boxed(r"so $\boxed{\frac{1}{2}}$ and") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{1} then \boxed{x^{2}}") == "x^{2}"
+    assert extract_boxed(r"cut off \boxed{\frac{1}{") is None
+    assert extract_answer("no box, it costs 1,234 dollars.") == "1234"
+    assert extract_answer("nothing here") is None
+    assert extract_answer(r"so $d = \boxed{\textbf{(073)}}.$") == "073"
+    assert get("math")("The answer is 0.5", r"\frac{1}{2}") == 1.0  # last-number fallback, checked symbolically
+
+
+def test_pool_cuts_hang_counts_errors_and_goes_on():
+    items = ["ok", "hang", "ok", "die", "raise", "nan", "ok", "no"]
+    refs = ["ok"] * len(items)
+    with RewardPool("scorers_for_tests:misbehave", workers=2, timeout_s=0.5) as pool:
+        res = pool.score(items, refs)
+        assert res.rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert res.timeouts == 1
+        assert res.errors == 3  # died, raised, NaN
+        again = pool.score(["ok"] * 6, ["ok"] * 6)  # the replaced workers still score
+        assert again.rewards == [1.0] * 6 and again.errors == again.timeouts == 0
+
+
+def test_pool_in_process_matches_pooled_parsing():
+    comps = ["\\boxed{3}", "#### 4", "the answer is 5", "\\boxed{\\frac{6}{2}}"]
+    refs = ["3", "4", "5", "3"]
+    with RewardPool("math", workers=0) as a, RewardPool("math", workers=2) as b:
+        assert a.score(comps, refs).rewards == b.score(comps, refs).rewards == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bench,fmt,rows", [("gsm8k", "gsm8k", 1319), ("math500", "math", 500), ("aime2024", "math", 30),
+                                            ("amc2023", "math", 40), ("countdown", "countdown", 256)])
+def test_loaders_detect_format_and_keep_every_row(shared_dir, bench, fmt, rows):
+    b = load_benchmark(bench, data_dir=str(shared_dir / "data"))
+    assert b.format == fmt and len(b.examples) == rows
+    raw = _rows(shared_dir, bench)
+    assert detect_format(raw[0]) == fmt
+    e = b.examples[0]
+    text = raw[0].get("question") or raw[0].get("problem")
+    if text:
+        assert e.prompt.startswith(text)
+    # the reference each loader builds is scored 1 by the format's reward for the demonstration
+    # it also builds (worked solution, boxed answer, or a solved Countdown expression)
+    scorer = get(b.reward)
+    ok = sum(scorer(x.answer, x.reference) for x in b.examples[:30])
+    assert ok == min(30, rows) or bench == "countdown" and ok >= 27
+
+
+def test_generic_jsonl_fields_and_bad_files(tmp_path, monkeypatch):
+    from trustbatch.errors import UserError
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"q": "What is 2+2?", "a": 4}) + "\n" + json.dumps({"q": "1+1?", "a": "2"}) + "\n")
+    b = load_benchmark(str(f), prompt_field="q", answer_field="a")
+    assert b.format == "jsonl" and b.reward == "math"
+    assert [(e.prompt, e.reference) for e in b.examples] == [("What is 2+2?", "4"), ("1+1?", "2")]
+    with pytest.raises(UserError, match="lacks field"):
+        load_benchmark(str(f), prompt_field="question", answer_field="a")
+    with pytest.raises(UserError, match="cannot tell the format"):
+        load_benchmark(str(f))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x", "answer": "#### 1"}\nnot json\n')
+    with pytest.raises(UserError, match="line 2 is not valid JSON"):
+        load_benchmark(str(bad))
+    monkeypatch.delenv("TRUSTBATCH_DATA", raising=False)
+    with pytest.raises(UserError, match="needs its data"):
+        load_benchmark("gsm8k")
