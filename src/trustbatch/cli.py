@@ -140,6 +140,55 @@ def eval_(
     console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
 
 
+lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report.")
+app.add_typer(lab_app, name="lab")
+
+
+@lab_app.command("run")
+def lab_run(
+    experiment: str = typer.Argument(..., help="a bundled experiment (clip, temperature, precision, staleness, foreign, replay, two_anchor, ess_scope) or a YAML file"),
+    out: str = typer.Option("lab_runs", "--out", help="runs go to OUT/EXPERIMENT/ARM/seedK"),
+    jobs: int = typer.Option(2, "--jobs", "-j", help="runs at a time (each uses one CPU thread)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's, else 0,1,2)"),
+):
+    """Run one experiment's arms × seeds; finished runs are skipped and interrupted ones resume."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .lab import load_experiment, run_experiment
+
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {jobs}")
+    try:
+        seed_list = [int(x) for x in seeds.split(",")] if seeds else None
+    except ValueError:
+        raise UserError(f"--seeds {seeds!r} must be comma-separated integers, e.g. --seeds 0,1,2") from None
+    console = Console()
+    exp = load_experiment(experiment, seed_list)
+    res = run_experiment(exp, Path(out), jobs=jobs, console=console)
+    console.print(f"{exp.name}: {res['done']} runs done, {len(res['failed'])} failed, {res['wall_s'] / 60:.1f} min")
+    if res["failed"]:
+        raise UserError(f"{len(res['failed'])} runs failed: {', '.join(res['failed'])}; rerun the same command to retry them")
+
+
+@lab_app.command("report")
+def lab_report(
+    experiments: Optional[List[str]] = typer.Argument(None, help="experiments to report (default: all under --runs)"),
+    runs: str = typer.Option("lab_runs", "--runs", help="the --out of lab run"),
+    out: str = typer.Option("docs/lab", "--out", help="report folder (README.md and PNG figures)"),
+):
+    """Write a Markdown report with curves, ESS/KL traces, ratio histograms and a table of final held-out results."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .lab.report import write_report
+
+    path = write_report(Path(runs), Path(out), experiments or None)
+    Console().print(f"report: {path}")
+
+
 def _finite_or_null(x):
     """NaN (a standard error from one prompt) is not JSON; write null."""
     if isinstance(x, float) and x != x:

@@ -89,6 +89,14 @@ class RolloutConfig(_Strict):
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
     max_sampling_rounds: int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
     overlong_cache: int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
+    # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
+    precision: Literal["float32", "bfloat16", "float16", "int8"] = Field(
+        "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization)")
+    staleness: int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago")
+    foreign_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
+    foreign_model: str | dict[str, Any] = Field(
+        "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "
+                               "tokenizer, or model-config overrides for another default base (e.g. {hidden: 96, seed: 1})")
 
 
 class ObjectiveConfig(_Strict):

@@ -31,11 +31,13 @@ def _resolve_ess(
     is the whole input (the trainer passes the batch value when it splits a batch).
     """
     dtype = prep.logprobs.dtype
+    # A 0-dim e is kept in float64: 0-dim tensors do not promote, so the loss stays in ``dtype``,
+    # while the logged ESS keeps the digits that tell 1 − 1e-8 (a bf16 rollout) from exactly 1.
     if scope not in ESS_SCOPES:
         raise ValueError(f"ess_scope={scope!r} is not one of {ESS_SCOPES}")
     if isinstance(ess, RatioStats):
         e, fb = ess.ess()
-        return torch.tensor(e, dtype=dtype), torch.tensor(float(fb))
+        return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
     if isinstance(ess, torch.Tensor) and ess.numel() > 1:
         e = ess.detach().to(dtype).reshape(-1, 1)
         if e.shape[0] != ratio.shape[0]:
@@ -45,7 +47,7 @@ def _resolve_ess(
         e = float(ess)
         if not (0.0 <= e <= 1.0):
             raise ValueError(f"{name}={e} is outside [0, 1]; pass the normalized ESS (RatioStats.ess())")
-        return torch.tensor(e, dtype=dtype), torch.tensor(0.0)
+        return torch.tensor(e, dtype=torch.float64), torch.tensor(0.0)
     if scope == "sequence":
         r = torch.where(prep.mask, ratio.double(), 0.0)
         s1, s2, n = r.sum(1), (r * r).sum(1), prep.mask.sum(1).double()
@@ -56,7 +58,7 @@ def _resolve_ess(
         fb = (bad & (n > 0.5)).sum().double()
         return e.to(dtype)[:, None], fb
     e, fb = RatioStats.from_ratio(ratio, prep.mask).ess()
-    return torch.tensor(e, dtype=dtype), torch.tensor(float(fb))
+    return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
 
 
 def p3o(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .engine import Rollout
@@ -13,12 +15,19 @@ class TransformersEngine:
     ``generate`` returns, per step, the scores after temperature and top-p; their log-softmax at
     the sampled token is exactly the log-prob under the sampling distribution.
 
-    If ``model`` is the learner's own module (``share=True``), ``sync_weights`` only bumps the
-    version; otherwise the engine keeps a copy and loads the learner's weights into it.
+    If ``model`` is the learner's own module, ``sync_weights`` only bumps the version; otherwise the
+    engine keeps its own copy (in ``precision``: see ``rollout.shifts``) and loads the learner's
+    weights into it.
     """
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
+                 precision: str = "float32"):
+        from .shifts import behaviour_copy
+
+        self.precision = precision
+        self.model = model if precision == "float32" else behaviour_copy(model, precision)
+        # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
+        self._float_model = copy.deepcopy(model) if precision == "int8" else None
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size = batch_size
@@ -26,7 +35,18 @@ class TransformersEngine:
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
+            self.load_state(model.state_dict(), version)
+        self.version = version
+
+    def load_state(self, state: dict, version: int) -> None:
+        """Load float weights ``state`` (cast to the engine's precision) as policy ``version``."""
+        if self._float_model is not None:
+            from .shifts import behaviour_copy
+
+            self._float_model.load_state_dict(state)
+            self.model = behaviour_copy(self._float_model, "int8")
+        else:
+            self.model.load_state_dict(state)  # copy_ casts to bf16/fp16
         self.version = version
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ Read it top to bottom; each block is one stage of the data flow in docs/architec
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -24,6 +25,7 @@ from ..policy import load_policy
 from ..policy.base import default_base
 from ..policy.forward import pack
 from ..rollout import TransformersEngine
+from ..rollout.shifts import WeightHistory
 from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from .learner import Learner, TrainBatch
 from .runlog import MetricsLog, atomic_write, plot_run, read_metrics
@@ -115,10 +117,18 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     # ---- task, policy, reward pool, engine, learner ---------------------------------------------
     t_start = time.time()
     task, policy, pool, source = prepare_run(cfg, console)
+    ro_cfg, tr = cfg.rollout, cfg.train
+    foreign = foreign_engine(cfg, task, policy) if ro_cfg.foreign_fraction > 0 else None  # before any checkpoint
     start_step = 0
     if ckpt is not None:
         policy = load_policy(ckpt)
-    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)  # sync: shares the learner's weights
+    # The behaviour policy: the learner's own module (sync, on-policy), or a shifted copy (the lab).
+    shifted = ro_cfg.precision != "float32" or ro_cfg.staleness > 0
+    behaviour = copy.deepcopy(policy.model) if shifted and ro_cfg.precision == "float32" else policy.model
+    engine = TransformersEngine(behaviour, policy.eos_id, policy.pad_id, precision=ro_cfg.precision)
+    history = WeightHistory(ro_cfg.staleness + tr.epochs * tr.minibatches) if ro_cfg.staleness else None
+    # held-out evaluation always measures the learner's own float32 policy
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id) if shifted else engine
     learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=cfg.train.lr,
                       weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
                       micro_batch_size=cfg.train.micro_batch_size, ess_scope=cfg.train.ess_scope,
@@ -140,7 +150,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise UserError("the task produced no training prompts; raise task.train_size")
 
     def evaluate() -> dict:
-        return evaluate_heldout(policy, engine, task.heldout, pool, samples_per_prompt=cfg.eval.samples_per_prompt,
+        return evaluate_heldout(policy, eval_engine, task.heldout, pool, samples_per_prompt=cfg.eval.samples_per_prompt,
                                 temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
 
     console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
@@ -153,7 +163,9 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                       f"(greedy {base_eval['heldout_greedy_accuracy']:.3f})")
 
     # ---- the loop ----------------------------------------------------------------------------
-    ro_cfg, tr = cfg.rollout, cfg.train
+    opt_steps = engine.version  # the policy version: optimizer steps taken so far
+    if history is not None:
+        history.record(opt_steps, policy.model)
     progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, transient=False)
     last: dict = {}
@@ -166,9 +178,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             for _round in range(ro_cfg.max_sampling_rounds if ro_cfg.dynamic_sampling else 1):
                 need = ro_cfg.prompts_per_step - len(rollouts) // ro_cfg.group_size
                 idx = [rng.randrange(len(task.train)) for _ in range(need)]
-                new = engine.generate([train_prompts[i] for i in idx], ro_cfg.group_size,
-                                      temperature=ro_cfg.temperature, top_p=ro_cfg.top_p,
-                                      max_new_tokens=ro_cfg.max_new_tokens)
+                new = sample_groups(engine, foreign, [train_prompts[i] for i in idx], ro_cfg)
                 scored = pool.score([policy.decode(x.completion_ids) for x in new],
                                     [task.train[idx[x.prompt_index]].reference for x in new])
                 r = scored.rewards
@@ -198,16 +208,29 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             groups = torch.arange(len(rollouts)) // ro_cfg.group_size
             adv = group_advantages(rew_t, groups, cfg.objective.advantage, std=cfg.objective.std)
             batch = build_batch(rollouts, adv, policy.pad_id)
-            if cfg.objective.name in objectives.NEEDS_PROXIMAL:
-                batch.proximal_logprobs = learner.logprobs(batch)  # π_prox: the policy before this batch's updates
+            behaviour_version = engine.version
+            is_eval = step % cfg.eval.every == 0 or step == tr.steps or step == start_step + 1
+            if cfg.objective.name in objectives.NEEDS_PROXIMAL or is_eval:
+                current = learner.logprobs(batch)  # π_θ before this batch's updates (π_prox for two-anchor)
+                if cfg.objective.name in objectives.NEEDS_PROXIMAL:
+                    batch.proximal_logprobs = current
+                if is_eval:
+                    log_ratio_histogram(run_dir, step, current - batch.behavior_logprobs, batch.packed.response_mask)
             # 4. learner: epochs × minibatches optimizer steps (later ones are off-policy: replay)
             step_metrics: list[dict] = []
             for _epoch in range(tr.epochs):
                 perm = torch.randperm(len(batch))
                 for mb in perm.chunk(tr.minibatches):
                     step_metrics.append(learner.step(batch.select(mb)))
-            # 5. the behaviour policy catches up with the learner
-            engine.sync_weights(policy.model, engine.version + 1)
+                    opt_steps += 1
+                    if history is not None:
+                        history.record(opt_steps, policy.model)
+            # 5. the behaviour policy catches up with the learner (or with the learner of k steps ago)
+            if history is not None:
+                version, state = history.at_or_before(opt_steps - ro_cfg.staleness)
+                engine.load_state(state, version)
+            else:
+                engine.sync_weights(policy.model, opt_steps)
             dt = time.time() - t0
             lengths = [len(r.completion_ids) for r in rollouts]
             n_tok = sum(lengths)
@@ -223,7 +246,10 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                 tokens_per_s=n_tok / dt,
                 rollout_s=t_gen,
                 step_s=dt,
-                policy_version=float(engine.version),
+                policy_version=float(opt_steps),
+                behaviour_version=float(behaviour_version),
+                staleness=float(opt_steps - len(step_metrics) - behaviour_version),
+                foreign_fraction=float(round(ro_cfg.group_size * ro_cfg.foreign_fraction) / ro_cfg.group_size),
                 optimizer_steps=float(len(step_metrics)),
             )
             # 6. held-out evaluation every N rounds, and at the end
@@ -233,7 +259,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             last = m
             if step % cfg.checkpoint_every == 0 or step == tr.steps:
                 save_checkpoint(run_dir, step, policy, learner.optimizer,
-                                {"policy_version": engine.version, "scheduler": learner.scheduler.state_dict()})
+                                {"policy_version": opt_steps, "scheduler": learner.scheduler.state_dict()})
             info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
             if "heldout_accuracy" in m:
                 info += f"  held-out {m['heldout_accuracy']:.3f}"
@@ -267,6 +293,51 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         f"plot {run_dir / 'plot.png'}"
     )
     return summary
+
+
+def sample_groups(engine, foreign, prompts: list[list[int]], ro_cfg) -> list:
+    """G rollouts per prompt, grouped; with a foreign engine, the last round(G·f) of each group are its samples."""
+    G = ro_cfg.group_size
+    m = round(G * ro_cfg.foreign_fraction) if foreign is not None else 0
+    kw = dict(temperature=ro_cfg.temperature, top_p=ro_cfg.top_p, max_new_tokens=ro_cfg.max_new_tokens)
+    own = engine.generate(prompts, G - m, **kw)
+    if m == 0:
+        return own
+    alien = foreign.generate(prompts, m, **kw)
+    out = []
+    for i in range(len(prompts)):
+        out += own[i * (G - m):(i + 1) * (G - m)] + alien[i * m:(i + 1) * m]
+    return out
+
+
+def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
+    """An engine on another model that shares the policy's tokenizer (``rollout.foreign_model``); never synced.
+
+    Raises:
+        UserError: the foreign model's tokenizer differs from the policy's.
+    """
+    spec = cfg.rollout.foreign_model
+    if spec == "initial":
+        other = copy.deepcopy(policy.model)  # the frozen starting checkpoint
+    else:
+        if isinstance(spec, dict):
+            foreign_policy, _, _ = default_base(task, task_key(cfg), {**cfg.model.model_dump(mode="json"), **spec})
+        else:
+            foreign_policy = load_policy(spec)
+        if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+            raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
+        other = foreign_policy.model
+    return TransformersEngine(other, policy.eos_id, policy.pad_id)
+
+
+def log_ratio_histogram(run_dir: Path, step: int, log_ratio: torch.Tensor, mask: torch.Tensor) -> None:
+    """Append the histogram of token log-ratios log π_θ/μ (before the step's update) to ``ratios.jsonl``."""
+    edges = torch.linspace(-2.0, 2.0, 81)
+    x = log_ratio[mask].detach().float().clamp(-2.0, 2.0)
+    counts = torch.histc(x, bins=80, min=-2.0, max=2.0)
+    rec = {"step": step, "edges": [round(e, 4) for e in edges.tolist()], "counts": [int(c) for c in counts.tolist()]}
+    with open(run_dir / "ratios.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def _fmt(x) -> str:

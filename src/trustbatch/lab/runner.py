@@ -1,0 +1,96 @@
+"""Run an experiment's arms × seeds as ``trustbatch train`` processes, several at a time, resumable.
+
+Layout: ``OUT/<experiment>/<arm>/seed<k>/`` is an ordinary run directory. A run with a
+``summary.json`` is done and skipped; one with a checkpoint resumes from it; others start over.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ..config import dump_config, load_config
+from .experiment import Experiment
+
+
+def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] | None:
+    if (run_dir / "summary.json").exists():
+        return None
+    base = [sys.executable, "-m", "trustbatch", "train"]
+    if any((run_dir / "checkpoints").glob("step_*")):
+        return base + ["--resume", str(run_dir)]
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # started but never checkpointed: start over
+    run_dir.mkdir(parents=True)
+    cfg = load_config(None, exp.overrides(arm, seed) + [f"run_dir={run_dir}"])
+    (run_dir.parent / f"seed{seed}.yaml").write_text(dump_config(cfg))
+    return base + ["--config", str(run_dir.parent / f"seed{seed}.yaml")]
+
+
+def build_shared_base(exp: Experiment, console) -> None:
+    """Build (or find cached) the default and foreign bases once, before parallel runs would each build them."""
+    from ..trainer.loop import foreign_engine, prepare_run
+
+    for arm in exp.arms:
+        cfg = load_config(None, exp.overrides(arm, exp.seeds[0]))
+        if cfg.model.path is None or cfg.rollout.foreign_fraction > 0:
+            console.print(f"[dim]{arm}: building or loading the cached base models…[/dim]")
+            task, policy, pool, _ = prepare_run(cfg)
+            pool.close()
+            if cfg.rollout.foreign_fraction > 0:
+                foreign_engine(cfg, task, policy)
+
+
+def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
+    """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"}.
+
+    Each run's stdout/stderr goes to ``<run_dir>.log``. A failed run is reported, the others go on.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    root = out / exp.name
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "experiment.yaml").write_text(yaml.safe_dump(
+        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms}, sort_keys=False))
+    todo = [(a, s) for a in exp.arms for s in exp.seeds]
+    build_shared_base(exp, console)
+    t0 = time.time()
+    running: list[tuple[subprocess.Popen, str, int, object]] = []
+    failed: list[str] = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        bar = progress.add_task("runs", total=len(todo))
+        queue = list(todo)
+        while queue or running:
+            while queue and len(running) < jobs:
+                arm, seed = queue.pop(0)
+                run_dir = root / arm / f"seed{seed}"
+                cmd = _command(exp, arm, seed, run_dir)
+                if cmd is None:
+                    progress.advance(bar)
+                    continue
+                log = open(run_dir.parent / f"seed{seed}.log", "w")
+                running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), arm, seed, log))
+            time.sleep(0.5)
+            for item in list(running):
+                proc, arm, seed, log = item
+                if proc.poll() is None:
+                    continue
+                log.close()
+                running.remove(item)
+                progress.advance(bar)
+                if proc.returncode != 0:
+                    failed.append(f"{arm}/seed{seed}")
+                    console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
+    wall = time.time() - t0
+    (root / "wall_s.txt").write_text(f"{wall:.0f}\n")
+    return {"done": len(todo) - len(failed), "failed": failed, "wall_s": wall}
