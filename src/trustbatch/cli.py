@@ -116,6 +116,12 @@ def eval_(
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmark]
     policy = load_policy(model)
+    ctx = getattr(policy.model.config, "max_position_embeddings", None)
+    if ctx:
+        over = sum(len(policy.encode_prompt(e.prompt)) + max_new_tokens > ctx for b in benches for e in b.examples)
+        if over:
+            console.print(f"[yellow]warning: {over} prompts + --max-new-tokens exceed the model's context of {ctx} "
+                          "tokens; their completions are out of the model's trained range[/yellow]")
     torch.manual_seed(seed)
     engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
