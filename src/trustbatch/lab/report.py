@@ -156,7 +156,7 @@ def _verdict(ref: str, other: str, a: tuple[float, float], b: tuple[float, float
     return f"{ref} vs {other}: {a[0]:.3f} vs {b[0]:.3f} (difference {d:+.3f} ± {se:.3f}): **{better}** is ahead by more than 2 s.e."
 
 
-def _commit() -> str:
+def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
@@ -174,6 +174,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     pk = sorted({k for runs in arms.values() for run in runs for r in run["metrics"] for k in r if k.startswith("heldout_pass@")})
     pk = pk[0] if pk else None
     lines = [f"## {name}", "", spec.get("description", ""), ""]
+    if spec.get("command"):
+        lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
     lines.append(f"Seeds {seeds}; {len(wall)} runs of {wall and max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds; "
@@ -218,12 +220,17 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         findings += f
     head = [
         "# Off-policy lab report", "",
-        f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{_commit()}` by "
+        f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by "
         f"`trustbatch lab report --runs {runs} --out {out}`.", "",
         "Every run is `trustbatch train` on the default task (reasoning-gym chain_sum) and the default SFT base, "
         "with the lab's common settings (see `LAB_COMMON` in `src/trustbatch/lab/experiment.py`: 30 rounds × 32 prompts × 8 samples, held-out pass@1 from 256 prompts × 2 samples). "
         "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
-        "## All findings", "", *[f"- {f}" for f in findings], "",
+        "## All findings", "",
+        f"{len(findings)} comparisons of final held-out pass@1, each called only beyond two standard errors. With 3 "
+        "seeds per arm the standard errors are themselves noisy: the two-s.e. rule is roughly a t-test with 4 degrees "
+        f"of freedom at p ≈ 0.12, so about {0.12 * len(findings):.1f} of these verdicts would be called by chance "
+        "alone. Read single verdicts with that in mind.", "",
+        *[f"- {f}" for f in findings], "",
     ]
     path = out / "README.md"
     atomic_write(path, "\n".join(head + sections) + "\n")

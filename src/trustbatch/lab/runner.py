@@ -58,8 +58,11 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     console = console or Console()
     root = out / exp.name
     root.mkdir(parents=True, exist_ok=True)
+    from .report import git_commit
+
     (root / "experiment.yaml").write_text(yaml.safe_dump(
-        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms}, sort_keys=False))
+        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms, "commit": git_commit(),
+         "command": f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"}, sort_keys=False))
     todo = [(a, s) for a in exp.arms for s in exp.seeds]
     build_shared_base(exp, console)
     t0 = time.time()
