@@ -138,11 +138,6 @@ class Config(_Strict):
     checkpoint_every: int = Field(50, ge=1)
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
-    @field_validator("data", mode="before")
-    @classmethod
-    def _data_shorthand(cls, v):
-        return {"train": v} if isinstance(v, str) else v
-
     @field_validator("objective")
     @classmethod
     def _known_objective(cls, v: ObjectiveConfig) -> ObjectiveConfig:

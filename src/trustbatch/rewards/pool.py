@@ -7,7 +7,6 @@ Workers build the scorer from its name (``rewards.get``), so user functions need
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import time
 from collections import deque
@@ -22,12 +21,8 @@ class ScoreResult:
     timeouts: int  # scorer ran past the time limit
 
 
-def _clamp(v: float) -> float:
-    return min(1.0, max(0.0, v))
-
-
 def _worker(name: str, conn) -> None:
-    from . import get
+    from . import get, score_all
 
     scorer = get(name)
     while True:
@@ -35,12 +30,8 @@ def _worker(name: str, conn) -> None:
         if msg is None:
             return
         i, completion, reference = msg
-        try:
-            v = float(scorer(completion, reference))
-            ok = math.isfinite(v)
-        except Exception:
-            v, ok = 0.0, False
-        conn.send((i, v if ok else 0.0, ok))
+        (v,), errors = score_all(scorer, [completion], [reference])  # same validation and clamping in-process
+        conn.send((i, v, errors == 0))
 
 
 class _Worker:
@@ -109,7 +100,7 @@ class RewardPool:
                 if w.conn in ready:
                     try:
                         i, v, ok = w.conn.recv()
-                        out[i] = _clamp(v)
+                        out[i] = v
                         errors += not ok
                         w.job = None
                         continue

@@ -54,8 +54,5 @@ class WeightHistory:
 
     def at_or_before(self, version: int) -> tuple[int, dict]:
         """The newest snapshot with version ≤ ``version`` (the oldest kept if none): (its version, state)."""
-        best = min(self._states)
-        for v in self._states:
-            if v <= version:
-                best = max(best, v)
+        best = max((v for v in self._states if v <= version), default=min(self._states))
         return best, self._states[best]

@@ -7,6 +7,7 @@ import copy
 import torch
 
 from .engine import Rollout
+from .shifts import behaviour_copy
 
 
 class TransformersEngine:
@@ -15,17 +16,18 @@ class TransformersEngine:
     ``generate`` returns, per step, the scores after temperature and top-p; their log-softmax at
     the sampled token is exactly the log-prob under the sampling distribution.
 
-    If ``model`` is the learner's own module, ``sync_weights`` only bumps the version; otherwise the
-    engine keeps its own copy (in ``precision``: see ``rollout.shifts``) and loads the learner's
-    weights into it.
+    With ``share=True`` (the default in float32) the engine samples from ``model`` itself and
+    ``sync_weights`` only bumps the version; otherwise it keeps its own copy in ``precision`` (see
+    ``rollout.shifts``) and loads the learner's weights into it.
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
-                 precision: str = "float32"):
-        from .shifts import behaviour_copy
-
+                 precision: str = "float32", share: bool | None = None):
         self.precision = precision
-        self.model = model if precision == "float32" else behaviour_copy(model, precision)
+        share = precision == "float32" if share is None else share
+        if share and precision != "float32":
+            raise ValueError(f"a {precision} engine cannot share the float32 module; pass share=False")
+        self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
         self._float_model = copy.deepcopy(model) if precision == "int8" else None
         self.eos_id = eos_id
@@ -41,8 +43,6 @@ class TransformersEngine:
     def load_state(self, state: dict, version: int) -> None:
         """Load float weights ``state`` (cast to the engine's precision) as policy ``version``."""
         if self._float_model is not None:
-            from .shifts import behaviour_copy
-
             self._float_model.load_state_dict(state)
             self.model = behaviour_copy(self._float_model, "int8")
         else:

@@ -124,8 +124,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         policy = load_policy(ckpt)
     # The behaviour policy: the learner's own module (sync, on-policy), or a shifted copy (the lab).
     shifted = ro_cfg.precision != "float32" or ro_cfg.staleness > 0
-    behaviour = copy.deepcopy(policy.model) if shifted and ro_cfg.precision == "float32" else policy.model
-    engine = TransformersEngine(behaviour, policy.eos_id, policy.pad_id, precision=ro_cfg.precision)
+    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro_cfg.precision, share=not shifted)
     history = WeightHistory(ro_cfg.staleness + tr.epochs * tr.minibatches) if ro_cfg.staleness else None
     # held-out evaluation always measures the learner's own float32 policy
     eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id) if shifted else engine
