@@ -167,23 +167,52 @@ def test_two_anchor_matches_reference_code_formula():
         assert g[i, t].item() == pytest.approx(exp_g, rel=1e-8, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["tis_token", "tis_sequence", "mis_token", "mis_sequence"])
-@pytest.mark.parametrize("seq_reduce", ["mean", "sum"])
-def test_corrections_compose_with_grpo(kind, seq_reduce):
+def correction_weight_by_hand(kind, lks, t_index):
+    """Weight of token t_index of one sequence with per-token log k = lks (docs §3.9), by plain loops."""
+    prod = math.exp(sum(lks))
+    geo = math.exp(sum(lks) / len(lks))
+    k_tok = math.exp(lks[t_index])
+    return {
+        "tis_token": min(k_tok, 2.0),
+        "mis_token": k_tok if 0.5 <= k_tok <= 5.0 else 0.0,  # IcePop keeps the weight k inside the band
+        "rej_token": 1.0 if 0.5 <= k_tok <= 5.0 else 0.0,  # rejection: 1 inside, 0 outside
+        "tis_sequence_product": min(prod, 2.0),
+        "tis_sequence_geomean": min(geo, 2.0),
+        "tis_sequence": min(geo, 2.0),  # documented alias of the geometric mean
+        "mis_sequence_product": prod if prod <= 2.0 else 0.0,
+        "mis_sequence_geomean": geo if geo <= 2.0 else 0.0,
+        "mis_sequence": geo if geo <= 2.0 else 0.0,
+    }[kind]
+
+
+# Changed with the IcePop fix: mis_token used to give weight 1 inside the band (now rej_token);
+# seq_reduce is now only accepted by the tis_sequence/mis_sequence aliases.
+@pytest.mark.parametrize("kind", list(objectives.CORRECTIONS))
+def test_corrections_compose_with_grpo(kind):
     lp, blp, adv, m = _batch(17, spread=0.1)
     old = blp + 0.8 * torch.randn(blp.shape, generator=torch.Generator().manual_seed(2), dtype=blp.dtype)
-    out, g = _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=kind, correction_seq_reduce=seq_reduce)
+    out, g = _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=kind)
     n = int(m.sum())
     for i in range(lp.shape[0]):
         idx = m[i].nonzero().flatten().tolist()
         ks = [old[i, t].item() - blp[i, t].item() for t in idx]
-        seq = sum(ks) / (len(ks) if seq_reduce == "mean" else 1)
-        for t, lk in zip(idx, ks):
-            k = math.exp(seq if kind.endswith("sequence") else lk)
-            w = {"tis_token": min(k, 2.0), "tis_sequence": min(k, 2.0),
-                 "mis_token": 1.0 if 0.5 <= k <= 5.0 else 0.0, "mis_sequence": k if k <= 2.0 else 0.0}[kind]
+        for j, t in enumerate(idx):
+            w = correction_weight_by_hand(kind, ks, j)
             r = math.exp(lp[i, t] - old[i, t])
             assert -g[i, t].item() * n == pytest.approx(w * ppo_weight(r, adv[i, t].item(), 0.2, 0.2), rel=1e-8, abs=1e-12)
+
+
+@pytest.mark.parametrize("alias, reduce, named", [("tis_sequence", "sum", "tis_sequence_product"),
+                                                   ("tis_sequence", "mean", "tis_sequence_geomean"),
+                                                   ("mis_sequence", "sum", "mis_sequence_product")])
+def test_sequence_alias_with_seq_reduce_equals_named_kind(alias, reduce, named):
+    lp, blp, adv, m = _batch(19, spread=0.1)
+    old = blp + 0.3 * torch.randn(blp.shape, generator=torch.Generator().manual_seed(4), dtype=blp.dtype)
+    _, g1 = _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=alias, correction_seq_reduce=reduce)
+    _, g2 = _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=named)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="already fixes"):
+        _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=named, correction_seq_reduce="mean" if reduce == "sum" else "sum")
 
 
 def test_correction_without_old_logprobs_is_an_error():

@@ -5,18 +5,28 @@ Every objective follows the same tensor contract (docs: shared/docs/objectives.m
 carries gradient; ``mask`` marks valid response tokens. Masked positions may hold anything,
 including inf and NaN: they are replaced by 0 *before* any arithmetic, so that 0·inf never
 produces NaN in the forward or the backward pass.
+
+No silent NaN or inf: every objective either raises ValueError or returns a finite loss, and a
+finite gradient w.r.t. ``logprobs``. The checks cost no extra host synchronisation beyond the one
+``finish`` already makes for the metrics, except for float16/bfloat16 ``logprobs`` (one in the
+backward pass, see ``_LowPrecisionGradGuard``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from numbers import Real
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from .kl import kl_estimate
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+ESS_SCOPES = ("batch", "micro_batch", "sequence")
 DEFAULT_LOG_RATIO_CLIP = 20.0
+# exp(80) ≈ 5.5e34 stays finite in float32 (max ≈ 3.4e38, e^88.7); a larger bound lets ρ overflow.
+MAX_LOG_RATIO_CLIP = 80.0
 
 
 @dataclass
@@ -39,11 +49,14 @@ class CommonOptions:
         "seq_mean_token_sum" ((1/S) Σ_i Σ_t ℓ_i,t / seq_constant, Dr.GRPO, arXiv 2503.20783).
     num_tokens: global N for "token_mean" (valid tokens over every micro-batch and rank of the
         optimizer step). None uses this call's own count. Passing the global N makes the losses of
-        the micro-batches sum to the loss of the whole batch.
+        the micro-batches sum to the loss of the whole batch. It must be ≥ this call's count of
+        valid tokens (ValueError otherwise); 0 is accepted only for a call with no valid token,
+        whose loss is then 0.
     num_sequences: global S for the sequence aggregations; None counts this call's non-empty rows.
-    seq_constant: the Dr.GRPO constant; None uses T (the padded response length).
-    log_ratio_clip: bound L on |log ρ| before exp (docs §1.8 item 3); tokens beyond it are counted
-        in the ``log_ratio_clamped`` metric.
+        Must be ≥ this call's non-empty rows, like ``num_tokens``.
+    seq_constant: the Dr.GRPO constant (> 0); None uses T (the padded response length; 1 if T = 0).
+    log_ratio_clip: bound L on |log ρ| before exp (docs §1.8 item 3), in (0, 80]; tokens beyond it
+        are counted in the ``log_ratio_clamped`` metric.
     ref_logprobs, ref_kl_coef, ref_kl: optional KL to a frozen reference policy, added per token
         as ref_kl_coef · k(logprobs − ref_logprobs) with estimator ``ref_kl`` (k1, k2, k3).
     entropy, entropy_coef: optional entropy bonus, subtracted per token (``entropy`` is [B, T],
@@ -75,8 +88,17 @@ class CommonOptions:
         opts = cls(**options)
         if opts.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={opts.aggregation!r} is not one of {AGGREGATIONS}")
-        if not opts.log_ratio_clip > 0:
-            raise ValueError(f"log_ratio_clip must be > 0, got {opts.log_ratio_clip}")
+        if not 0 < opts.log_ratio_clip <= MAX_LOG_RATIO_CLIP:
+            raise ValueError(f"log_ratio_clip must be in (0, {MAX_LOG_RATIO_CLIP:g}], got {opts.log_ratio_clip}")
+        for name in ("num_tokens", "num_sequences", "seq_constant"):
+            v = getattr(opts, name)
+            if v is not None and not (isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number ≥ 0 or None, got {v!r}")
+        if opts.seq_constant is not None and opts.seq_constant <= 0:
+            raise ValueError(f"seq_constant must be > 0, got {opts.seq_constant}")
+        for name in ("ref_kl_coef", "entropy_coef"):
+            if not math.isfinite(getattr(opts, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(opts, name)}")
         return opts
 
 
@@ -91,6 +113,7 @@ class Prepared:
     maskf: torch.Tensor  # [B, T] compute dtype
     log_ratio: torch.Tensor  # [B, T] log π_θ − log π_b, with gradient, unclamped
     opts: CommonOptions
+    name: str = "objective"
 
     @property
     def count(self) -> torch.Tensor:
@@ -112,6 +135,40 @@ class Prepared:
         if self.opts.check_finite:
             _check_finite(name, t, self.mask)
         return torch.where(self.mask, t, torch.zeros((), dtype=t.dtype))
+
+    def with_mask(self, mask: torch.Tensor) -> "Prepared":
+        """The same inputs restricted to ``mask`` (a subset of ``self.mask``): 0 elsewhere."""
+        mask = mask & self.mask
+        zero = torch.zeros((), dtype=self.logprobs.dtype)
+        z = lambda t: torch.where(mask, t, zero)  # noqa: E731
+        return replace(self, logprobs=z(self.logprobs), behavior_logprobs=z(self.behavior_logprobs),
+                       advantages=z(self.advantages), mask=mask, maskf=mask.to(self.maskf.dtype),
+                       log_ratio=z(self.log_ratio))
+
+
+class _LowPrecisionGradGuard(torch.autograd.Function):
+    """Upcast float16/bfloat16 log-probs to float32; in backward, refuse a gradient the input dtype cannot hold.
+
+    The loss is computed in float32, but autograd casts the gradient back to the input's dtype,
+    where |g| > 65504 (float16) becomes inf without any error. This raises instead: one host
+    synchronisation per backward, for low-precision inputs only.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.in_dtype = x.dtype
+        return x.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        big = float(g.abs().max()) if g.numel() else 0.0
+        limit = torch.finfo(ctx.in_dtype).max
+        if not big <= limit:
+            raise ValueError(
+                f"the gradient w.r.t. {ctx.in_dtype} logprobs reaches {big:.3g}, beyond that dtype's range "
+                f"({limit:.3g}); pass float32 logprobs or scale the advantages down"
+            )
+        return g.to(ctx.in_dtype)
 
 
 def _as_2d(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -172,7 +229,11 @@ def prepare(
         _check_finite("logprobs", logprobs.detach(), mask)
         _check_finite("behavior_logprobs", behavior_logprobs, mask)
         _check_finite("advantages", advantages, mask)
-    lp = torch.where(mask, logprobs.to(dtype), zero)
+    if logprobs.dtype in (torch.float16, torch.bfloat16) and logprobs.requires_grad:
+        lp = _LowPrecisionGradGuard.apply(logprobs)
+    else:
+        lp = logprobs.to(dtype)
+    lp = torch.where(mask, lp, zero)
     blp = torch.where(mask, behavior_logprobs.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
     return Prepared(
@@ -183,6 +244,7 @@ def prepare(
         maskf=mask.to(dtype),
         log_ratio=lp - blp,
         opts=opts,
+        name=objective,
     )
 
 
@@ -190,19 +252,21 @@ def aggregate(per_token: torch.Tensor, prep: Prepared) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` (already 0 at masked positions) to a scalar.
 
     Modes (docs §3 shared conventions; §3.4 for Dr.GRPO): see ``CommonOptions.aggregation``.
-    An all-masked input gives a zero loss that is still connected to the graph.
+    An all-masked input gives a zero loss that is still connected to the graph. A given
+    ``num_tokens``/``num_sequences`` of 0 is replaced by 1: it can only be right for a call with no
+    valid token (``finish`` raises otherwise), whose sum is 0 anyway.
     """
     o = prep.opts
     m = prep.maskf
     if o.aggregation == "token_mean":
-        denom = o.num_tokens if o.num_tokens is not None else prep.count.clamp_min(1.0)
+        denom = (o.num_tokens or 1.0) if o.num_tokens is not None else prep.count.clamp_min(1.0)
         return per_token.sum() / denom
     lens = m.sum(dim=1)
-    nseq = o.num_sequences if o.num_sequences is not None else (lens > 0).sum().clamp_min(1).to(m.dtype)
+    nseq = (o.num_sequences or 1.0) if o.num_sequences is not None else (lens > 0).sum().clamp_min(1).to(m.dtype)
     if o.aggregation == "seq_mean_token_mean":
         per_seq = per_token.sum(dim=1) / lens.clamp_min(1.0)
     else:
-        const = o.seq_constant if o.seq_constant is not None else float(per_token.shape[1])
+        const = o.seq_constant if o.seq_constant is not None else float(max(per_token.shape[1], 1))
         per_seq = per_token.sum(dim=1) / const
     return per_seq.sum() / nseq
 
@@ -210,6 +274,10 @@ def aggregate(per_token: torch.Tensor, prep: Prepared) -> torch.Tensor:
 def add_regularizers(per_token: torch.Tensor, prep: Prepared, metrics: dict) -> torch.Tensor:
     """Add the optional reference-KL penalty and entropy bonus (each 0 unless its coefficient is set)."""
     o = prep.opts
+    for coef, tensor in (("ref_kl_coef", "ref_logprobs"), ("entropy_coef", "entropy")):
+        if getattr(o, coef) != 0.0 and getattr(o, tensor) is None:
+            raise ValueError(f"{coef}={getattr(o, coef)} needs the {tensor} tensor, which was not passed; "
+                             f"pass {tensor}= or set {coef}=0")
     if o.ref_logprobs is not None and o.ref_kl_coef != 0.0:
         ref = prep.sanitize("ref_logprobs", o.ref_logprobs)
         c = o.log_ratio_clip
@@ -266,15 +334,32 @@ def ratio_metrics(prep: Prepared, ratio: torch.Tensor, clip_eps: float = 0.2) ->
     return out
 
 
-def finish(loss: torch.Tensor, metrics: dict) -> ObjectiveOutput:
-    """Convert tensor metrics to floats with a single host transfer."""
-    keys = list(metrics)
-    vals = [metrics[k] for k in keys]
+def finish(loss: torch.Tensor, metrics: dict, prep: Prepared) -> ObjectiveOutput:
+    """Convert tensor metrics to floats with a single host transfer, and check the result.
+
+    Raises:
+        ValueError: the loss is not finite (the per-token terms overflowed; the message gives the
+            largest |advantage| to say by how much), or ``num_tokens``/``num_sequences`` is smaller
+            than this call's own count of valid tokens/non-empty rows.
+    """
+    checks = {"_loss": loss.detach(), "_rows": (prep.mask.sum(1) > 0).sum(), "_count": prep.count,
+              "_adv_max": prep.advantages.abs().max() if prep.advantages.numel() else prep.count * 0}
+    keys = list(metrics) + list(checks)
+    vals = [metrics[k] for k in metrics] + list(checks.values())
     tens = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
-    if tens:
-        floats = torch.stack([vals[i].detach().double().reshape(()) for i in tens]).tolist()
-        for i, f in zip(tens, floats):
-            vals[i] = f
+    floats = torch.stack([vals[i].detach().double().reshape(()).cpu() for i in tens]).tolist()
+    for i, f in zip(tens, floats):
+        vals[i] = f
     out = {k: float(v) for k, v in zip(keys, vals)}
-    out["loss"] = float(loss.detach())
+    got = {k: out.pop(k) for k in checks}
+    o = prep.opts
+    for opt, count, what in ((o.num_tokens, got["_count"], "valid tokens"), (o.num_sequences, got["_rows"], "non-empty rows")):
+        if opt is not None and opt < count:
+            name = "num_tokens" if what == "valid tokens" else "num_sequences"
+            raise ValueError(f"{prep.name}: {name}={opt:g} is smaller than this call's {count:g} {what}; "
+                             f"pass the count over every micro-batch and rank of the optimizer step")
+    if not math.isfinite(got["_loss"]):
+        raise ValueError(f"{prep.name}: the loss is {got['_loss']} (largest |advantage| {got['_adv_max']:.3g}): "
+                         f"the per-token terms overflow {loss.dtype}; scale the advantages or rewards down")
+    out["loss"] = got["_loss"]
     return ObjectiveOutput(loss=loss, metrics=out)

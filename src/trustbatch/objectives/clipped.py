@@ -3,8 +3,20 @@
 Each is ``f(logprobs, behavior_logprobs, advantages, mask, **options) -> ObjectiveOutput`` with the
 shared contract of ``trustbatch.objectives``. The ratio is r = π_θ/π_old where π_old is
 ``old_logprobs`` when given (a trainer recompute, "decoupled") and ``behavior_logprobs`` otherwise
-("bypass"; docs/objectives.md §1.8 item 6). A mismatch ``correction`` (tis/mis, token/sequence)
-weighs the per-token loss by a function of π_old/π_behaviour, so it needs ``old_logprobs``.
+("bypass"; docs/objectives.md §1.8 item 6). A mismatch ``correction`` (tis/mis/rej, token/sequence;
+``trustbatch.objectives.corrections``) weighs the per-token loss by a function of π_old/π_behaviour,
+so it needs ``old_logprobs``.
+
+Correction options (grpo, dapo, cispo, gspo, reinforce): ``old_logprobs`` [B, T];
+``correction`` (one of ``CORRECTIONS``); ``correction_cap`` (TIS cap and sequence-rejection
+threshold, default 2); ``correction_band`` ((low, high) for mis_token and rej_token, default
+(0.5, 5)); ``correction_seq_reduce`` ("mean"/"sum" for the tis_sequence/mis_sequence aliases);
+``correction_count_rejected`` (masking kinds only, default True). With
+``correction_count_rejected=False`` rejected tokens leave the loss entirely (policy term,
+regularisers and the denominator), as when verl's rejection edits the response mask. The
+denominator is then this call's kept-token count, unless ``num_tokens`` is given: it is used as
+is, so to keep micro-batch losses summing to the batch loss the caller must pass the global count
+of *kept* tokens (which needs ``old_logprobs`` for the whole batch before the first backward).
 """
 
 from __future__ import annotations
@@ -12,40 +24,55 @@ from __future__ import annotations
 import torch
 
 from ._common import ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
-from .corrections import correction_weights
+from .corrections import REJECTING, correction_weights
+from .registry import CORRECTION_OPTIONS, FLAG, NONNEG, number, register
+
+_CORRECTION_KEYS = ("old_logprobs", *CORRECTION_OPTIONS)
+_PPO_OPTIONS = {"eps_low": NONNEG, "eps_high": NONNEG, "dual_clip": number(gt=1, none_ok=True)}
 
 
 def _split_correction(options: dict) -> tuple[torch.Tensor | None, dict]:
-    keys = ("old_logprobs", "correction", "correction_cap", "correction_band", "correction_seq_reduce")
-    corr = {k: options.pop(k) for k in keys if k in options}
+    corr = {k: options.pop(k) for k in _CORRECTION_KEYS if k in options}
     return corr.pop("old_logprobs", None), corr
 
 
-def _old_and_weight(prep: Prepared, old_logprobs, corr: dict, metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return (log π_old, correction weight or None)."""
+def _old_and_weight(prep: Prepared, old_logprobs, corr: dict, metrics: dict
+                    ) -> tuple[Prepared, torch.Tensor, torch.Tensor | None]:
+    """Return (prep, log π_old, correction weight or None).
+
+    ``prep`` is restricted to the kept tokens when a masking correction has count_rejected=False.
+    """
     kind = corr.get("correction")
+    count_rejected = corr.get("correction_count_rejected", True)
+    if kind is None and len(corr) > ("correction" in corr):
+        raise ValueError(f"{sorted(k for k in corr if k != 'correction')[0]} has no effect without correction=")
     if old_logprobs is None:
         if kind is not None:
             raise ValueError(
                 f"correction={kind!r} needs old_logprobs (the trainer's log-probs at the rollout's "
                 "parameters); without them π_old = π_behaviour and the weight would be 1"
             )
-        return prep.behavior_logprobs, None
+        return prep, prep.behavior_logprobs, None
     old = prep.sanitize("old_logprobs", old_logprobs)
     if kind is None:
-        return old, None
-    w, cm = correction_weights(
+        return prep, old, None
+    if not count_rejected and kind not in REJECTING:
+        raise ValueError(f"correction_count_rejected=False needs a masking correction {REJECTING}; {kind!r} rejects no token")
+    w, kept, cm = correction_weights(
         old,
         prep.behavior_logprobs,
         prep.mask,
         kind,
         cap=corr.get("correction_cap", 2.0),
         band=tuple(corr.get("correction_band", (0.5, 5.0))),
-        seq_reduce=corr.get("correction_seq_reduce", "mean"),
+        seq_reduce=corr.get("correction_seq_reduce"),
         log_ratio_clip=prep.opts.log_ratio_clip,
     )
     metrics.update(cm)
-    return old, w
+    if not count_rejected:
+        prep = prep.with_mask(kept)
+        old = torch.where(kept, old, 0.0)
+    return prep, old, w
 
 
 def ppo_clip_per_token(
@@ -77,7 +104,7 @@ def _clipped_objective(
     old_logprobs, corr = _split_correction(options)
     prep = prepare(name, logprobs, behavior_logprobs, advantages, mask, options)
     metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
     c = prep.opts.log_ratio_clip
     ratio = (prep.logprobs - old).clamp(-c, c).exp()
     per_token, clipped = ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
@@ -85,9 +112,10 @@ def _clipped_objective(
         per_token = per_token * w
     per_token = add_regularizers(per_token, prep, metrics)
     metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics)
+    return finish(aggregate(per_token, prep), metrics, prep)
 
 
+@register("grpo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS})
 def grpo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
     dual_clip: float | None = None, **options,
@@ -100,13 +128,13 @@ def grpo(
     The default aggregation is the token mean (DAPO-style); pass aggregation="seq_mean_token_mean"
     for the original GRPO. The reference KL (β = 0.04 in the paper) is ``ref_kl_coef`` with k3.
 
-    Extra options: ``old_logprobs`` [B, T] and ``correction`` ("tis_token", "tis_sequence",
-    "mis_token", "mis_sequence") with ``correction_cap``, ``correction_band``, ``correction_seq_reduce``.
+    Extra options: ``old_logprobs`` [B, T] and ``correction`` (see the module docstring).
     Shapes, errors and common options as ``trustbatch.objectives.p3o``.
     """
     return _clipped_objective("grpo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
 
 
+@register("dapo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS})
 def dapo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
     dual_clip: float | None = None, **options,
@@ -119,6 +147,8 @@ def dapo(
     return _clipped_objective("dapo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
 
 
+@register("decoupled_ppo", needs_proximal=True,
+          options={**_PPO_OPTIONS, "behavior_weight_cap": number(gt=0, none_ok=True)})
 def decoupled_ppo(
     logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs: torch.Tensor,
     eps_low: float = 0.2, eps_high: float = 0.2, behavior_weight_cap: float | None = None,
@@ -146,9 +176,10 @@ def decoupled_ppo(
     per_token = add_regularizers(per_token * w, prep, metrics)
     metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
     metrics["behavior_weight_mean"] = (w * prep.maskf).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics)
+    return finish(aggregate(per_token, prep), metrics, prep)
 
 
+@register("cispo", options={"eps_low": number(ge=0, none_ok=True), "eps_high": NONNEG, **CORRECTION_OPTIONS})
 def cispo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float | None = None, eps_high: float = 4.0,
     **options,
@@ -162,7 +193,7 @@ def cispo(
     old_logprobs, corr = _split_correction(options)
     prep = prepare("cispo", logprobs, behavior_logprobs, advantages, mask, options)
     metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
     c = prep.opts.log_ratio_clip
     r = (prep.logprobs.detach() - old).clamp(-c, c).exp()
     low = 0.0 if eps_low is None else 1.0 - eps_low
@@ -172,9 +203,10 @@ def cispo(
         per_token = per_token * w
     per_token = add_regularizers(per_token, prep, metrics)
     metrics["clip_fraction"] = (((r > high) | (r < low)) & prep.mask).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics)
+    return finish(aggregate(per_token, prep), metrics, prep)
 
 
+@register("gspo", options={"eps_low": NONNEG, "eps_high": NONNEG, **CORRECTION_OPTIONS})
 def gspo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4, **options,
 ) -> ObjectiveOutput:
@@ -190,7 +222,7 @@ def gspo(
     old_logprobs, corr = _split_correction(options)
     prep = prepare("gspo", logprobs, behavior_logprobs, advantages, mask, options)
     metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
     c = prep.opts.log_ratio_clip
     lens = prep.maskf.sum(1, keepdim=True).clamp_min(1.0)
     seq_lr = ((prep.logprobs.detach() - old) * prep.maskf).sum(1, keepdim=True) / lens
@@ -202,9 +234,10 @@ def gspo(
     per_token = add_regularizers(per_token, prep, metrics)
     metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
     metrics["seq_ratio_mean"] = s.mean()
-    return finish(aggregate(per_token, prep), metrics)
+    return finish(aggregate(per_token, prep), metrics, prep)
 
 
+@register("reinforce", options={"importance_weight": FLAG, **CORRECTION_OPTIONS})
 def reinforce(
     logprobs, behavior_logprobs, advantages, mask, *, importance_weight: bool = True, **options,
 ) -> ObjectiveOutput:
@@ -218,11 +251,11 @@ def reinforce(
     prep = prepare("reinforce", logprobs, behavior_logprobs, advantages, mask, options)
     ratio = prep.clamped_log_ratio().detach().exp()
     metrics = ratio_metrics(prep, ratio)
-    old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
+    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
     c = prep.opts.log_ratio_clip
     weight = (prep.logprobs.detach() - old).clamp(-c, c).exp() if importance_weight else torch.ones_like(ratio)
     per_token = -weight * prep.advantages * prep.logprobs
     if w is not None:
         per_token = per_token * w
     per_token = add_regularizers(per_token, prep, metrics)
-    return finish(aggregate(per_token, prep), metrics)
+    return finish(aggregate(per_token, prep), metrics, prep)

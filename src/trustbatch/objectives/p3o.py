@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from ._common import ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
-from .kl import kl_estimate
+from ._common import ESS_SCOPES, ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
+from .kl import KL_ESTIMATORS, kl_estimate
 from .ratio_stats import RatioStats
+from .registry import choice, register
 
-ESS_SCOPES = ("batch", "micro_batch", "sequence")
+# A token counts as capped (``cap_fraction``) only when the cap changes its weight by more than this
+# relative amount: ρ > e·(1 + CAP_RTOL). Recomputing log-probs in float32 moves them by ~1e-6
+# (ε_f32 ≈ 1.2e-7 times |log p| ≲ 10), so on-policy data has ρ = 1 ± 1e-6 against e = 1 − 1e-12
+# and would otherwise report up to half its tokens as capped. 1e-4 is 100× that noise, and a
+# cap that moves a weight by less than 0.01 % does not change the update in any way that matters.
+CAP_RTOL = 1e-4
+_KL = choice(sorted(KL_ESTIMATORS))
 
 
 def _resolve_ess(
@@ -42,7 +49,13 @@ def _resolve_ess(
         e = ess.detach().to(dtype).reshape(-1, 1)
         if e.shape[0] != ratio.shape[0]:
             raise ValueError(f"{name} has {e.shape[0]} rows but the batch has {ratio.shape[0]}; pass [B] or a scalar")
-        return e.clamp(0.0, 1.0), torch.tensor(0.0)
+        rows = prep.mask.any(1, keepdim=True)
+        bad = rows & ~((e >= 0) & (e <= 1))  # also true for NaN
+        if bool(bad.any()):
+            raise ValueError(f"{name} has {int(bad.sum())} rows outside [0, 1] or not finite at non-empty rows; "
+                             "pass the normalized per-row ESS")
+        # rows without a valid token may hold anything (padding): their weight multiplies zeros
+        return torch.where(rows, e, 1.0), torch.tensor(0.0)
     if ess is not None:
         e = float(ess)
         if not (0.0 <= e <= 1.0):
@@ -61,6 +74,7 @@ def _resolve_ess(
     return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
 
 
+@register("p3o", batch_stats=("ess",), ess_scopes=ESS_SCOPES, options={"kl": _KL})
 def p3o(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -88,13 +102,16 @@ def p3o(
         **options: ``CommonOptions`` (aggregation, num_tokens, log_ratio_clip, ref KL, entropy).
 
     Returns:
-        ObjectiveOutput; metrics add ``ess``, ``ess_fallback`` (count), ``cap_fraction`` (tokens
-        with ρ > e_B), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
+        ObjectiveOutput; metrics add ``ess``, ``ess_fallback`` (count), ``cap_fraction`` (fraction
+        of valid tokens the cap changes: ρ > e_B·(1 + CAP_RTOL), so float32 recomputation noise on
+        on-policy data counts as 0), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
         ``policy_loss`` and ``kl_loss`` (the two terms, aggregated), and the shared ratio metrics.
 
     Raises:
         ValueError: bad shapes, mask values, non-finite log-probs at valid positions, an ``ess``
-            outside [0, 1], an unknown scope, estimator or option.
+            outside [0, 1] (a per-row tensor: at a non-empty row, NaN included), an unknown scope,
+            estimator or option, and the errors of ``finish`` (non-finite loss, ``num_tokens`` below
+            this call's count).
     """
     prep = prepare("p3o", logprobs, behavior_logprobs, advantages, mask, options)
     lr = prep.clamped_log_ratio()
@@ -121,14 +138,14 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
     e_mean = _mean_ess(e, prep)
     metrics.update(
         ess=e_mean,
-        cap_fraction=((ratio > e) & prep.mask).sum() / n,
+        cap_fraction=((ratio > e * (1.0 + CAP_RTOL)) & prep.mask).sum() / n,
         kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
         kl_weight=1.0 - e_mean,
         policy_loss=aggregate(policy_t.detach(), prep),
         kl_loss=aggregate(kl_term_t.detach(), prep),
         **extra,
     )
-    return finish(loss, metrics)
+    return finish(loss, metrics, prep)
 
 
 def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
@@ -139,6 +156,7 @@ def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
     return (e[:, 0] * rows).sum() / rows.sum().clamp_min(1)
 
 
+@register("p3o_two_anchor", needs_proximal=True, batch_stats=("ess", "ess_proximal"), options={"kl": _KL})
 def p3o_two_anchor(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -166,8 +184,10 @@ def p3o_two_anchor(
 
     Args:
         proximal_logprobs: [B, T] log π_prox(y_t), no gradient (a snapshot at the start of the epoch).
-        ess, ess_proximal: batch ESS of each anchor when computed by the caller (float or RatioStats).
-        Others as ``p3o`` (batch scope only).
+        ess, ess_proximal: batch ESS of each anchor when computed by the caller: a float in [0, 1]
+            or a ``RatioStats`` of π_θ/π_b (``ess``) and π_θ/π_prox (``ess_proximal``) over the whole
+            optimizer batch. With both given and the global ``num_tokens``, the losses of the
+            micro-batches sum to the loss of the whole batch. Others as ``p3o`` (batch scope only).
 
     Raises:
         ValueError: as ``p3o``; ``proximal_logprobs`` with a wrong shape or non-finite valid values.
