@@ -5,27 +5,102 @@
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from .errors import UserError
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``3e-1``, ``1e4``, ``-2E+3`` as floats.
+
+    YAML 1.1 (PyYAML) needs a dot in a float, so ``{eps_high: 3e-1}`` would be the string
+    ``'3e-1'``; typed fields coerce it back, free-form dicts (objective.options) do not.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_loads(text: str) -> Any:
+    """Parse YAML text as configs are parsed: safe, with ``3e-1``-style floats (see ``_Loader``).
+
+    Raises:
+        yaml.YAMLError: the text is not valid YAML.
+    """
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """Read and parse a YAML file (UTF-8) with ``yaml_loads``.
+
+    Raises:
+        UserError: the file is missing, not UTF-8 (names the line) or not valid YAML.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {str(p)!r} does not exist")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"{what} {str(p)!r} line {line} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
+                        "save the file as UTF-8") from None
+    try:
+        return yaml_loads(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def _no_bool(v: Any) -> Any:
+    # pydantic's lax mode reads True as 1: `train.steps=true` would train one step.
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
+    return v
+
+
+def _finite_values(v: Any, where: str = "") -> Any:
+    # Free-form dicts (objective.options, task.params) bypass allow_inf_nan; check them by hand.
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{where or 'value'} must be a finite number")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite_values(x, f"{where}.{k}" if where else str(k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite_values(x, f"{where}[{i}]")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+FreeDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `train.lr=.inf` or `.nan` must not pass validation.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TaskConfig(_Strict):
     """A reasoning-gym task, generated from ``seed``, split into disjoint train and held-out prompts."""
 
     name: str = "chain_sum"
-    params: dict[str, Any] = Field(default_factory=dict, description="merged over the task's defaults")
-    train_size: int = Field(3500, ge=1)
-    heldout_size: int = Field(256, ge=1)
-    seed: int = 1
+    params: FreeDict = Field(default_factory=dict, description="merged over the task's defaults")
+    train_size: Int = Field(3500, ge=1)
+    heldout_size: Int = Field(256, ge=1)
+    seed: Int = 1
 
     @model_validator(mode="after")
     def _merge_default_params(self) -> "TaskConfig":
@@ -49,80 +124,108 @@ class DataConfig(_Strict):
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = "auto"
     prompt_field: str | None = None
     answer_field: str | None = None
-    train_size: int | None = Field(None, ge=1, description="use at most this many train rows")
-    heldout_size: int = Field(256, ge=1)
+    train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
+    heldout_size: Int = Field(256, ge=1)
 
 
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
-    workers: int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
-    timeout_s: float = Field(10.0, gt=0)
+    workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
+    timeout_s: Float = Field(10.0, gt=0)
+    max_failure_rate: Float = Field(
+        0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions fail to "
+                                     "score (errors + timeouts); any failure is reported as a warning")
 
 
 class ModelConfig(_Strict):
     """``path`` loads any local HF model directory; without it the default small base is built (and cached)."""
 
     path: str | None = None
-    hidden: int = Field(128, ge=8)
-    layers: int = Field(4, ge=1)
-    heads: int = Field(4, ge=1)
-    vocab_size: int = Field(384, ge=260)
-    max_len: int = Field(64, ge=8)
-    sft_examples: int | None = Field(None, ge=1, description="demonstrations for SFT: the first N train prompts (None: all)")
-    sft_teacher_error: float = Field(
+    hidden: Int = Field(128, ge=8)
+    layers: Int = Field(4, ge=1)
+    heads: Int = Field(4, ge=1)
+    vocab_size: Int = Field(384, ge=260)
+    max_len: Int = Field(64, ge=8)
+    sft_examples: Int | None = Field(None, ge=1, description="demonstrations for SFT: the first N train prompts (None: all)")
+    sft_teacher_error: Float = Field(
         0.25, ge=0, lt=1, description="fraction of SFT demonstrations whose answer is another prompt's (a weak teacher)"
     )
-    sft_steps: int = Field(600, ge=0)
-    sft_batch_size: int = Field(64, ge=1)
-    sft_lr: float = Field(3e-3, gt=0)
-    seed: int = 0
+    sft_steps: Int = Field(600, ge=0)
+    sft_batch_size: Int = Field(64, ge=1)
+    sft_lr: Float = Field(3e-3, gt=0)
+    seed: Int = 0
 
 
 class RolloutConfig(_Strict):
-    group_size: int = Field(8, ge=2, description="G completions per prompt")
-    prompts_per_step: int = Field(64, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
+    group_size: Int = Field(8, ge=2, description="G completions per prompt")
+    prompts_per_step: Int = Field(64, ge=1)
+    temperature: Float = Field(1.0, gt=0)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    max_new_tokens: Int = Field(8, ge=1)
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
-    max_sampling_rounds: int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
-    overlong_cache: int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
+    max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
+    overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
     # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
     precision: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization)")
-    staleness: int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago")
-    foreign_fraction: float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
-    foreign_model: str | dict[str, Any] = Field(
+    staleness: Int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago")
+    foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
+    foreign_model: str | FreeDict = Field(
         "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "
                                "tokenizer, or model-config overrides for another default base (e.g. {hidden: 96, seed: 1})")
 
 
 class ObjectiveConfig(_Strict):
     name: str = "p3o"
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: FreeDict = Field(default_factory=dict)
     advantage: Literal["zscore", "mean", "rloo"] = "zscore"
     std: Literal["population", "sample"] = "population"
 
+    @field_validator("name")
+    @classmethod
+    def _known_objective(cls, v: str) -> str:
+        from . import objectives
+
+        objectives.get(v)  # raises ValueError listing the known names
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _valid_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from . import objectives
+
+        check = getattr(objectives, "validate_options", None)  # written alongside; absent in older trees
+        name = info.data.get("name")
+        if check is not None and name is not None:  # no name: its own error is reported instead
+            try:
+                check(name, v)
+            except (TypeError, ValueError) as e:
+                raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        return v
+
 
 class TrainConfig(_Strict):
-    steps: int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
-    lr: float = Field(3e-4, gt=0)
-    warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(512, ge=1)
-    minibatches: int = Field(1, ge=1, description="optimizer steps per epoch over one rollout batch")
-    epochs: int = Field(1, ge=1, description="passes over one rollout batch (replay)")
+    steps: Int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
+    lr: Float = Field(3e-4, gt=0)
+    warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
+    weight_decay: Float = Field(0.0, ge=0)
+    grad_clip: Float = Field(1.0, gt=0)
+    micro_batch_size: Int = Field(512, ge=1)
+    minibatches: Int = Field(1, ge=1, description="optimizer steps per epoch over one rollout batch")
+    epochs: Int = Field(1, ge=1, description="passes over one rollout batch (replay)")
     ess_scope: Literal["batch", "micro_batch", "sequence"] = "batch"
-    seed: int = 0
+    seed: Int = 0
+    max_bad_steps: Int = Field(
+        3, ge=1, description="consecutive optimizer steps with a non-finite loss or gradient norm that are skipped "
+                             "before the run stops")
 
 
 class EvalConfig(_Strict):
-    every: int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
-    samples_per_prompt: int = Field(4, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    every: Int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
+    samples_per_prompt: Int = Field(4, ge=1)
+    temperature: Float = Field(1.0, gt=0)
 
 
 class Config(_Strict):
@@ -135,16 +238,8 @@ class Config(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run_dir: str | None = None
-    checkpoint_every: int = Field(50, ge=1)
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
-
-    @field_validator("objective")
-    @classmethod
-    def _known_objective(cls, v: ObjectiveConfig) -> ObjectiveConfig:
-        from . import objectives
-
-        objectives.get(v.name)  # raises ValueError listing the known names
-        return v
+    checkpoint_every: Int = Field(50, ge=1)
+    threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:
@@ -159,33 +254,43 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _format_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
+    errs = e.errors()
+    # A union (e.g. rollout.foreign_model: str | dict) reports one error per branch: prefer the one
+    # about the value over "should be a valid string", and drop the branch tags from the key.
+    err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+    parts = [str(x) for x in err["loc"]]
+    while len(parts) > 1 and (parts[-1] in _UNION_TAGS or "[" in parts[-1]):
+        parts.pop()
+    loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
         return f"unknown config key {loc!r}; see `trustbatch train --help` or the README for the keys"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"invalid value for {loc!r}: {msg} (got {err.get('input')!r})"
+    if err["type"].endswith("_type"):  # every branch refused the type: name them all
+        msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"invalid value for {loc!r}: {msg} (got {got})"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
     """Defaults ← ``base`` dict ← YAML file ← ``key=value`` overrides (values parsed as YAML).
 
+    Values are parsed by ``yaml_loads`` (``3e-1`` is a float). Numbers must be finite and not
+    booleans (``train.steps=true`` is refused), also inside ``objective.options`` and ``task.params``.
+
     Raises:
-        UserError: a missing or unreadable file, an override without ``=``, an unknown key,
-            an invalid value. The message is one line and names the key.
+        UserError: a missing, non-UTF-8 or invalid YAML file, an override without ``=``, an unknown
+            key, an invalid value. The message is one line and names the key.
     """
     data: dict = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        loaded = read_yaml_file(path) or {}
         if not isinstance(loaded, dict):
-            raise UserError(f"config file {str(p)!r} must hold a mapping of sections")
+            raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
         for k, v in _flatten(loaded).items():
             _set_dotted(data, k, v)
     for ov in overrides or []:
@@ -193,7 +298,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise UserError(f"override {ov!r} must look like key=value, e.g. train.steps=50")
         k, _, v = ov.partition("=")
         try:
-            val = yaml.safe_load(v) if v != "" else None
+            val = yaml_loads(v) if v != "" else None
         except yaml.YAMLError:
             val = v
         _set_dotted(data, k.strip(), val)

@@ -7,8 +7,9 @@ Names (``get``):
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
 - ``module:function``: a user function with the scorer signature.
 
-``RewardPool`` runs any of them in worker processes with a time limit; ``score_all`` runs one in
-this process. Neither raises on a scorer's error: the reward is 0 and the error is counted.
+``RewardPool`` runs any of them in worker processes with a time limit; ``score_local`` runs one in
+this process. Neither raises on a scorer's error: the reward is 0 and the error is counted, and
+``check_scoring`` turns a round's counts into a warning, or a UserError past ``reward.max_failure_rate``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import UserError
 from .countdown import countdown_reward
 from .gsm8k import gsm8k_reward
 from .math_answer import math_reward
-from .pool import RewardPool, ScoreResult
+from .pool import RewardPool, ScoreResult, one_line
 
 Scorer = Callable[[str, str], float]
 
@@ -51,40 +52,108 @@ def get(name: str) -> Scorer:
 
     Raises:
         UserError: unknown name, a reasoning-gym task that does not exist, or a ``module:function``
-            that cannot be imported or is not callable.
+            whose module is missing or raises on import (any exception, or ``sys.exit``), or that
+            is missing or not callable. The message is one line and names the module.
     """
     if name in BUILTIN:
         return BUILTIN[name]
     if name.startswith("rg:"):
         return ReasoningGymScorer(name[3:])
     if ":" in name:
-        mod, _, fn = name.partition(":")
-        try:
-            f = getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"cannot load reward function {name!r}: {e}") from None
-        if not callable(f):
-            raise UserError(f"reward {name!r} is not callable")
-        return f
+        return _user_function(name)
     raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
 
 
-def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> tuple[list[float], int]:
-    """Score each completion in this process; a scorer that raises or returns a non-finite value gives 0.
+def _user_function(name: str) -> Scorer:
+    mod, _, fn = name.partition(":")
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (mod == e.name or mod.startswith(e.name + ".")):
+            raise UserError(f"reward {name!r}: no module named {e.name!r}; check the spelling, or put its "
+                            "directory on PYTHONPATH") from None
+        raise UserError(f"reward {name!r}: importing module {mod!r} failed: {one_line(str(e))}; install "
+                        f"{e.name!r} or fix the import") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - any error (or sys.exit) in user code at import is bad input
+        raise UserError(f"reward {name!r}: importing module {mod!r} raised {type(e).__name__}: "
+                        f"{one_line(str(e), 200)}; fix the module") from None
+    f = getattr(module, fn, None)
+    if f is None:
+        raise UserError(f"reward {name!r}: module {mod!r} has no {fn!r}; name a function as module:function")
+    if not callable(f):
+        raise UserError(f"reward {name!r} is not callable")
+    return f
 
-    Returns (rewards, number of errors). Rewards are clamped to [0, 1]. No time limit: use
-    ``RewardPool`` for that.
+
+def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, str, str | None]:
+    """Score one completion in this process: ``(reward, status, cause)``.
+
+    ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it) or
+    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-number or a non-finite
+    value; the reward is 0). ``cause`` is a one-line description for ``"error"``, else None.
+    Only KeyboardInterrupt propagates.
     """
-    out, errors = [], 0
+    try:
+        v = float(scorer(completion, reference))
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - sys.exit() in a scorer must not end the run silently
+        return 0.0, "error", one_line(f"{type(e).__name__}: {e}")
+    if not math.isfinite(v):
+        return 0.0, "error", f"the scorer returned {v}"
+    if 0.0 <= v <= 1.0:
+        return v, "ok", None
+    return min(1.0, max(0.0, v)), "clamped", None
+
+
+def score_local(scorer: Scorer, completions: list[str], references: list[str]) -> ScoreResult:
+    """Score each completion in this process with ``score_one``, counting errors and clamped rewards (no time limit)."""
+    res = ScoreResult([], 0, 0)
     for c, r in zip(completions, references):
-        try:
-            v = float(scorer(c, r))
-            if not math.isfinite(v):
-                raise ValueError("non-finite reward")
-        except Exception:
-            v, errors = 0.0, errors + 1
-        out.append(min(1.0, max(0.0, v)))
-    return out, errors
+        v, status, cause = score_one(scorer, c, r)
+        res.rewards.append(v)
+        res.errors += status == "error"
+        res.clamped += status == "clamped"
+        res.last_error = cause or res.last_error
+    return res
 
 
-__all__ = ["BUILTIN", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "get", "score_all"]
+def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, where: str,
+                  n: int | None = None) -> str | None:
+    """Judge one round of scoring: None if clean, a one-line warning if anything failed or was clamped.
+
+    Args:
+        result: the round's scores (add up several ``ScoreResult`` with ``+``).
+        scorer: the reward name, for the message.
+        max_failure_rate: ``reward.max_failure_rate``, a fraction in [0, 1].
+        where: what was scored, e.g. ``"round 12"``, for the message.
+        n: completions scored (default ``len(result.rewards)``).
+
+    Raises:
+        UserError: (errors + timeouts) / n is above ``max_failure_rate``; the message names the
+            counts, the scorer, its last error and the config keys to change.
+    """
+    n = len(result.rewards) if n is None else n
+    failed = result.errors + result.timeouts
+    if n <= 0 or failed + result.clamped == 0:
+        return None
+    last = f"; last error: {result.last_error}" if result.last_error else ""
+    counts = f"{result.errors} errors and {result.timeouts} timeouts in {n} completions"
+    if failed / n > max_failure_rate:
+        raise UserError(f"{where}: reward {scorer!r} failed on {failed / n:.0%} of completions ({counts}), above "
+                        f"reward.max_failure_rate={max_failure_rate:g}{last}; fix the scorer, or raise "
+                        "reward.timeout_s or reward.max_failure_rate")
+    clamped = f", {result.clamped} rewards clamped into [0, 1]" if result.clamped else ""
+    return f"{where}: reward {scorer!r}: {counts} (scored 0){clamped}{last}"
+
+
+def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> tuple[list[float], int]:
+    """``score_local``'s rewards and error count, as ``(rewards, errors)``; kept for existing callers."""
+    res = score_local(scorer, completions, references)
+    return res.rewards, res.errors
+
+
+__all__ = ["BUILTIN", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
+           "score_all", "score_local", "score_one"]

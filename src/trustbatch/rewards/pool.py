@@ -3,59 +3,207 @@
 A scorer that raises, returns a non-finite value, kills its process or runs past ``timeout_s``
 gives reward 0; the pool counts each case, replaces a dead or hung worker, and goes on.
 Workers build the scorer from its name (``rewards.get``), so user functions need only be importable.
+
+Workers die with the process that made them, however it ends (kill -9 included): on Linux the
+kernel sends them SIGKILL (``PR_SET_PDEATHSIG``); elsewhere, and as a fallback, each worker sees
+its pipe close or its parent change and exits. They ignore SIGINT, which the parent handles.
+What a scorer prints goes to a per-worker file, not the terminal; its last ``OUTPUT_TAIL`` bytes
+come back with the error of a failed completion.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
+_PARENT_CHECK_S = 1.0  # how often an idle or busy worker checks that its parent is alive
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+# Parent ends of every live worker pipe in this process. A forked worker inherits them all and
+# must close them: a worker holding another worker's parent end keeps that pipe open after the
+# parent dies, and the other worker would never see end-of-file.
+_PARENT_ENDS: set = set()
+
 
 @dataclass
 class ScoreResult:
     rewards: list[float]  # one per completion, in [0, 1]
-    errors: int  # scorer raised, returned a non-finite value, or its process died
+    errors: int  # scorer raised (or exited), returned a non-finite value or a non-number, or its process died
     timeouts: int  # scorer ran past the time limit
+    clamped: int = 0  # finite rewards outside [0, 1], clamped into it
+    last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
+
+    def __add__(self, other: "ScoreResult") -> "ScoreResult":
+        """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
+        return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
+                           self.clamped + other.clamped, other.last_error or self.last_error)
 
 
-def _worker(name: str, conn) -> None:
-    from . import get, score_all
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` with its whitespace runs (newlines included) collapsed to one space, cut to ``limit`` characters
+    (the end is kept: a traceback's last line names the error)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else "…" + flat[-(limit - 1):]
 
-    scorer = get(name)
+
+def _read_tail(fd: int | None) -> str:
+    if fd is None:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, min(size, OUTPUT_TAIL), max(0, size - OUTPUT_TAIL)).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _with_output(cause: str, output: str) -> str:
+    output = one_line(output, 200)
+    return f"{cause}; scorer output: {output}" if output else cause
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a worker: be killed when the parent dies, and watch for it where the kernel cannot help."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            # The signal is sent when the thread that forked this process exits; RewardPool
+            # documents that it must be used from a thread that lives as long as the pool.
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+    def watch() -> None:  # also covers a scorer that hangs while the parent is gone (non-Linux)
+        while True:
+            time.sleep(_PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="trustbatch-parent-watch").start()
+
+
+def _redirect_output(out_fd: int | None) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C code too) to ``out_fd``."""
+    if out_fd is None:
+        return
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    # New text streams: the inherited ones may hold the parent's unflushed output.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
+def _rewind_output(out_fd: int | None) -> str:
+    """Flush, return the tail of what the last completion's scorer printed, and empty the file (bounded size)."""
+    if out_fd is None:
+        return ""
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except (OSError, ValueError):
+            pass
+    tail = _read_tail(out_fd)
+    os.ftruncate(out_fd, 0)
+    os.lseek(out_fd, 0, os.SEEK_SET)  # fds 1, 2 and out_fd share this offset
+    return tail
+
+
+def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent around start()
+    for c in [parent_end, *_PARENT_ENDS]:
+        c.close()
+    _die_with_parent(parent_pid)
+    _redirect_output(out_fd)
+
+    from . import get, score_one
+
+    try:
+        scorer, load_error = get(name), None
+    except BaseException as e:  # noqa: BLE001 - reported with every completion instead of a silent death
+        scorer, load_error = None, one_line(f"{type(e).__name__}: {e}")
+    _rewind_output(out_fd)
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent closed the pipe or died
+            return
         if msg is None:
             return
         i, completion, reference = msg
-        (v,), errors = score_all(scorer, [completion], [reference])  # same validation and clamping in-process
-        conn.send((i, v, errors == 0))
+        if scorer is None:
+            v, status, cause = 0.0, "error", f"the scorer failed to load in the worker: {load_error}"
+        else:
+            v, status, cause = score_one(scorer, completion, reference)  # the same checks as in-process
+        output = _rewind_output(out_fd)
+        conn.send((i, v, status, _with_output(cause, output) if status == "error" else None))
 
 
 class _Worker:
     def __init__(self, ctx, name: str):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(name, child), daemon=True)
-        self.proc.start()
+        forked = ctx.get_start_method() == "fork"
+        # Only a forked child inherits this descriptor; a spawned one leaves its output on the terminal.
+        self.out = tempfile.TemporaryFile() if forked else None
+        out_fd = self.out.fileno() if self.out else None
+        self.proc = ctx.Process(target=_worker, args=(name, child, self.conn, os.getpid(), out_fd), daemon=True)
+        # SIGINT stays blocked from fork until the child ignores it, so a Ctrl-C in between cannot
+        # print a KeyboardInterrupt traceback from the child. The mask is per thread and restored.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+        try:
+            self.proc.start()
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
+        _PARENT_ENDS.add(self.conn)
         self.job: tuple[int, float] | None = None  # (completion index, deadline)
 
-    def kill(self) -> None:
-        self.proc.kill()
+    def output(self) -> str:
+        """The tail of what the scorer printed during the current completion (for a worker that died or hung)."""
+        return _read_tail(self.out.fileno()) if self.out else ""
+
+    def close(self, kill: bool) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(1)
+            if self.proc.is_alive():
+                self.proc.kill()
         self.proc.join(5)
+        _PARENT_ENDS.discard(self.conn)
         self.conn.close()
+        if self.out:
+            self.out.close()
 
 
 class RewardPool:
     """Score completions with the scorer ``name`` in ``workers`` processes, each call limited to ``timeout_s`` seconds.
 
     ``workers=0`` scores in this process with the same parsing (``rewards.get``) and no time limit.
-    Use as a context manager, or call ``close``.
+    Use as a context manager, or call ``close``. Workers start lazily, from the thread that calls
+    ``score``; on Linux a worker is killed when that thread ends, so score from a thread that
+    outlives the pool (the main thread, or a long-lived scoring thread).
 
     Raises:
-        UserError: at construction, if ``name`` is not a known scorer (checked in this process first).
+        UserError: at construction, if ``name`` is not a known scorer or its module fails to
+            import (checked in this process first).
     """
 
     def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0):
@@ -73,17 +221,19 @@ class RewardPool:
             self._pool.append(_Worker(self._ctx, self.name))
 
     def score(self, completions: list[str], references: list[str]) -> ScoreResult:
-        """Rewards for ``completions[i]`` against ``references[i]``, in order."""
+        """Rewards for ``completions[i]`` against ``references[i]``, in order; failures give 0 and are counted.
+
+        Raises:
+            ValueError: the two lists differ in length (a caller's bug).
+        """
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         if self.workers == 0:
-            from . import score_all
+            from . import score_local
 
-            rewards, errors = score_all(self._local, completions, references)
-            return ScoreResult(rewards, errors, 0)
+            return score_local(self._local, completions, references)
         self._ensure_workers()
-        out = [0.0] * len(completions)
-        errors = timeouts = 0
+        res = ScoreResult([0.0] * len(completions), 0, 0)
         todo = deque(range(len(completions)))
         while todo or any(w.job for w in self._pool):
             for w in self._pool:
@@ -99,30 +249,32 @@ class RewardPool:
                     continue
                 if w.conn in ready:
                     try:
-                        i, v, ok = w.conn.recv()
-                        out[i] = v
-                        errors += not ok
+                        i, v, status, cause = w.conn.recv()
+                        res.rewards[i] = v
+                        res.errors += status == "error"
+                        res.clamped += status == "clamped"
+                        res.last_error = cause or res.last_error
                         w.job = None
                         continue
                     except (EOFError, OSError):  # the scorer took its process down
-                        errors += 1
+                        res.errors += 1
+                        w.proc.join(1)
+                        code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
+                        res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
                 elif time.monotonic() < w.job[1]:
                     continue
                 else:
-                    timeouts += 1
-                w.kill()
+                    res.timeouts += 1
+                    res.last_error = _with_output(f"the scorer ran past reward.timeout_s={self.timeout_s:g} s",
+                                                  w.output())
+                w.close(kill=True)
                 self._pool[k] = _Worker(self._ctx, self.name)
-        return ScoreResult(out, errors, timeouts)
+        return res
 
     def close(self) -> None:
+        """Stop the workers (each gets 1 s to exit, then is killed)."""
         for w in self._pool:
-            try:
-                w.conn.send(None)
-            except OSError:
-                pass
-            w.proc.join(1)
-            if w.proc.is_alive():
-                w.proc.kill()
+            w.close(kill=False)
         self._pool.clear()
 
     def __enter__(self) -> "RewardPool":
