@@ -187,7 +187,7 @@ def test_generic_jsonl_fields_and_bad_files(tmp_path, monkeypatch):
     b = load_benchmark(str(f), prompt_field="q", answer_field="a")
     assert b.format == "jsonl" and b.reward == "math"
     assert [(e.prompt, e.reference) for e in b.examples] == [("What is 2+2?", "4"), ("1+1?", "2")]
-    with pytest.raises(UserError, match="lacks field"):
+    with pytest.raises(UserError, match="line 1: the row has no prompt field .question."):
         load_benchmark(str(f), prompt_field="question", answer_field="a")
     with pytest.raises(UserError, match="cannot tell the format"):
         load_benchmark(str(f))

@@ -9,15 +9,22 @@ The format is detected from the first row's fields, or named:
 Each format brings its prompt instruction and its default reward. Names such as ``gsm8k`` or
 ``math500`` resolve to ``DATA_DIR/<name>/test.jsonl`` (``--data-dir`` or ``$TRUSTBATCH_DATA``);
 ``hf:PATH[:CONFIG]:SPLIT`` loads a ``datasets`` split where a hub is reachable.
+
+Bad rows end the load with a UserError naming the file and line (not UTF-8, not JSON, a missing,
+null or empty prompt or answer, an answer the format cannot read). A row whose prompt repeats an
+earlier row's is skipped, counted (``Benchmark.duplicates``) and reported by a warning on the
+``trustbatch`` logger, so that no prompt counts twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Sequence
 
 from ..errors import UserError
 from .tasks import Example
@@ -35,6 +42,7 @@ KNOWN = {  # benchmark name -> file under the data directory
     "aime24": "aime2024/test.jsonl", "amc2023": "amc2023/test.jsonl", "amc23": "amc2023/test.jsonl",
     "countdown": "countdown/test.jsonl",
 }
+log = logging.getLogger("trustbatch.data")
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Benchmark:
     format: str  # gsm8k | math | countdown | jsonl
     reward: str  # default scorer name for trustbatch.rewards.get
     examples: list[Example]
+    duplicates: int = 0  # rows skipped because their prompt repeats an earlier row's
 
 
 def detect_format(row: dict) -> str:
@@ -63,34 +72,61 @@ def _clean_gsm8k_solution(text: str) -> str:
     return re.sub(r"<<[^>]*>>", "", text)  # the dataset's calculator annotations
 
 
+def _field(row: dict, name: str, what: str, hint: str = "") -> str:
+    """``row[name]`` as stripped text; UserError if it is missing, null, empty or not a string or number."""
+    if name not in row:
+        raise UserError(f"the row has no {what} field {name!r} (fields: {sorted(row)}){hint}")
+    v = row[name]
+    if v is None or isinstance(v, (bool, dict, list)) or not str(v).strip():
+        shown = "null" if v is None else repr(v)
+        raise UserError(f"the {what} field {name!r} is {shown}, not text or a number; fix or remove the row")
+    return v if isinstance(v, str) else str(v)
+
+
 def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_field: str | None = None) -> Example:
-    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration."""
+    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration.
+
+    Raises:
+        UserError: a missing, null or empty prompt or answer, or an answer the format cannot read
+            (GSM8K without ``#### N``, Countdown numbers that are not integers). The message does not
+            name the file; ``load_benchmark`` adds it.
+    """
     from ..rewards.countdown import solve
     from ..rewards.gsm8k import gsm8k_answer
     from ..rewards.math_answer import gold_text
 
     if fmt == "gsm8k":
-        gold = gsm8k_answer(row["answer"]) or ""
-        return Example(row["question"] + GSM8K_INSTRUCTION, gold, _clean_gsm8k_solution(row["answer"]))
+        question, answer = _field(row, "question", "prompt"), _field(row, "answer", "answer")
+        gold = gsm8k_answer(answer)
+        if gold is None:
+            raise UserError(f"the answer {answer[-40:]!r} has no final number (GSM8K answers end '#### N'); "
+                            "fix the row or pass format=math")
+        return Example(question + GSM8K_INSTRUCTION, gold, _clean_gsm8k_solution(answer))
     if fmt == "math":
-        gold = gold_text(row["answer"])
+        problem = _field(row, "problem", "prompt")
+        _field(row, "answer", "answer")
+        gold = gold_text(row["answer"])  # keeps AMC's 27.0 as 27
         demo = row.get("solution") or ""
         if "\\boxed" not in demo:  # AIME solutions often end without one; the demo must show the format
             demo = (demo + "\n" if demo else "") + f"The final answer is $\\boxed{{{gold}}}$."
-        return Example(row["problem"] + MATH_INSTRUCTION, gold, demo)
+        return Example(problem + MATH_INSTRUCTION, gold, demo)
     if fmt == "countdown":
-        numbers = [int(x) for x in str(row["input"]).split(",")]
-        target = int(row["output"])
+        numbers_text, target_text = _field(row, "input", "numbers"), _field(row, "output", "target")
+        try:
+            numbers = [int(x) for x in numbers_text.split(",")]
+            target = int(target_text)
+        except ValueError:
+            raise UserError(f"Countdown rows need integers: input {numbers_text!r} (comma-separated) and output "
+                            f"{target_text!r}; fix the row") from None
         expr = solve(numbers, target)
         ref = json.dumps({"numbers": numbers, "target": target})
         return Example(COUNTDOWN_PROMPT.format(numbers=numbers, target=target), ref,
                        f"<answer> {expr} </answer>" if expr else "<answer> </answer>")
     if fmt == "jsonl":
         pf, af = prompt_field or "prompt", answer_field or "answer"
-        if pf not in row or af not in row:
-            raise UserError(f"a row lacks field {pf if pf not in row else af!r} (fields: {sorted(row)}); "
-                            "set prompt_field=... and answer_field=...")
-        return Example(str(row[pf]), gold_text(row[af]), str(row[af]))
+        hint = "; set prompt_field=... and answer_field=..."
+        prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
+        return Example(prompt, gold_text(row[af]), answer)
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
 
 
@@ -111,19 +147,25 @@ def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
     raise UserError(f"{name_or_path!r} is neither a file nor a known benchmark ({', '.join(sorted(KNOWN))})")
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> list[tuple[str, dict]]:
+    """``(where, row)`` for each non-blank line, ``where`` being ``"'FILE' line N"``."""
     rows = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{str(path)!r} line {n} is not valid JSON ({e.msg}); the file must be JSON Lines") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{str(path)!r} line {n} is not a JSON object")
-            rows.append(row)
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        where = f"{str(path)!r} line {n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                            "save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} is not valid JSON ({e.msg}); the file must be JSON Lines") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object")
+        rows.append((where, row))
     if not rows:
         raise UserError(f"{str(path)!r} holds no rows")
     return rows
@@ -149,37 +191,72 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
                    limit: int | None = None) -> Benchmark:
     """Load a benchmark or training file into Examples.
 
+    ``limit`` keeps the first ``limit`` distinct prompts. A row whose prompt repeats an earlier
+    row's is skipped and counted in ``duplicates``, with a warning on the ``trustbatch.data`` logger.
+
     Raises:
-        UserError: missing file, invalid JSON, unknown format or missing fields.
+        UserError: missing file, a line that is not UTF-8 or not JSON, unknown format, a missing,
+            null or empty field, an unreadable answer; one line naming the file and line.
     """
     if name_or_path.startswith("hf:"):
-        rows, name = _hub_rows(name_or_path[3:]), name_or_path
+        rows = [(f"{name_or_path!r} row {i}", r) for i, r in enumerate(_hub_rows(name_or_path[3:]), 1)]
+        name, source = name_or_path, name_or_path
     else:
         path = resolve(name_or_path, data_dir)
         rows = _read_rows(path)
         name = name_or_path if name_or_path in KNOWN else path.parent.name if path.stem in ("test", "train") else path.stem
-    if limit is not None:
-        rows = rows[:limit]
+        source = str(path)
     fmt = format
     if fmt == "auto":
-        fmt = "jsonl" if prompt_field or answer_field else detect_format(rows[0])
-    examples = [to_example(r, fmt, prompt_field, answer_field) for r in rows]
-    return Benchmark(name=name, format=fmt, reward=REWARD_OF_FORMAT.get(fmt, "math"), examples=examples)
+        try:
+            fmt = "jsonl" if prompt_field or answer_field else detect_format(rows[0][1])
+        except UserError as e:
+            raise UserError(f"{rows[0][0]}: {e}") from None
+    examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit)
+    if dups:
+        different = sum(d for _, d in dups)
+        log.warning(f"warning: {source}: skipped {len(dups)} rows whose prompt repeats an earlier row's (the first: "
+                    f"{dups[0][0]}; {different} of them with a different answer); {len(examples)} distinct prompts kept")
+    return Benchmark(name=name, format=fmt, reward=REWARD_OF_FORMAT.get(fmt, "math"), examples=examples,
+                     duplicates=len(dups))
+
+
+def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field: str | None,
+                       answer_field: str | None, limit: int | None) -> tuple[list[Example], list[tuple[str, bool]]]:
+    """Examples of the first ``limit`` distinct prompts, and ``(where, different answer?)`` of each repeat skipped."""
+    examples: list[Example] = []
+    first: dict[str, Example] = {}
+    dups: list[tuple[str, bool]] = []
+    for where, row in rows:
+        if limit is not None and len(examples) >= limit:
+            break
+        try:
+            e = to_example(row, fmt, prompt_field, answer_field)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+        if e.prompt in first:
+            dups.append((where, first[e.prompt].reference != e.reference))
+            continue
+        first[e.prompt] = e
+        examples.append(e)
+    return examples, dups
 
 
 def load_file_task(data_cfg) -> "TaskSplit":
     """A train/held-out split from ``data.train`` (and ``data.heldout``), disjoint by prompt text.
 
-    Without a held-out file the first ``heldout_size`` distinct train rows are held out. Raises
-    UserError when nothing is left to train on.
+    Without a held-out file the first ``heldout_size`` distinct train rows are held out. Repeated
+    prompts within a file are skipped with a warning (``load_benchmark``).
+
+    Raises:
+        UserError: a bad file or row (see ``load_benchmark``), or nothing left to train on.
     """
     from .tasks import TaskSplit
 
     kw = dict(data_dir=data_cfg.dir, format=data_cfg.format, prompt_field=data_cfg.prompt_field,
               answer_field=data_cfg.answer_field)
     train = load_benchmark(data_cfg.train, **kw)
-    seen: set[str] = set()
-    pool = [e for e in train.examples if not (e.prompt in seen or seen.add(e.prompt))]
+    pool = train.examples  # distinct prompts already
     if data_cfg.heldout:
         heldout = load_benchmark(data_cfg.heldout, limit=data_cfg.heldout_size, **kw).examples
         held = {e.prompt for e in heldout}
@@ -191,3 +268,42 @@ def load_file_task(data_cfg) -> "TaskSplit":
         raise UserError(f"{data_cfg.train!r} has no rows left for training after holding out {len(heldout)}; "
                         "lower data.heldout_size or give data.heldout=FILE")
     return TaskSplit(name=train.name, reward=train.reward, train=rest, heldout=heldout)
+
+
+def fit_prompts(lengths: Sequence[int], *, context: int | None, max_new_tokens: int,
+                where: str) -> tuple[list[int], str | None]:
+    """Which prompts leave room for ``max_new_tokens`` in a model's context; the rest are to be skipped.
+
+    A prompt of ``L`` tokens fits when ``L + max_new_tokens <= context``. Beyond the context a
+    model's positions are out of its trained range (RoPE) or out of its table (learned positions:
+    an index error mid-run), so the caller drops the others and shows the warning.
+
+    Args:
+        lengths: prompt lengths in tokens (as encoded for the model, chat template included).
+        context: the model's context in tokens (``config.max_position_embeddings``); None: no limit known.
+        max_new_tokens: the completion budget in tokens.
+        where: what is checked, for the messages (e.g. ``"gsm8k"`` or ``"training data"``).
+
+    Returns:
+        (indices of the prompts that fit, in order; a one-line warning naming the count skipped, or None).
+
+    Raises:
+        UserError: ``max_new_tokens`` alone fills the context, or no prompt fits.
+    """
+    if context is None:
+        return list(range(len(lengths))), None
+    budget = context - max_new_tokens
+    if budget < 1:
+        raise UserError(f"{where}: max_new_tokens={max_new_tokens} fills the model's context of {context} tokens; "
+                        f"lower max_new_tokens (rollout.max_new_tokens or --max-new-tokens) below {context}")
+    keep = [i for i, n in enumerate(lengths) if n <= budget]
+    skipped = len(lengths) - len(keep)
+    if lengths and not keep:
+        raise UserError(f"{where}: none of the {len(lengths)} prompts fits in {budget} tokens (the model's context "
+                        f"of {context} minus max_new_tokens={max_new_tokens}; the shortest has {min(lengths)}); "
+                        "lower max_new_tokens or use a model with a longer context")
+    if not skipped:
+        return keep, None
+    return keep, (f"warning: {where}: skipped {skipped} of {len(lengths)} prompts longer than {budget} tokens (the "
+                  f"model's context of {context} minus max_new_tokens={max_new_tokens}); lower max_new_tokens to "
+                  "keep them")

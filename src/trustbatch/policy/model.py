@@ -6,6 +6,7 @@ local HF directory loads with ``from_pretrained``; no hub is contacted (``local_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,33 +41,107 @@ class Policy:
         self.tokenizer.save_pretrained(path)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
     """Load an HF causal LM and tokenizer from a local directory.
 
-    A tokenizer without a pad token pads with EOS (stories260K has none).
+    A tokenizer without a pad token pads with EOS (stories260K has none). Loading is checked, so
+    that a broken directory never yields a silently different model: every tensor the config
+    asks for must be in the weights with its shape, no weight may be left over, every weight
+    must be finite, and the tokenizer's ids must fit the embedding.
 
     Raises:
-        UserError: the directory is missing or holds no loadable model or tokenizer.
+        UserError: one line naming the directory and the cause: it is missing or not a model
+            directory, its tokenizer is missing or unreadable, its weights are missing, truncated
+            or corrupt, or config.json does not match the weights or the tokenizer.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path).expanduser()
+    where = repr(str(p))
     if not p.is_dir():
-        raise UserError(f"model path {str(p)!r} does not exist; give a local Hugging Face model directory (model.path=DIR)")
+        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory (model.path=DIR)")
     if not (p / "config.json").exists():
-        raise UserError(f"{str(p)!r} has no config.json; it is not a Hugging Face model directory")
+        raise UserError(f"{where} has no config.json; it is not a Hugging Face model directory")
     try:
-        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the model in {str(p)!r}: {str(e).splitlines()[0]}") from None
+        config = json.loads((p / "config.json").read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"model directory {where}: config.json is not valid JSON ({_cause(e)}); copy it again") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"model directory {where}: config.json names no model_type; it is not a Hugging Face model's config")
+    if not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise UserError(f"model directory {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                        "copy the model's tokenizer files into it")
+    with _quiet_transformers():
+        try:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure here is a bad directory, said in one line
+            raise UserError(f"cannot load the tokenizer in {where}: {_cause(e)}; copy the model's tokenizer "
+                            "files again") from None
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                p, local_files_only=True, dtype=dtype, output_loading_info=True,
+                ignore_mismatched_sizes=True)  # reported below with the tensor's name, not as a bare RuntimeError
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"cannot load the model in {where}: {_cause(e)}; check that config.json and the weights "
+                            "are complete (copy the directory again)") from None
+    _check_loaded(where, model, info, tok)
     if tok.eos_token_id is None:
-        raise UserError(f"the tokenizer in {str(p)!r} has no EOS token; completions could never end")
+        raise UserError(f"the tokenizer in {where} has no EOS token; completions could never end")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     model.config.pad_token_id = tok.pad_token_id
     return Policy(model=model, tokenizer=tok, eos_id=int(tok.eos_token_id), pad_id=int(tok.pad_token_id))
+
+
+def _cause(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0].rstrip('.') if lines else 'no message'}"
+
+
+class _quiet_transformers:
+    """Silence transformers' load report and progress bar (many lines) while loading; restored after.
+    Whatever they would say, ``_check_loaded`` says in one line."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._log, self._verbosity = hf_logging, hf_logging.get_verbosity()
+        self._bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        self._log.set_verbosity(self._verbosity)
+        if self._bar:
+            self._log.enable_progress_bar()
+
+
+def _check_loaded(where: str, model: torch.nn.Module, info: dict, tok) -> None:
+    """UserError if the weights do not fill the model config.json describes, or the tokenizer does not fit it."""
+    fix = "; config.json and the weights belong to different models: fix config.json or copy the matching weights"
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mismatched:
+        key, in_file, in_config = mismatched[0]
+        raise UserError(f"model directory {where}: {len(mismatched)} weights have other shapes than "
+                        f"config.json gives, e.g. {key} is {list(in_file)} in the weights but {list(in_config)} by "
+                        f"config.json{fix}")
+    for kind, says in (("missing_keys", "lack {n} tensors config.json asks for"),
+                       ("unexpected_keys", "hold {n} tensors config.json has no place for")):
+        keys = sorted(info.get(kind) or [])
+        if keys:
+            raise UserError(f"model directory {where}: the weights {says.format(n=len(keys))}, e.g. {keys[0]}{fix}")
+    for name, t in model.named_parameters():
+        if not torch.isfinite(t).all():
+            raise UserError(f"model directory {where}: weight {name} holds NaN or infinite values; the weights are "
+                            "corrupt, copy them again")
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise UserError(f"model directory {where}: the tokenizer has {len(tok)} tokens but the model's embedding only "
+                        f"{rows} rows; the tokenizer belongs to another model, copy the matching one")
 
 
 def build_small_llama(vocab_size: int, *, hidden: int, layers: int, heads: int, max_len: int, seed: int, tokenizer) -> torch.nn.Module:
