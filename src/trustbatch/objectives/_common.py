@@ -7,9 +7,9 @@ including inf and NaN: they are replaced by 0 *before* any arithmetic, so that 0
 produces NaN in the forward or the backward pass.
 
 No silent NaN or inf: every objective either raises ValueError or returns a finite loss, and a
-finite gradient w.r.t. ``logprobs``. The checks cost no extra host synchronisation beyond the one
-``finish`` already makes for the metrics, except for float16/bfloat16 ``logprobs`` (one in the
-backward pass, see ``_LowPrecisionGradGuard``).
+finite gradient w.r.t. ``logprobs`` (else the backward pass raises ValueError). The forward checks
+cost no host synchronisation beyond the one ``finish`` makes for the metrics; the gradient check
+costs one in the backward pass (``_GradGuard``), where the loss's backward is a few small kernels.
 """
 
 from __future__ import annotations
@@ -146,18 +146,18 @@ class Prepared:
                        log_ratio=z(self.log_ratio))
 
 
-class _LowPrecisionGradGuard(torch.autograd.Function):
-    """Upcast float16/bfloat16 log-probs to float32; in backward, refuse a gradient the input dtype cannot hold.
+class _GradGuard(torch.autograd.Function):
+    """Cast log-probs to the compute dtype; in backward, refuse a gradient the input dtype cannot hold.
 
-    The loss is computed in float32, but autograd casts the gradient back to the input's dtype,
-    where |g| > 65504 (float16) becomes inf without any error. This raises instead: one host
-    synchronisation per backward, for low-precision inputs only.
+    Two overflows escape any forward check: a gradient such as −w·A/(seq_constant·S) at a token
+    with log p = 0 overflows while the loss term (·log p) is 0; and autograd casts the float32
+    gradient back to float16 inputs, where |g| > 65504 becomes inf. Both raise here instead.
     """
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, dtype):
         ctx.in_dtype = x.dtype
-        return x.to(torch.float32)
+        return x.to(dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -166,9 +166,9 @@ class _LowPrecisionGradGuard(torch.autograd.Function):
         if not big <= limit:
             raise ValueError(
                 f"the gradient w.r.t. {ctx.in_dtype} logprobs reaches {big:.3g}, beyond that dtype's range "
-                f"({limit:.3g}); pass float32 logprobs or scale the advantages down"
+                f"({limit:.3g}); scale the advantages down, check num_tokens/seq_constant, or pass float32 logprobs"
             )
-        return g.to(ctx.in_dtype)
+        return g.to(ctx.in_dtype), None
 
 
 def _as_2d(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -229,10 +229,7 @@ def prepare(
         _check_finite("logprobs", logprobs.detach(), mask)
         _check_finite("behavior_logprobs", behavior_logprobs, mask)
         _check_finite("advantages", advantages, mask)
-    if logprobs.dtype in (torch.float16, torch.bfloat16) and logprobs.requires_grad:
-        lp = _LowPrecisionGradGuard.apply(logprobs)
-    else:
-        lp = logprobs.to(dtype)
+    lp = _GradGuard.apply(logprobs, dtype) if logprobs.requires_grad else logprobs.to(dtype)
     lp = torch.where(mask, lp, zero)
     blp = torch.where(mask, behavior_logprobs.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)

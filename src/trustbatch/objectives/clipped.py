@@ -233,7 +233,8 @@ def gspo(
         per_token = per_token * w
     per_token = add_regularizers(per_token, prep, metrics)
     metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
-    metrics["seq_ratio_mean"] = s.mean()
+    rows = prep.mask.any(1, keepdim=True)
+    metrics["seq_ratio_mean"] = (s * rows).sum() / rows.sum().clamp_min(1)  # over non-empty rows
     return finish(aggregate(per_token, prep), metrics, prep)
 
 
