@@ -6,7 +6,7 @@ import math
 import pytest
 
 from trustbatch.config import load_config
-from trustbatch.trainer.loop import train
+from trustbatch.recipes import train
 
 from tiny import TINY
 
@@ -60,7 +60,7 @@ def test_resume_continues_from_last_checkpoint(tmp_path, cache):
 
 
 def test_default_base_is_cached_and_reused(tmp_path, cache):
-    from trustbatch.trainer.loop import prepare_run
+    from trustbatch.recipes import prepare_run
 
     cfg = load_config(None, TINY)
     _, _, _, first = prepare_run(cfg)

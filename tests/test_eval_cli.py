@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trustbatch.config import load_config
-from trustbatch.trainer.loop import train
+from trustbatch.recipes import train
 
 
 def _cli(*args, tmp_path):
@@ -69,7 +69,7 @@ def test_train_on_a_gsm8k_file_with_a_hanging_scorer(tmp_path, shared_dir):
 
 
 def test_data_shorthand_and_heldout_is_disjoint(shared_dir, tmp_path):
-    from trustbatch.trainer.loop import configured_task
+    from trustbatch.recipes import configured_task
 
     f = tmp_path / "d.jsonl"
     rows = [{"question": f"q{i % 30}", "answer": f"#### {i}"} for i in range(40)]  # 30 distinct prompts

@@ -6,7 +6,7 @@ import torch
 from trustbatch.errors import UserError
 from trustbatch.policy import load_policy
 from trustbatch.policy.forward import pack, response_logprobs
-from trustbatch.rollout import TransformersEngine
+from trustbatch.rollout import SamplingParams, TransformersEngine
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def test_stories260k_loads_and_generates(stories):
     ids = stories.encode_prompt("Once upon a time")
     assert ids == [1, 403, 407, 261, 378]  # the ids in shared/models/README.md
     eng = TransformersEngine(stories.model, stories.eos_id, stories.pad_id)
-    ro = eng.generate([ids], 1, max_new_tokens=30, greedy=True)
+    ro = eng.generate([ids], 1, SamplingParams(max_new_tokens=30, greedy=True))
     # the first greedy tokens documented in shared/models/README.md
     assert ro[0].completion_ids[:10] == [432, 383, 286, 261, 376, 298, 315, 421, 395, 317]
 
@@ -28,7 +28,7 @@ def test_behaviour_logprobs_are_log_softmax_of_logits_over_t(stories, temperatur
     torch.manual_seed(0)
     eng = TransformersEngine(stories.model, stories.eos_id, stories.pad_id)
     prompts = [stories.encode_prompt("Once upon a time"), stories.encode_prompt("Lily saw a big dog")]
-    ro = eng.generate(prompts, 3, temperature=temperature, top_p=1.0, max_new_tokens=12)
+    ro = eng.generate(prompts, 3, SamplingParams(temperature=temperature, max_new_tokens=12))
     assert [r.prompt_index for r in ro] == [0, 0, 0, 1, 1, 1]
     packed = pack([r.prompt_ids for r in ro], [r.completion_ids for r in ro], stories.pad_id)
     with torch.no_grad():

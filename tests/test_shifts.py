@@ -8,9 +8,11 @@ import torch
 from trustbatch.config import load_config
 from trustbatch.policy import load_policy
 from trustbatch.policy.forward import pack, response_logprobs
-from trustbatch.rollout import TransformersEngine
-from trustbatch.rollout.shifts import WeightHistory, behaviour_copy
-from trustbatch.trainer.loop import sample_groups, train
+from trustbatch.pipeline.source import sample_groups
+from trustbatch.pipeline.weight_sync import WeightHistory
+from trustbatch.recipes import train
+from trustbatch.rollout import SamplingParams, TransformersEngine
+from trustbatch.rollout.shifts import behaviour_copy
 
 from tiny import TINY
 
@@ -24,6 +26,10 @@ def _run(tmp_path, *extra, steps=3):
     run = tmp_path / "run"
     train(load_config(None, TINY + [f"train.steps={steps}", f"run_dir={run}", "eval.every=100", *extra]))
     return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if json.loads(l)["step"] > 0]
+
+
+def _sampling(ro_cfg):
+    return SamplingParams(temperature=ro_cfg.temperature, top_p=ro_cfg.top_p, max_new_tokens=ro_cfg.max_new_tokens)
 
 
 def _full_forward_logprobs(model, rollouts, pad_id, temperature=1.0):
@@ -47,7 +53,8 @@ def test_temperature_shift_records_log_softmax_of_logits_over_t(shared_dir, temp
                                 "rollout.max_new_tokens=10"]).rollout
     engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     torch.manual_seed(0)
-    ro = sample_groups(engine, None, [policy.encode_prompt(t) for t in ("Once upon a time", "The cat")], ro_cfg)
+    ro = sample_groups(engine, None, [policy.encode_prompt(t) for t in ("Once upon a time", "The cat")],
+                       ro_cfg.group_size, 0.0, _sampling(ro_cfg))
     lp_t, mask = _full_forward_logprobs(policy.model, ro, policy.pad_id, temperature)
     lp_1, _ = _full_forward_logprobs(policy.model, ro, policy.pad_id, 1.0)
     beh = _behaviour(ro, mask.shape[1])
@@ -120,7 +127,8 @@ def test_foreign_fraction_samples_part_of_each_group_from_the_other_model(shared
     own = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     foreign = TransformersEngine(other, policy.eos_id, policy.pad_id)
     torch.manual_seed(0)
-    ro = sample_groups(own, foreign, [policy.encode_prompt(t) for t in ("Once upon a time", "Tom")], ro_cfg)
+    ro = sample_groups(own, foreign, [policy.encode_prompt(t) for t in ("Once upon a time", "Tom")],
+                       ro_cfg.group_size, ro_cfg.foreign_fraction, _sampling(ro_cfg))
     assert [r.prompt_index for r in ro] == [0, 0, 0, 0, 1, 1, 1, 1]
     lp_pol, mask = _full_forward_logprobs(policy.model, ro, policy.pad_id)
     lp_for, _ = _full_forward_logprobs(other, ro, policy.pad_id)

@@ -24,7 +24,7 @@ def train(
 ):
     """Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base."""
     from .config import load_config
-    from .trainer.loop import train as run
+    from .recipes import train as run
 
     if resume and config:
         raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
@@ -45,7 +45,7 @@ def sft(
     from .policy import load_policy
     from .policy.base import default_base, sft_demos
     from .policy.sft import sft as run_sft
-    from .trainer.loop import configured_task, task_key
+    from .recipes import configured_task, task_key
 
     console = Console()
     cfg = load_config(config, overrides)
@@ -212,8 +212,8 @@ def main() -> None:
     except UserError as e:
         print(f"trustbatch: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("trustbatch: interrupted; the last checkpoint is intact (use --resume RUN_DIR)", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"trustbatch: {e or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
         sys.exit(130)
 
 

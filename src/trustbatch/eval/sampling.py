@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..data import Example
+from ..rollout.engine import SamplingParams
 from .passk import pass_at_k
 
 
@@ -48,12 +49,12 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     ``on_progress(prompts_done)`` is called after each chunk of ``chunk_prompts`` prompts.
     """
     n = 1 if greedy else n
+    sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
     correct: list[int] = []
     total, tokens, truncated, errors, timeouts = 0.0, 0, 0, 0, 0
     for s in range(0, len(examples), chunk_prompts):
         part = examples[s:s + chunk_prompts]
-        ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, temperature=temperature,
-                             top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
+        ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
         res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro])
         errors, timeouts = errors + res.errors, timeouts + res.timeouts
         total += sum(res.rewards)

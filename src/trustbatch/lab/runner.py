@@ -35,7 +35,7 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
 
 def build_shared_base(exp: Experiment, console) -> None:
     """Build (or find cached) the default and foreign bases once, before parallel runs would each build them."""
-    from ..trainer.loop import foreign_engine, prepare_run
+    from ..recipes.build import foreign_engine, prepare_run
 
     for arm in exp.arms:
         cfg = load_config(None, exp.overrides(arm, exp.seeds[0]))

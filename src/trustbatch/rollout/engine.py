@@ -1,11 +1,49 @@
-"""The engine protocol. A vLLM engine or a Ray worker pool is one more implementation of it."""
+"""The engine protocol: the behaviour policy that samples completions and records their log-probs.
+
+An engine may live in another process (a rollout worker, a vLLM server), so nothing but token ids,
+floats and named tensors crosses this boundary: ``generate`` takes token ids and returns
+``Rollout`` records, ``load_weights`` takes ``(name, tensor)`` pairs. The learner owns the policy
+version; an engine only copies the version it was given into every sample it produces.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
+
+# The version of an engine that does not sample a version of the policy at all (the lab's foreign
+# model): its samples never count towards staleness.
+NOT_THE_POLICY = -1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: temperature and nucleus (top-p) filtering, or greedy decoding.
+
+    temperature: > 0, divides the logits. top_p: in (0, 1]. max_new_tokens: ≥ 1, EOS included.
+    greedy: argmax decoding (temperature and top_p are ignored; behaviour log-probs are then those
+    of the untempered distribution).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}; "
+                             "use greedy=True for argmax decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -13,8 +51,9 @@ class Rollout:
     """One sampled completion.
 
     completion_ids ends with EOS unless ``truncated``; ``behavior_logprobs`` has one float32 entry
-    per completion token: log-prob under the distribution it was actually sampled from
-    (temperature and top-p applied). ``policy_version`` is the optimizer step of the weights used.
+    per completion token: the log-prob under the distribution it was actually sampled from
+    (temperature and top-p applied). ``policy_version`` is the learner's optimizer-step count of the
+    weights that sampled it (``NOT_THE_POLICY`` for a foreign model).
     """
 
     prompt_index: int
@@ -25,14 +64,20 @@ class Rollout:
     policy_version: int
 
 
-class RolloutEngine(Protocol):
-    version: int
+class Engine(Protocol):
+    """A behaviour policy. Implementations: ``TransformersEngine``; the vLLM engine (issue 11)."""
 
-    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[Rollout]:
-        """Sample ``n`` completions for each prompt; results are grouped: prompt 0's n first."""
+    version: int  # set by the constructor and by load_weights only; copied into every Rollout
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Rollout]:
+        """Sample ``n`` completions for each prompt (token ids); grouped: prompt 0's n first."""
         ...
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Make the behaviour policy equal to ``model``, now at ``version``."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the learner's float weights as policy ``version``.
+
+        ``weights`` is the full named state (tied weights included). An engine that shares the
+        learner's module (same process) accepts an empty iterable: the weights are already in
+        place and only the version moves.
+        """
         ...

@@ -1,4 +1,4 @@
-"""Behaviour-policy shifts for the off-policy lab: lower precision, staleness, foreign models.
+"""Behaviour-policy shifts for the off-policy lab: lower precision (staleness is ``pipeline.weight_sync.LaggedSync``).
 
 Each shift changes only the rollout side; the learner always trains the float32 policy at T = 1.
 The behaviour log-probs recorded by the engine are those of the distribution actually sampled from,
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import OrderedDict
 
 import torch
 
@@ -38,21 +37,3 @@ def behaviour_copy(model: torch.nn.Module, precision: str) -> torch.nn.Module:
             warnings.simplefilter("ignore")  # the eager-mode API is deprecated in favour of torchao, not removed
             return quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
     return m.to(getattr(torch, precision))
-
-
-class WeightHistory:
-    """Snapshots of the policy's weights by version (optimizer step), to serve the policy of k steps ago."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._states: OrderedDict[int, dict] = OrderedDict()
-
-    def record(self, version: int, model: torch.nn.Module) -> None:
-        self._states[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        while len(self._states) > self.keep + 1:
-            self._states.popitem(last=False)
-
-    def at_or_before(self, version: int) -> tuple[int, dict]:
-        """The newest snapshot with version ≤ ``version`` (the oldest kept if none): (its version, state)."""
-        best = max((v for v in self._states if v <= version), default=min(self._states))
-        return best, self._states[best]

@@ -1,4 +1,10 @@
-"""Checkpoints: the policy in HF format plus optimizer state, step and RNG states, written atomically."""
+"""Checkpoints: the policy in HF format plus every state a bit-identical resume needs, written atomically.
+
+``trainer_state.pt`` holds the round, the learner's optimizer, scheduler and policy version, the
+rollout source's prompt sampler, the weight sync's snapshots (lagged sync), and the torch and Python
+random states. A checkpoint is written to a temporary folder and renamed, so a kill at any moment
+leaves the previous checkpoints intact; a checkpoint whose weights are not finite is never written.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,32 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+
 KEEP = 2  # checkpoints kept besides the newest ones being written
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, optimizer, extra: dict | None = None) -> Path:
-    """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path."""
+class NonFiniteWeights(UserError):
+    """The policy's weights hold NaN or inf: the run stops rather than checkpoint them."""
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
+    """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path.
+
+    ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states.
+
+    Raises:
+        NonFiniteWeights: a weight is NaN or inf (nothing is written).
+    """
+    bad = [n for n, p in policy.model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise NonFiniteWeights(f"the policy's weights hold NaN or inf ({bad[0]}); not checkpointing them. "
+                               "Lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -23,10 +46,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, extra: dict | N
         policy.save(tmp)
         torch.save({
             "step": step,
-            "optimizer": optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
-            **(extra or {}),
+            **state,
         }, tmp / "trainer_state.pt")
         if final.exists():
             shutil.rmtree(final)
@@ -39,11 +61,42 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, extra: dict | N
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def clean_temporaries(run_dir: Path) -> int:
+    """Remove temporary checkpoint folders left by a kill during a write. Returns how many."""
+    tmps = list((Path(run_dir) / "checkpoints").glob(".tmp-*"))
+    for t in tmps:
+        shutil.rmtree(t, ignore_errors=True)
+    return len(tmps)
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
     root = Path(run_dir) / "checkpoints"
-    cands = sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists())
+    return sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    cands = checkpoints(run_dir)
     return cands[-1] if cands else None
 
 
 def load_trainer_state(ckpt: Path) -> dict:
     return torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
+
+
+def load_latest(run_dir: Path, load_policy) -> tuple[Path, object, dict] | None:
+    """The newest checkpoint that loads: ``(path, policy, trainer_state)``, or None if there is none.
+
+    A checkpoint that fails to load (corrupt weights or state) is skipped with a warning, and the
+    previous one is tried.
+    """
+    for ckpt in reversed(checkpoints(run_dir)):
+        try:
+            state = load_trainer_state(ckpt)
+            policy = load_policy(ckpt)
+        except Exception as e:  # a torn or corrupt file: torch, safetensors and HF raise many types
+            warnings.warn(f"checkpoint {ckpt.name} does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                          "trying the previous one", stacklevel=2)
+            continue
+        return ckpt, policy, state
+    return None

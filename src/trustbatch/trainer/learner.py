@@ -1,78 +1,78 @@
-"""The learner: one optimizer step over a batch of rollouts, in micro-batches, with a global token mean.
+"""The learner: owns the policy version and the optimizer; turns a rollout batch into optimizer steps.
 
-For P3O with ``ess_scope="batch"`` the ESS must cover the whole optimizer batch (every micro-batch,
-every data-parallel rank) at the current parameters. When the batch is split, a no-grad pass first
-accumulates ``RatioStats`` (Σρ, Σρ², n in float64), all-reduces them, and the resulting ESS is
-passed to the loss of every micro-batch. When the batch is one micro-batch on one rank, the
-loss computes the same ESS from its own inputs and the extra pass is skipped.
+``train_on(batch)`` runs ``epochs × minibatches`` optimizer steps (replay when more than one), after
+taking the proximal snapshot an objective declares it needs. ``step(batch)`` is one optimizer step in
+micro-batches with a global token mean.
+
+What an objective needs comes from its registration (``objectives.spec``), never from its name:
+``batch_stats`` lists the ``RatioStats`` keywords ("ess": π_θ/π_b, "ess_proximal": π_θ/π_prox) that
+must cover the whole optimizer batch. When the batch is split into micro-batches or ranks, a
+no-grad pass accumulates them (Σρ, Σρ², n in float64) over every micro-batch and rank before the
+first backward; with one micro-batch on one rank the loss computes the same values itself.
+
+Data parallel (``trainer.parallel``): every rank receives the same global batch and trains on its
+shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
+world size (DDP averages gradients), and every rank runs the same number of micro-batches (empty
+ones padded in), so no collective is left waiting.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import objectives
 from ..objectives import RatioStats
-from ..policy.forward import Packed, response_logprobs
-
-
-@dataclass
-class TrainBatch:
-    """Tensors of one optimizer step. Response tensors are ``[B, C]``."""
-
-    packed: Packed
-    behavior_logprobs: torch.Tensor  # [B, C] float32, log π_b at sampling
-    advantages: torch.Tensor  # [B] float32
-    proximal_logprobs: torch.Tensor | None = None  # [B, C], for objectives that need π_prox
-
-    def __len__(self) -> int:
-        return self.advantages.shape[0]
-
-    def select(self, idx) -> "TrainBatch":
-        prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
-        return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx], prox)
-
+from ..pipeline.batch import TrainBatch
+from ..policy.forward import response_logprobs
+from .parallel import World
 
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.
 _ADDITIVE = ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _all_reduce_sum(x: float) -> float:
-    if not _distributed():
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t[0])
+# batch-statistic keyword -> which log-probs the ratio's denominator comes from
+_STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
 
 
 class Learner:
-    """Owns the policy's optimizer and applies the configured objective.
+    """Owns the policy's optimizer and version, and applies the configured objective.
 
     Args:
-        model: the policy module (trained in place).
+        model: the policy module (trained in place; engines that share it see every update).
         objective: a registered objective name (``trustbatch.objectives.names()``).
-        options: keyword options for the objective (e.g. eps_low, kl).
-        ess_scope: "batch", "micro_batch" or "sequence" (P3O family only).
+        options: keyword options for the objective (validated by ``objectives.validate_options``).
+        ess_scope: the tokens a declared batch statistic covers: "batch" (every micro-batch and rank
+            of the optimizer step), "micro_batch" (each micro-batch, summed over ranks) or
+            "sequence" (per row; the objective computes it). Must be in the objective's ``ess_scopes``
+            when it declares batch statistics; ignored otherwise.
+        epochs, minibatches: ``train_on`` makes epochs × minibatches optimizer steps per batch.
+        world: the data-parallel world (default: one process).
+        version: the policy version to start from (optimizer steps taken; restored on resume).
+
+    Raises:
+        ValueError: an unknown objective, invalid options, or a scope the objective does not support.
     """
 
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
-                 ess_scope: str = "batch", warmup_steps: int = 0):
+                 ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
+                 world: World | None = None, version: int = 0):
         self.model = model
-        self.name = objective
-        self.fn = objectives.get(objective)
-        self.options = dict(options or {})
+        self.spec = objectives.spec(objective)
+        self.options = objectives.validate_options(objective, dict(options or {}))
+        if self.spec.batch_stats and ess_scope not in self.spec.ess_scopes:
+            raise ValueError(f"objective {objective!r} supports ess_scope {self.spec.ess_scopes}, not {ess_scope!r}")
+        self.ess_scope = ess_scope
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
-        self.ess_scope = ess_scope
+        self.epochs, self.minibatches = epochs, minibatches
+        self.world = world or World()
+        self.wrapped = self.world.wrap(model)
+        self.version = version
+        # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
+        self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
+        self._pad: TrainBatch | None = None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
         # a large random kick to a warmed-up policy when the policy gradient is noisy.
@@ -80,6 +80,17 @@ class Learner:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
         )
 
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "policy_version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["policy_version"])
+
+    # ---- forward passes without gradient -------------------------------------------------------
     def _chunks(self, n: int) -> list[slice]:
         return [slice(s, min(n, s + self.micro_batch_size)) for s in range(0, n, self.micro_batch_size)]
 
@@ -89,46 +100,99 @@ class Learner:
         return torch.cat([response_logprobs(self.model, batch.packed.select(c))[0] for c in self._chunks(len(batch))])
 
     @torch.no_grad()
-    def batch_ratio_stats(self, batch: TrainBatch) -> RatioStats:
-        """Σρ, Σρ², n over the whole batch at the current θ, summed over data-parallel ranks."""
-        stats = RatioStats.zeros()
+    def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
+        """The declared ``RatioStats`` over the whole (local) batch at the current θ, summed over ranks."""
+        stats = {k: RatioStats.zeros() for k in names}
         for c in self._chunks(len(batch)):
             mb = batch.select(c)
             logp, _ = response_logprobs(self.model, mb.packed)
-            stats = stats + RatioStats.from_logprobs(logp, mb.behavior_logprobs, mb.packed.response_mask)
-        return stats.all_reduce()
+            for k in names:
+                stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
+        return self._sum_stats(stats)
+
+    def _sum_stats(self, stats: dict[str, RatioStats]) -> dict[str, RatioStats]:
+        if self.world.size == 1:
+            return stats
+        flat = self.world.sum([float(x) for s in stats.values() for x in s.to_tensor()])
+        out = {}
+        for i, k in enumerate(stats):
+            s1, s2, n = (torch.tensor(v, dtype=torch.float64) for v in flat[3 * i:3 * i + 3])
+            out[k] = RatioStats(s1, s2, n)
+        return out
+
+    # ---- optimizer steps -----------------------------------------------------------------------
+    def train_on(self, batch: TrainBatch) -> dict[str, float]:
+        """``epochs × minibatches`` optimizer steps on ``batch`` (this rank's shard of it).
+
+        The proximal snapshot (π_θ before this batch's updates) is taken first when the objective
+        declares ``needs_proximal``. Returns the steps' metrics averaged, plus ``optimizer_steps``.
+        """
+        local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
+        self._pad = _empty_like(batch)
+        if self.spec.needs_proximal:
+            local.proximal_logprobs = self.logprobs(local)
+        step_metrics = []
+        for _epoch in range(self.epochs):
+            perm = torch.randperm(len(local))
+            pieces = list(perm.chunk(self.minibatches))
+            # every rank takes the same number of optimizer steps, even with fewer rows than minibatches
+            pieces += [perm[:0]] * (self.minibatches - len(pieces))
+            for mb in pieces:
+                step_metrics.append(self.step(local.select(mb)))
+        m = {k: sum(s[k] for s in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        m["optimizer_steps"] = float(len(step_metrics))
+        return m
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``. Returns metrics (token-weighted means over micro-batches)."""
+        """One optimizer step on ``batch``: metrics are token-weighted means over micro-batches and ranks.
+
+        Raises:
+            ValueError: the objective needs proximal log-probs and the batch has none.
+        """
+        if self.spec.needs_proximal and batch.proximal_logprobs is None:
+            raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
         self.model.train()
+        world = self.world
         mask = batch.packed.response_mask
-        n_tokens = _all_reduce_sum(float(mask.sum()))
-        n_seqs = _all_reduce_sum(float((mask.sum(1) > 0).sum()))
+        n_tokens, n_seqs = world.sum([float(mask.sum()), float((mask.sum(1) > 0).sum())])
         chunks = self._chunks(len(batch))
-        extra: dict = {}
-        if self.name in objectives.USES_BATCH_ESS:
-            if self.ess_scope == "batch" and (len(chunks) > 1 or _distributed()):
-                extra["ess"] = self.batch_ratio_stats(batch)
-            elif self.name == "p3o":
-                extra["ess_scope"] = self.ess_scope
-        if self.name in objectives.NEEDS_PROXIMAL:
-            if batch.proximal_logprobs is None:
-                raise ValueError(f"objective {self.name!r} needs proximal log-probs; the loop must set them")
+        n_chunks = int(world.max([len(chunks)])[0])
+        kw_all: dict = {}
+        per_micro_batch_stats = False
+        if self.spec.batch_stats:
+            if self.ess_scope == "batch" and (n_chunks > 1 or world.size > 1):
+                kw_all.update(self.batch_stats(batch, self.spec.batch_stats))
+            elif self.ess_scope == "micro_batch" and world.size > 1:
+                per_micro_batch_stats = True
+            if self.ess_scope != "batch":
+                kw_all["ess_scope"] = self.ess_scope
 
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
-        for c in chunks:
-            mb = batch.select(c)
+        for i in range(n_chunks):
+            skip_sync = World.no_sync(self.wrapped, skip=i < n_chunks - 1)
+            if i >= len(chunks):
+                # a rank with fewer micro-batches runs empty ones, so that every rank reaches the
+                # same collectives; a zero loss through the forward gives every weight a zero gradient
+                with skip_sync:
+                    pad = self._pad if self._pad is not None else _empty_like(batch)
+                    (response_logprobs(self.wrapped, pad.packed)[0].sum() * 0.0).backward()
+                continue
+            mb = batch.select(chunks[i])
             m = mb.packed.response_mask
-            logp, ent = response_logprobs(self.model, mb.packed, with_entropy=True)
-            kw = dict(extra)
-            if mb.proximal_logprobs is not None and self.name in objectives.NEEDS_PROXIMAL:
-                kw["proximal_logprobs"] = mb.proximal_logprobs
-            if self.ess_scope == "micro_batch" and self.name in objectives.USES_BATCH_ESS and _distributed():
-                kw["ess"] = RatioStats.from_logprobs(logp, mb.behavior_logprobs, m).all_reduce()
-            out = self.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=n_tokens,
-                          num_sequences=n_seqs, **kw, **self.options)
-            out.loss.backward()
+            with skip_sync:
+                logp, ent = response_logprobs(self.wrapped, mb.packed, with_entropy=True)
+                kw = dict(kw_all)
+                if mb.proximal_logprobs is not None and self.spec.needs_proximal:
+                    kw["proximal_logprobs"] = mb.proximal_logprobs
+                if per_micro_batch_stats:
+                    with torch.no_grad():
+                        local = {k: RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), m)
+                                 for k in self.spec.batch_stats}
+                    kw.update(self._sum_stats(local))
+                out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=n_tokens,
+                                   num_sequences=n_seqs, **kw, **self.options)
+                (out.loss if world.size == 1 else out.loss * world.size).backward()
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
@@ -143,10 +207,32 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        local = float(mask.sum())
-        out_m = {k: (v if k in _ADDITIVE else v / max(local, 1.0))
-                 for k, v in sums.items()}
-        out_m.update(maxes)
-        out_m["grad_norm"] = float(grad_norm)
-        out_m["lr"] = self.scheduler.get_last_lr()[0]
-        return out_m
+        self.version += 1
+        for fn in self.on_step:
+            fn(self.version, self.model)
+        return self._reduce_metrics(sums, maxes, float(mask.sum()), float(grad_norm))
+
+    def _reduce_metrics(self, sums: dict, maxes: dict, local_tokens: float, grad_norm: float) -> dict[str, float]:
+        if self.world.size > 1:  # a rank that ran only empty micro-batches has no keys of its own
+            keys = sorted({k for ks in self.world.gather(sorted(sums)) for k in ks})
+            mk = sorted({k for ks in self.world.gather(sorted(maxes)) for k in ks})
+        else:
+            keys, mk = sorted(sums), sorted(maxes)
+        total = self.world.sum([sums.get(k, 0.0) for k in keys] + [local_tokens])
+        # Additive metrics are already per-rank shares of a global quantity: their sum over
+        # ranks is the batch value, but each rank's loss was multiplied by the world size.
+        tokens = total[-1]
+        out = {k: (v if k in _ADDITIVE else v / max(tokens, 1.0)) for k, v in zip(keys, total[:-1])}
+        if self.world.size == 1:  # keep the one-process path's exact float arithmetic
+            out = {k: (v if k in _ADDITIVE else v / max(local_tokens, 1.0)) for k, v in sums.items()}
+        out.update(zip(mk, self.world.max([maxes.get(k, float("-inf")) for k in mk])))
+        out["grad_norm"] = grad_norm
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+
+def _empty_like(batch: TrainBatch) -> TrainBatch:
+    """The first row of ``batch`` with no valid token: a micro-batch that contributes nothing."""
+    mb = batch.select(slice(0, 1))
+    mb.packed.response_mask = torch.zeros_like(mb.packed.response_mask)
+    return mb

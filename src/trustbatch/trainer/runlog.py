@@ -27,19 +27,23 @@ def atomic_write(path: Path, data: bytes | str) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    ``enabled=False`` (data-parallel ranks other than 0) writes nothing.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` and any torn last line (used on resume)."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         keep = []
         for line in self.path.read_text().splitlines():
@@ -52,6 +56,8 @@ class MetricsLog:
         atomic_write(self.path, "".join(k + "\n" for k in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         rec = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -97,6 +103,10 @@ def plot_run(records: list[dict], path: Path, title: str = "") -> None:
             gx, gy = series("heldout_greedy_accuracy")
             ax.plot(gx, gy, marker="s", lw=1.0, ls="--", label="greedy")
             ax.legend(fontsize=8)
+        if key == "ess":
+            # ESS lives in [0, 1]; matplotlib's autoscale would draw 1 − 1e-12 jitter at an offset scale
+            ax.set_ylim(0.0, 1.02)
+            ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("rollout round")
         ax.grid(alpha=0.3)
@@ -109,3 +119,63 @@ def plot_run(records: list[dict], path: Path, title: str = "") -> None:
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     atomic_write(path, buf.getvalue())
+
+
+def log_ratio_histogram(run_dir: Path, step: int, log_ratio, mask) -> None:
+    """Append the histogram of token log-ratios log π_θ/μ (before the round's update) to ``ratios.jsonl``.
+
+    log_ratio, mask: ``[B, C]`` tensors; 80 bins on [−2, 2] (values beyond are put in the end bins).
+    """
+    import torch
+
+    edges = torch.linspace(-2.0, 2.0, 81)
+    x = log_ratio[mask].detach().float().clamp(-2.0, 2.0)
+    counts = torch.histc(x, bins=80, min=-2.0, max=2.0)
+    rec = {"step": step, "edges": [round(e, 4) for e in edges.tolist()], "counts": [int(c) for c in counts.tolist()]}
+    with open(Path(run_dir) / "ratios.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+class Progress:
+    """Round progress: a rich bar on a terminal; a plain line every few rounds otherwise (logs, cluster jobs).
+
+    ``enabled=False`` (data-parallel ranks other than 0) shows nothing.
+    """
+
+    def __init__(self, console, *, total: int, start: int = 0, enabled: bool = True):
+        self.console, self.total, self.enabled = console, total, enabled
+        self.tty = enabled and console.is_terminal
+        # about 20 lines for a whole run, and never fewer than one every 10 rounds
+        self.every = max(1, min(10, total // 20))
+        self._bar = None
+        self._t0 = None
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TextColumn("{task.fields[info]}"), console=console, transient=False)
+            self._task = self._bar.add_task("rl", total=total, completed=start, info="")
+
+    def __enter__(self):
+        import time
+
+        self._t0 = time.time()
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, round_: int, info: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, info=info)
+        elif round_ % self.every == 0 or round_ == self.total:
+            import time
+
+            elapsed = time.time() - (self._t0 or time.time())
+            self.console.print(f"round {round_}/{self.total}  {info}  ({elapsed:.0f} s)", highlight=False)

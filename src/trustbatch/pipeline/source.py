@@ -1,0 +1,170 @@
+"""Rollout sources: where a round's training batch comes from. The loop only calls ``next_batch``.
+
+``SyncSource`` samples on demand, in the trainer's process, from the engine the weight sync keeps
+up to date: G completions per prompt, scored, filtered (DAPO dynamic sampling), shaped (DAPO
+overlong penalty), turned into per-group advantages, packed and tagged with the policy version of
+every row. An asynchronous source or a Ray rollout pool is another implementation of the same
+protocol; the loop cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from ..advantages import group_advantages, overlong_penalty
+from ..rollout.engine import SamplingParams
+from ..trainer.parallel import World
+from .batch import TrainBatch, build_batch
+
+
+class RolloutSource(Protocol):
+    last_metrics: dict[str, float]  # the round's rollout metrics, also when next_batch returns None
+
+    def next_batch(self, learner_version: int) -> TrainBatch | None:
+        """The next round's batch, tagged with policy versions; None when every group was uninformative."""
+        ...
+
+    def on_update(self, learner_metrics: dict[str, float]) -> None:
+        """Told after each round's optimizer steps (an async source may move its staleness bound)."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def sample_groups(engine, foreign, prompts: list[list[int]], group_size: int, foreign_fraction: float,
+                  sampling: SamplingParams) -> list:
+    """G rollouts per prompt, grouped; with a foreign engine, the last round(G·f) of each group are its samples."""
+    G = group_size
+    m = round(G * foreign_fraction) if foreign is not None else 0
+    own = engine.generate(prompts, G - m, sampling)
+    if m == 0:
+        return own
+    alien = foreign.generate(prompts, m, sampling)
+    out = []
+    for i in range(len(prompts)):
+        out += own[i * (G - m):(i + 1) * (G - m)] + alien[i * m:(i + 1) * m]
+    return out
+
+
+class SyncSource:
+    """Sample, score, filter, shape and compute advantages for one round, on demand.
+
+    Args:
+        engine: the behaviour policy (an ``Engine``). foreign: an engine on another model, or None.
+        prompts: token ids of the training prompts; references: their gold answers (same order).
+        pool: a ``RewardPool`` (``score(texts, references)``); decode: token ids -> text.
+        sampling: temperature, top-p, max_new_tokens of the rollouts.
+        group_size: G completions per prompt; prompts_per_step: groups per batch.
+        dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
+        overlong_cache: DAPO overlong shaping zone (tokens), or None.
+        advantage, std: ``advantages.group_advantages`` estimator and std convention.
+        seed: seeds the prompt sampler (its state is saved in checkpoints: ``state_dict``).
+        world: data-parallel world; each rank samples its share of the round's prompts and every rank
+            receives the whole scored round, so every rank makes the same batch decisions.
+        check_round: called as ``check_round(result, n)`` after each scoring call (scorer-failure limits).
+    """
+
+    def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str], *,
+                 sampling: SamplingParams, group_size: int, prompts_per_step: int, pad_id: int, seed: int,
+                 dynamic_sampling: bool = False, max_sampling_rounds: int = 4, overlong_cache: int | None = None,
+                 advantage: str = "zscore", std: str = "population", foreign=None, foreign_fraction: float = 0.0,
+                 world: World | None = None, check_round: Callable | None = None):
+        if not prompts:
+            raise ValueError("the task produced no training prompts; raise task.train_size")
+        self.engine, self.foreign = engine, foreign
+        self.prompts, self.references, self.pool, self.decode = prompts, references, pool, decode
+        self.sampling = sampling
+        self.G, self.P = group_size, prompts_per_step
+        self.pad_id = pad_id
+        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.overlong_cache = overlong_cache
+        self.advantage, self.std = advantage, std
+        self.foreign_fraction = foreign_fraction
+        self.world = world or World()
+        self.check_round = check_round
+        self.rng = random.Random(seed * 1_000_003)
+        self.last_metrics: dict[str, float] = {}
+
+    # ---- state (exact resume) ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"prompt_rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["prompt_rng"])
+
+    def on_update(self, learner_metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # ---- one round -----------------------------------------------------------------------------
+    def _sample_and_score(self, idx: list[int]):
+        """Rollouts for prompts ``idx`` (G each, grouped) and their rewards; every rank gets all of them."""
+        mine = self.world.shard(len(idx)) if self.world.size > 1 else slice(0, len(idx))
+        part = idx[mine]
+        ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
+                           self.foreign_fraction, self.sampling)
+        scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
+                                 [self.references[part[x.prompt_index]] for x in ro])
+        if self.check_round is not None:
+            self.check_round(scored, len(ro))
+        if self.world.size == 1:
+            return ro, scored.rewards, scored.errors, scored.timeouts
+        rollouts, rewards, errors, timeouts = [], [], 0, 0
+        for start, (r, s, e, t) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
+                                       self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts))):
+            for x in r:
+                x.prompt_index += start
+            rollouts += r
+            rewards += s
+            errors, timeouts = errors + e, timeouts + t
+        return rollouts, rewards, errors, timeouts
+
+    def next_batch(self, learner_version: int) -> TrainBatch | None:
+        t0 = time.time()
+        G = self.G
+        rollouts, rew, sampled, errors, timeouts, dropped = [], [], [], 0, 0, 0
+        for _refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+            need = self.P - len(rollouts) // G
+            idx = [self.rng.randrange(len(self.prompts)) for _ in range(need)]
+            new, r, e, t = self._sample_and_score(idx)
+            errors, timeouts = errors + e, timeouts + t
+            sampled += r
+            for j in range(need):  # one group per prompt, G consecutive rollouts
+                g = slice(j * G, (j + 1) * G)
+                if self.dynamic_sampling and len(set(r[g])) < 2:
+                    dropped += 1  # all-equal rewards: zero advantage, no signal (DAPO)
+                    continue
+                rollouts += new[g]
+                rew += r[g]
+            if len(rollouts) // G >= self.P:
+                break
+        self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
+        if not rollouts:
+            return None
+        rew_t = torch.tensor(rew)
+        if self.overlong_cache:
+            lengths = torch.tensor([len(x.completion_ids) for x in rollouts])
+            rew_t = rew_t + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
+        groups = torch.arange(len(rollouts)) // G  # group = position of the group in this batch
+        adv = group_advantages(rew_t, groups, self.advantage, std=self.std)
+        n_tok = sum(len(r.completion_ids) for r in rollouts)
+        self.last_metrics.update(
+            reward_std=float(torch.tensor(sampled).std()),
+            reward_errors=float(errors),
+            reward_timeouts=float(timeouts),
+            response_length=n_tok / len(rollouts),
+            truncated_fraction=sum(r.truncated for r in rollouts) / len(rollouts),
+            foreign_fraction=float(round(G * self.foreign_fraction) / G),
+            rollout_s=time.time() - t0,
+        )
+        return build_batch(rollouts, adv, self.pad_id, self.last_metrics)

@@ -1,0 +1,134 @@
+"""Build a run's parts from the configuration, in one place: task, policy, reward pool, engines, sync, learner, source.
+
+Components take plain arguments; this module is where ``Config`` is read and turned into them. A new
+backend (the vLLM engine, an async source, a Ray learner group) is one more branch here, never in the loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from .. import objectives, rewards
+from ..config import Config
+from ..data import load_task
+from ..data.benchmarks import load_file_task
+from ..errors import UserError
+from ..pipeline.source import SyncSource
+from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
+from ..policy import load_policy
+from ..policy.base import default_base
+from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
+from ..trainer.learner import Learner
+from ..trainer.loop import Parts
+from ..trainer.parallel import World
+
+
+def configured_task(cfg: Config):
+    """The task split that ``cfg.data`` (files) or else ``cfg.task`` (reasoning-gym) describes."""
+    if cfg.data.train:
+        return load_file_task(cfg.data)
+    return load_task(cfg.task.name, train_size=cfg.task.train_size, heldout_size=cfg.task.heldout_size,
+                     seed=cfg.task.seed, params=cfg.task.params)
+
+
+def task_key(cfg: Config) -> dict:
+    """What determines the task's prompts, for the default base's cache key."""
+    return cfg.data.model_dump(mode="json") if cfg.data.train else cfg.task.model_dump(mode="json")
+
+
+def check_objective(cfg: Config) -> None:
+    """Fail before any work when the objective's options or ESS scope are invalid.
+
+    Raises:
+        UserError: one line naming the option and the fix.
+    """
+    try:
+        objectives.validate_options(cfg.objective.name, cfg.objective.options)
+        spec = objectives.spec(cfg.objective.name)
+    except ValueError as e:
+        raise UserError(f"invalid objective.options for {cfg.objective.name!r}: {e}") from None
+    if spec.batch_stats and cfg.train.ess_scope not in spec.ess_scopes:
+        raise UserError(f"objective {cfg.objective.name!r} supports train.ess_scope in {spec.ess_scopes}, "
+                        f"not {cfg.train.ess_scope!r}")
+
+
+def prepare_run(cfg: Config, console=None):
+    """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
+
+    Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
+    """
+    task = configured_task(cfg)
+    pool = rewards.RewardPool(cfg.reward.name or task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+    if cfg.model.path:
+        policy, source = load_policy(cfg.model.path), cfg.model.path
+    else:
+        if console:
+            console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
+        policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
+        source = f"{path} ({'built now' if built else 'cached'})"
+    return task, policy, pool, source
+
+
+def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
+    """An engine on another model that shares the policy's tokenizer (``rollout.foreign_model``); never synced.
+
+    Raises:
+        UserError: the foreign model's tokenizer differs from the policy's.
+    """
+    spec = cfg.rollout.foreign_model
+    if spec == "initial":
+        other = copy.deepcopy(policy.model)  # the frozen starting checkpoint
+    else:
+        if isinstance(spec, dict):
+            foreign_policy, _, _ = default_base(task, task_key(cfg), {**cfg.model.model_dump(mode="json"), **spec})
+        else:
+            foreign_policy = load_policy(spec)
+        if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+            raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
+        other = foreign_policy.model
+    return TransformersEngine(other, policy.eos_id, policy.pad_id, version=NOT_THE_POLICY)
+
+
+@dataclass
+class Built:
+    parts: Parts
+    eval_engine: TransformersEngine  # the learner's own float32 policy, for held-out evaluation
+
+
+def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
+                version: int = 0, check_round=None) -> Built:
+    """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``.
+
+    The behaviour policy is the learner's own module (on-policy float32), or a copy in another
+    precision, or the policy of ``rollout.staleness`` optimizer steps ago (the lab's shifts).
+    """
+    world = world or World()
+    ro, tr = cfg.rollout, cfg.train
+    shifted = ro.precision != "float32" or ro.staleness > 0
+    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
+                                share=not shifted, version=version)
+    learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=tr.lr,
+                      weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
+                      ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs,
+                      minibatches=tr.minibatches, world=world, version=version)
+    if ro.staleness > 0:
+        sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
+        learner.on_step.append(sync.record)
+    elif shifted:
+        sync = CopySync(engine)
+    else:
+        sync = SharedSync(engine)
+    sync.push(policy.model, version)
+    source = SyncSource(
+        engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], pool,
+        policy.decode, sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
+                                               max_new_tokens=ro.max_new_tokens),
+        group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, pad_id=policy.pad_id, seed=tr.seed,
+        dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
+        overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std,
+        foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
+        check_round=check_round,
+    )
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    return Built(Parts(source, learner, sync), eval_engine)

@@ -1,0 +1,87 @@
+"""The run directory: one run per directory (an exclusive lock), and what a resume may change.
+
+The lock is ``RUN_DIR/.lock``, held with ``flock`` for the life of the process and holding the owner's
+pid: the kernel releases it when the owner dies (kill -9 included), so a stale lock never blocks a
+resume, while a live owner always refuses a second run on the same directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+# Keys a resume may change: how long to run and how often to report, not what the run computes.
+RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "threads", "reward.workers", "reward.timeout_s",
+                  "run_dir")
+
+
+class RunLock:
+    """An exclusive lock on a run directory. Use as a context manager.
+
+    Raises:
+        UserError: another live process holds the directory (its pid is named).
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"run directory {str(self.path.parent)!r} is in use by process {owner}; "
+                            "wait for it to finish or give another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in ("task.params", "objective.options", "rollout.foreign_model"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_changes(saved: dict, new: dict) -> list[str]:
+    """The dotted keys whose value differs between the saved and the resumed config (all allowed).
+
+    Raises:
+        UserError: a key outside ``RESUMABLE_KEYS`` changes (the message names it and what may change).
+    """
+    a, b = _flat(saved), _flat(new)
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    refused = [k for k in changed if k not in RESUMABLE_KEYS]
+    if refused:
+        raise UserError(f"--resume cannot change {refused[0]} ({a.get(refused[0])!r} -> {b.get(refused[0])!r}): it "
+                        f"changes what the run computes; start a new run instead (a resume may change "
+                        f"{', '.join(RESUMABLE_KEYS[:-1])})")
+    return changed
+
+
+def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) -> None:
+    """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed."""
+    rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(), "start_round": start_round,
+           "rounds": rounds, "changed": changed}
+    with open(Path(run_dir) / "segments.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")

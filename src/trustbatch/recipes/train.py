@@ -1,0 +1,242 @@
+"""``trustbatch train``: the run directory, resume, the loop's hooks (log, evaluate, checkpoint) and the summary.
+
+A run directory holds one run (an exclusive lock); a resume continues it bit-identically on CPU
+(every random stream and optimizer state is in the checkpoint) and may change only how long it runs
+and how often it reports (``rundir.RESUMABLE_KEYS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import yaml
+
+from ..config import Config, dump_config, load_config
+from ..errors import UserError
+from ..eval import evaluate_heldout
+from ..policy import load_policy
+from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
+from ..trainer.loop import run_loop
+from ..trainer.parallel import World
+from ..trainer.runlog import MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics
+from .build import build_parts, check_objective, foreign_engine, prepare_run
+from .rundir import RunLock, check_resume_changes, record_segment
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a run; the message says how to resume."""
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+class TrainHooks:
+    """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
+
+    def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
+                 world: World):
+        self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
+        self.log, self.progress, self.world = log, progress, world
+
+    def is_eval(self, round_: int) -> bool:
+        return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
+
+    def evaluate(self) -> dict:
+        c = self.cfg
+        return evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
+                                samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
+                                max_new_tokens=c.rollout.max_new_tokens)
+
+    def save(self, round_: int) -> None:
+        parts = self.built.parts
+        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
+        if hasattr(parts.sync, "state_dict"):
+            state["sync"] = parts.sync.state_dict()
+        save_checkpoint(self.run_dir, round_, self.policy, state)
+
+    def before_train(self, round_: int, batch) -> None:
+        if self.world.is_main and (self.is_eval(round_) or round_ == 1):
+            current = self.built.parts.learner.logprobs(batch)
+            log_ratio_histogram(self.run_dir, round_, current - batch.behavior_logprobs, batch.packed.response_mask)
+
+    def after_round(self, round_: int, m: dict) -> None:
+        if not self.world.is_main:
+            return
+        if "skipped_step" in m:
+            self.log.log(round_, m)
+            self.progress.advance(round_, "all groups uninformative: step skipped")
+            return
+        if self.is_eval(round_):
+            m.update(self.evaluate())
+        self.log.log(round_, m)
+        if round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps:
+            self.save(round_)
+        info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
+        if "heldout_accuracy" in m:
+            info += f"  held-out {m['heldout_accuracy']:.3f}"
+        self.progress.advance(round_, info)
+
+
+def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | None):
+    """(cfg, run_dir, changed keys) for a new run or a resume; refuses what would lose or mix records."""
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
+        try:
+            saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+            if not isinstance(saved, dict):
+                raise ValueError("not a mapping")
+        except (yaml.YAMLError, ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is corrupt ({str(e).splitlines()[0]}); "
+                            "restore it or start a new run") from None
+        cfg = load_config(None, overrides, base=saved)
+        changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"))
+        return cfg, run_dir, changed
+    cfg = cfg or load_config()
+    run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
+        raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or another run_dir")
+    return cfg, run_dir, []
+
+
+def train(cfg: Config | None = None, resume: str | None = None, overrides: list[str] | None = None,
+          console=None) -> dict:
+    """Run RL post-training. Returns the summary dict (also written to ``summary.json``).
+
+    ``resume`` continues the run in that directory from its newest intact checkpoint; ``overrides``
+    then apply on top of its saved config (only ``RESUMABLE_KEYS``, e.g. ``train.steps=300``).
+    Under ``torchrun --nproc-per-node N`` every rank runs this; rank 0 alone writes the run directory.
+
+    Raises:
+        UserError: bad configuration, a locked or finished run directory, an invalid resume.
+        RunInterrupted: Ctrl-C or SIGTERM (the last checkpoint is intact).
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    cfg, run_dir, changed = _resolve_run(cfg, resume, overrides)
+    check_objective(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    world = World.from_env()
+    if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
+        raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
+                        "give every rank at least one prompt")
+    lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
+    old_handler = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        with lock:
+            return _train_locked(cfg, run_dir, changed, resume is not None, world, console)
+    except KeyboardInterrupt:
+        raise RunInterrupted(f"interrupted; the last checkpoint is intact: resume with "
+                             f"`trustbatch train --resume {run_dir}`") from None
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+        world.close()
+
+
+def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console) -> dict:
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(run_dir)
+    found = load_latest(run_dir, load_policy) if resuming else None
+    if resuming and found is not None and (run_dir / "summary.json").exists():
+        done = int(found[2]["step"])
+        if cfg.train.steps <= done:
+            raise UserError(f"run {str(run_dir)!r} already finished at round {done}; "
+                            f"raise train.steps (e.g. train.steps={done * 2}) to continue it")
+    if world.is_main:
+        atomic_write(run_dir / "config.yaml", dump_config(cfg.model_copy(update={"run_dir": str(run_dir)})))
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed + world.rank)  # ranks sample different completions
+
+    # ---- task, policy, reward pool, parts -----------------------------------------------------
+    t_start = time.time()
+    task, policy, pool, source = prepare_run(cfg, console)
+    try:
+        foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
+        start = 0
+        state = None
+        if found is not None:
+            ckpt, policy, state = found
+            start = int(state["step"])
+        version = state["learner"]["policy_version"] if state else 0
+        built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version)
+        parts = built.parts
+        log = MetricsLog(run_dir, enabled=world.is_main)
+        progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
+        hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world)
+        if state is not None:
+            parts.learner.load_state_dict(state["learner"])
+            parts.source.load_state_dict(state["source"])
+            if "sync" in state and hasattr(parts.sync, "load_state_dict"):
+                parts.sync.load_state_dict(state["sync"])
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate(state["python_rng"])
+            console.print(f"resuming {run_dir} from {ckpt.name}")
+        if resuming:  # records past the checkpoint (or all of them, without one) are redone
+            log.truncate_after(start if state is not None else -1)
+        if world.is_main:
+            record_segment(run_dir, start, cfg.train.steps, changed)
+        console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
+                      f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
+        console.print(f"run directory: {run_dir}")
+        if start == 0 and world.is_main:
+            base_eval = hooks.evaluate()
+            log.log(0, base_eval)
+            console.print(f"base policy: held-out accuracy {base_eval['heldout_accuracy']:.3f} "
+                          f"(greedy {base_eval['heldout_greedy_accuracy']:.3f})")
+            hooks.save(0)  # a crash before the first checkpoint_every still leaves a run that resumes
+
+        # ---- the loop -----------------------------------------------------------------------------
+        with progress:
+            last = run_loop(parts, hooks, start_round=start, rounds=cfg.train.steps)
+        log.close()
+    finally:
+        pool.close()
+    if not world.is_main:
+        return {}
+    return _summary(cfg, task, run_dir, last, time.time() - t_start, console)
+
+
+def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, console) -> dict:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    plot_run(records, run_dir / "plot.png", title=f"{cfg.objective.name} on {task.name}")
+    evals = [r for r in records if "heldout_accuracy" in r]
+    trained = [r for r in records if r.get("step", 0) > 0 and "skipped_step" not in r]
+    last = last or (trained[-1] if trained else {})
+    summary = {
+        "objective": cfg.objective.name,
+        "task": task.name,
+        "steps": cfg.train.steps,
+        "heldout_prompts": len(task.heldout),
+        "base_heldout_accuracy": evals[0]["heldout_accuracy"] if evals else None,
+        "final_heldout_accuracy": evals[-1]["heldout_accuracy"] if evals else None,
+        "base_heldout_greedy_accuracy": evals[0].get("heldout_greedy_accuracy") if evals else None,
+        "final_heldout_greedy_accuracy": evals[-1].get("heldout_greedy_accuracy") if evals else None,
+        "final_reward_mean": last.get("reward_mean"),
+        "final_ess": last.get("ess"),
+        "wall_s": wall_s,
+        "run_dir": str(run_dir),
+    }
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+    console.print(
+        f"[bold]done[/bold] in {summary['wall_s']:.0f}s: held-out accuracy "
+        f"{_fmt(summary['base_heldout_accuracy'])} → {_fmt(summary['final_heldout_accuracy'])} "
+        f"(greedy {_fmt(summary['base_heldout_greedy_accuracy'])} → {_fmt(summary['final_heldout_greedy_accuracy'])}); "
+        f"plot {run_dir / 'plot.png'}"
+    )
+    return summary
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -1,0 +1,134 @@
+"""Data parallelism: two gloo ranks under DDP give the one-process gradient of the whole batch, and the same weights.
+
+Also: micro-batching through the learner does not change the gradient (the batch statistics an
+objective declares cover the whole optimizer batch), and a 2-rank ``torchrun`` of ``trustbatch train``
+finishes.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trustbatch.pipeline.batch import TrainBatch
+from trustbatch.policy.forward import pack
+from trustbatch.trainer.learner import Learner
+from trustbatch.trainer.parallel import World
+
+OBJECTIVES = ["p3o", "p3o_two_anchor", "grpo"]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-6) -> None:
+    """Max abs difference within ``tol`` of the tensor's own scale (log-probs are float32, so round-off is ~1e-7)."""
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert err <= tol * scale + 1e-12, f"{what}: max |diff| {err:.3g} vs scale {scale:.3g}"
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).double()
+
+
+def _batch(B=5) -> TrainBatch:
+    """Off-policy rows with unequal prompt and completion lengths (so the ranks' token counts differ)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 40, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    comps = [torch.randint(3, 40, (n,), generator=g).tolist() for n in (1, 7, 3, 6, 2, 5, 4)[:B]]
+    packed = pack(prompts, comps, pad_id=0)
+    C = packed.response_mask.shape[1]
+    blp = -3.0 + 0.8 * torch.randn(B, C, generator=g, dtype=torch.float64)
+    prox = blp + 0.3 * torch.randn(B, C, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return TrainBatch(packed, blp, adv, torch.zeros(B, dtype=torch.long), proximal_logprobs=prox)
+
+
+def _step(objective: str, world: World | None, micro_batch_size: int):
+    """One optimizer step; returns (gradients before the step, weights after it)."""
+    model = _model()
+    learner = Learner(model, objective, {}, lr=1e-2, grad_clip=1e9, micro_batch_size=micro_batch_size, world=world)
+    # SGD: Adam's first step, lr·g/(|g| + eps), turns round-off in near-zero gradients into O(lr) differences
+    learner.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda s: 1.0)
+    batch = _batch()
+    if world is not None and world.size > 1:
+        batch = batch.select(world.shard(len(batch)))
+    grads = {}
+    real_step = learner.optimizer.step
+
+    def record_then_step(*a, **k):
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        return real_step(*a, **k)
+
+    learner.optimizer.step = record_then_step
+    learner.step(batch)
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    world = World.from_env()
+    res = {name: _step(name, world, micro_batch_size=2) for name in OBJECTIVES}
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp")
+    mp.start_processes(_rank_main, args=(str(d / "init"), str(d)), nprocs=2, start_method="spawn", join=True)
+    return [torch.load(d / f"rank{r}.pt") for r in range(2)]
+
+
+def test_the_ranks_hold_unequal_token_counts():
+    b = _batch()
+    w0, w1 = (World(rank=r, size=2) for r in range(2))
+    n0 = int(b.select(w0.shard(len(b))).packed.response_mask.sum())
+    n1 = int(b.select(w1.shard(len(b))).packed.response_mask.sum())
+    assert n0 != n1 and n0 + n1 == int(b.packed.response_mask.sum())
+    # with micro-batches of 2 rows, rank 0 runs 2 micro-batches and rank 1 one, plus an empty one
+    assert len(range(*w0.shard(5).indices(5))) == 3 and len(range(*w1.shard(5).indices(5))) == 2
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_two_gloo_ranks_equal_one_process_on_the_whole_batch(two_ranks, objective):
+    want_grads, want_weights = _step(objective, None, micro_batch_size=64)
+    for rank in range(2):
+        grads, weights = two_ranks[rank][objective]
+        for n in want_grads:
+            _close(grads[n], want_grads[n], f"{objective} grad {n} rank {rank}")
+            _close(weights[n], want_weights[n], f"{objective} weight {n} rank {rank}")
+    # the gradient is not trivially equal: a 1/world-size slip would show
+    assert max(g.abs().max() for g in want_grads.values()) > 1e-3
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("mbs", [1, 2, 3])
+def test_micro_batches_give_the_one_micro_batch_gradient(objective, mbs):
+    want, _ = _step(objective, None, micro_batch_size=64)
+    got, _ = _step(objective, None, micro_batch_size=mbs)
+    for n in want:
+        _close(got[n], want[n], f"{objective} mbs={mbs} {n}")
+
+
+def test_torchrun_two_ranks_trains(tmp_path):
+    from tiny import TINY
+
+    run = tmp_path / "run"
+    env = {**os.environ, "TRUSTBATCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "trustbatch", "train", *TINY, "train.steps=2", "threads=1", f"run_dir={run}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # base evaluation and two rounds, written once (by rank 0)
+    assert (run / "summary.json").is_file()
