@@ -1,0 +1,334 @@
+"""Every bad input ends with one line naming the cause and the fix (exit code 2 from the CLI), or a
+counted skip with a warning; nothing hangs, nothing is silently wrong.
+
+Config cases run the real CLI (all at once, in parallel, to keep the file fast); data, scorer and
+model-directory cases call the loaders directly, and a few of them also go through `trustbatch eval`.
+Every input is made by hand here, and the expected line numbers and counts are known from it.
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trustbatch.config import load_config
+from trustbatch.data.benchmarks import fit_prompts, load_benchmark, load_file_task
+from trustbatch.errors import UserError
+from trustbatch.policy import load_policy
+from trustbatch.rewards import RewardPool, ScoreResult, check_scoring, get
+
+GSM = json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"})
+GSM2 = json.dumps({"question": "What is 4 + 4?", "answer": "#### 8"})
+MATH = json.dumps({"problem": "Compute $1+1$.", "answer": "2"})
+
+# ---------------------------------------------------------------- files made by hand, per case
+CONFIG_FILES = {
+    "latin1.yaml": "train:\n  steps: 3\n# caf\xe9\n".encode("latin-1"),  # 0xe9 on line 3
+    "options_typo.yaml": b"objective:\n  name: grpo\n  options: {eps_hgh: 3e-1}\n",
+}
+DATA_FILES = {  # name -> lines (bytes joined by newlines)
+    "no_answer.jsonl": [GSM, json.dumps({"question": "What is 1 + 1?"})],
+    "null_answer.jsonl": [MATH, "", json.dumps({"problem": "Compute $2+2$.", "answer": None})],
+    "empty_answer.jsonl": [MATH, json.dumps({"problem": "Compute $2+2$.", "answer": "  "})],
+    "latin1.jsonl": [MATH, MATH.replace("Compute", "Caf\xe9")],  # written in Latin-1: 0xe9 at column 17
+    "no_final_number.jsonl": [GSM, json.dumps({"question": "Why?", "answer": "because"})],
+    "countdown_words.jsonl": [json.dumps({"input": "1,2,3", "output": "6"}), json.dumps({"input": "1,two,3", "output": "6"})],
+    "good.jsonl": [GSM, GSM2],
+}
+
+
+def _write_data(root: Path) -> Path:
+    d = root / "data"
+    d.mkdir(exist_ok=True)
+    for name, lines in DATA_FILES.items():
+        enc = "latin-1" if name.startswith("latin1") else "utf-8"
+        (d / name).write_bytes("\n".join(lines).encode(enc) + b"\n")
+    return d
+
+
+RAISES_AT_IMPORT = "raise RuntimeError('scorer config missing')\n"
+
+
+def _write_scorers(root: Path) -> Path:
+    d = root / "scorers"
+    d.mkdir(exist_ok=True)
+    (d / "tb_raises_at_import.py").write_text(RAISES_AT_IMPORT + "def score(c, r):\n    return 1.0\n")
+    (d / "tb_exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    (d / "tb_needs_missing_dep.py").write_text("import tb_no_such_dependency\n")
+    (d / "tb_fine.py").write_text("def score(c, r):\n    return 1.0\n")
+    return d
+
+
+# ---------------------------------------------------------------- the CLI, run in parallel once
+# Each case costs a Python start with torch (2-5 s of CPU), so the table keeps one per code path;
+# the variants are checked in-process below.
+CLI_CASES = {  # id -> (args, substrings the one line must hold)
+    "lr_inf": (["train", "train.lr=.inf"], ["'train.lr'", "finite"]),
+    "steps_bool": (["train", "train.steps=true"], ["'train.steps'", "boolean"]),
+    "option_inf": (["train", "objective.name=grpo", "objective.options={eps_high: .inf}"], ["'objective.options'", "eps_high", "finite"]),
+    "config_latin1": (["train", "--config", "CFG/latin1.yaml"], ["latin1.yaml", "line 3", "not UTF-8", "0xe9"]),
+    "option_typo_in_file": (["train", "--config", "CFG/options_typo.yaml"], ["'objective.options'", "eps_hgh"]),
+    "eval_null_answer": (["eval", "--model", "MODEL", "-b", "DATA/null_answer.jsonl", "-n", "1", "-k", "1"],
+                         ["null_answer.jsonl", "line 3", "null"]),
+    "eval_truncated_model": (["eval", "--model", "TRUNC", "-b", "DATA/good.jsonl", "-n", "1", "-k", "1"],
+                             ["TRUNC", "SafetensorError"]),
+    "eval_scorer_raises_at_import": (["eval", "--model", "MODEL", "-b", "DATA/good.jsonl", "--reward", "tb_raises_at_import:score",
+                                      "-n", "1", "-k", "1"], ["tb_raises_at_import", "RuntimeError", "scorer config missing"]),
+}
+
+
+def _model_copy(shared_dir: Path, dest: Path) -> Path:
+    shutil.copytree(shared_dir / "models" / "stories260K-hf", dest)
+    for f in dest.iterdir():
+        f.chmod(0o644)  # the shared copy is read-only
+    return dest
+
+
+def _truncate_weights(model_dir: Path) -> None:
+    w = model_dir / "model.safetensors"
+    os.truncate(w, w.stat().st_size // 2)
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory, shared_dir):
+    root = tmp_path_factory.mktemp("cli")
+    cfg = root / "cfg"
+    cfg.mkdir()
+    for name, data in CONFIG_FILES.items():
+        (cfg / name).write_bytes(data)
+    data = _write_data(root)
+    scorers = _write_scorers(root)
+    trunc = _model_copy(shared_dir, root / "trunc")
+    _truncate_weights(trunc)
+    subs = {"CFG": str(cfg), "DATA": str(data), "TRUNC": str(trunc),
+            "MODEL": str(shared_dir / "models" / "stories260K-hf")}
+    env = {**os.environ, "TRUSTBATCH_CACHE": str(root / "cache"), "PYTHONPATH": str(scorers),
+           "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for case, (args, _) in CLI_CASES.items():
+        run_dir = root / "runs" / case
+        argv = list(args)
+        for k, v in subs.items():
+            argv = [a.replace(k, v) if a.startswith(k) else a for a in argv]
+        if argv[0] == "train":
+            argv.append(f"run_dir={run_dir}")
+        else:
+            argv += ["--out", str(run_dir / "eval.json")]
+        procs[case] = (subprocess.Popen([sys.executable, "-m", "trustbatch", *argv], cwd=root, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), run_dir)
+    out = {}
+    for case, (p, run_dir) in procs.items():
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            err = "TIMEOUT " + err
+        out[case] = (p.returncode, err, run_dir.exists(), subs)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_bad_input_is_one_line_exit_2(cli_results, case):
+    rc, err, run_dir_made, subs = cli_results[case]
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("trustbatch: error: ")
+    for s in CLI_CASES[case][1]:
+        assert subs.get(s, s) in lines[0], (s, lines[0])
+    assert not run_dir_made
+
+
+# ---------------------------------------------------------------- config, in this process
+def test_exponent_floats_parse_as_floats_in_overrides_files_and_options(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 1e-4\nobjective:\n  name: grpo\n  options: {eps_high: 3e-1, eps_low: .2e0}\n")
+    cfg = load_config(f, ["rollout.temperature=5e-1"])
+    assert cfg.train.lr == 0.0001 and cfg.rollout.temperature == 0.5
+    assert cfg.objective.options == {"eps_high": 0.3, "eps_low": 0.2}
+    assert all(type(v) is float for v in cfg.objective.options.values())
+    cfg = load_config(None, ["objective.name=grpo", "objective.options={eps_high: 3e-1}", "train.steps=1e1"])
+    assert cfg.objective.options == {"eps_high": 0.3}
+    assert cfg.train.steps == 10 and type(cfg.train.steps) is int
+
+
+@pytest.mark.parametrize("override", ["train.steps=true", "train.lr=false", "reward.workers=true", "rollout.top_p=true",
+                                      "train.lr=.inf", "train.grad_clip=-.inf", "eval.temperature=.nan",
+                                      "task.params={max_terms: .inf}", "reward.max_failure_rate=-0.1",
+                                      "reward.max_failure_rate=1.5", "train.max_bad_steps=0", "train.lr=.nan"])
+def test_non_finite_and_boolean_numbers_are_refused(override):
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert "\n" not in msg and override.split("=")[0] in msg
+
+
+def test_config_file_that_is_not_a_mapping(tmp_path):
+    f = tmp_path / "list.yaml"
+    f.write_text("- train.steps=3\n")
+    with pytest.raises(UserError, match="list.yaml' must hold a mapping"):
+        load_config(f)
+
+
+def test_new_config_keys_and_their_defaults():
+    cfg = load_config(None, [])
+    assert cfg.reward.max_failure_rate == 0.5 and cfg.train.max_bad_steps == 3
+    cfg = load_config(None, ["reward.max_failure_rate=0", "train.max_bad_steps=1"])
+    assert cfg.reward.max_failure_rate == 0.0 and cfg.train.max_bad_steps == 1
+
+
+def test_objective_option_errors_come_from_validate_options_as_one_config_line(monkeypatch):
+    from trustbatch import objectives
+
+    calls = []
+
+    def fake(name, options, **kw):
+        calls.append((name, dict(options)))
+        if "bad" in options:
+            raise ValueError(f"objective {name!r}: option 'bad' is not a thing; remove it")
+        return dict(options)
+
+    monkeypatch.setattr(objectives, "validate_options", fake, raising=False)
+    load_config(None, ["objective.name=grpo", "objective.options={eps_high: 0.3}"])
+    assert calls[-1] == ("grpo", {"eps_high": 0.3})
+    with pytest.raises(UserError, match=r"^invalid value for 'objective.options': objective 'grpo': option 'bad' is not"):
+        load_config(None, ["objective.name=grpo", "objective.options={bad: 1}"])
+
+
+# ---------------------------------------------------------------- data
+@pytest.mark.parametrize("name, kwargs, expected", [
+    ("no_answer.jsonl", {}, r"no_answer.jsonl' line 2: the row has no answer field 'answer'"),
+    ("null_answer.jsonl", {}, r"null_answer.jsonl' line 3: the answer field 'answer' is null"),
+    ("empty_answer.jsonl", {}, r"empty_answer.jsonl' line 2: the answer field 'answer' is '  '"),
+    ("latin1.jsonl", {}, r"latin1.jsonl' line 2 is not UTF-8 \(byte 0xe9 at column 17\)"),
+    ("no_final_number.jsonl", {}, r"no_final_number.jsonl' line 2: the answer 'because' has no final number"),
+    ("countdown_words.jsonl", {}, r"countdown_words.jsonl' line 2: Countdown rows need integers"),
+    ("good.jsonl", {"prompt_field": "question", "answer_field": "solution"}, r"good.jsonl' line 1: the row has no answer field 'solution'"),
+])
+def test_bad_data_rows_name_file_and_line(tmp_path, name, kwargs, expected):
+    d = _write_data(tmp_path)
+    with pytest.raises(UserError, match=expected) as e:
+        load_benchmark(str(d / name), **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_repeated_prompts_are_skipped_counted_and_warned(tmp_path, caplog):
+    rows = [GSM, GSM2, GSM, json.dumps({"question": "What is 2 + 3?", "answer": "#### 6"}), GSM2,
+            json.dumps({"question": "What is 9 + 1?", "answer": "#### 10"})]
+    f = tmp_path / "dups.jsonl"
+    f.write_text("\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        b = load_benchmark(str(f))
+    assert [e.reference for e in b.examples] == ["5", "8", "10"] and b.duplicates == 3
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "skipped 3 rows" in msg and "line 3" in msg and "1 of them with a different answer" in msg
+    assert "3 distinct prompts kept" in msg
+    assert [e.reference for e in load_benchmark(str(f), limit=2).examples] == ["5", "8"]
+
+    class DataCfg:  # the training split sees each prompt once, too
+        train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
+            str(f), None, None, "auto", None, None, None, 1)
+
+    split = load_file_task(DataCfg)
+    assert [e.reference for e in split.heldout] == ["5"] and [e.reference for e in split.train] == ["8", "10"]
+
+
+def test_fit_prompts():
+    keep, warning = fit_prompts([3, 10, 8, 9], context=12, max_new_tokens=4, where="gsm8k")
+    assert keep == [0, 2]
+    assert warning.startswith("warning: gsm8k: skipped 2 of 4 prompts longer than 8 tokens") and "\n" not in warning
+    assert fit_prompts([3, 8], context=12, max_new_tokens=4, where="x") == ([0, 1], None)
+    assert fit_prompts([300], context=None, max_new_tokens=4, where="x") == ([0], None)
+    with pytest.raises(UserError, match="none of the 2 prompts fits in 8 tokens.*shortest has 9"):
+        fit_prompts([9, 20], context=12, max_new_tokens=4, where="x")
+    with pytest.raises(UserError, match="max_new_tokens=12 fills the model's context of 12"):
+        fit_prompts([1], context=12, max_new_tokens=12, where="x")
+
+
+# ---------------------------------------------------------------- scorers
+@pytest.mark.parametrize("reward, expected", [
+    ("tb_raises_at_import:score", r"importing module 'tb_raises_at_import' raised RuntimeError: scorer config missing"),
+    ("tb_exits_at_import:score", r"importing module 'tb_exits_at_import' raised SystemExit: 3"),
+    ("tb_needs_missing_dep:score", r"importing module 'tb_needs_missing_dep' failed: No module named 'tb_no_such_dependency'"),
+    ("tb_not_there_at_all:score", r"no module named 'tb_not_there_at_all'"),
+    ("tb_fine:scorer", r"module 'tb_fine' has no 'scorer'"),
+])
+def test_scorer_that_fails_at_import_is_one_line(tmp_path, monkeypatch, reward, expected):
+    monkeypatch.syspath_prepend(str(_write_scorers(tmp_path)))
+    for make in (get, lambda r: RewardPool(r, workers=2)):
+        with pytest.raises(UserError, match=expected) as e:
+            make(reward)
+        assert "\n" not in str(e.value) and reward in str(e.value)
+    for mod in [m for m in sys.modules if m.startswith("tb_")]:
+        monkeypatch.delitem(sys.modules, mod)
+
+
+def _result(n, errors=0, timeouts=0, clamped=0, last_error=None):
+    return ScoreResult([0.0] * n, errors, timeouts, clamped, last_error)
+
+
+def test_check_scoring_thresholds_and_messages():
+    kw = dict(scorer="mod:fn", max_failure_rate=0.5, where="round 7")
+    assert check_scoring(_result(10), **kw) is None
+    assert check_scoring(_result(0), **kw) is None
+    w = check_scoring(_result(10, errors=3, timeouts=2, last_error="ValueError: bad"), **kw)  # 5/10 is not above 0.5
+    assert w.startswith("round 7: reward 'mod:fn': 3 errors and 2 timeouts in 10 completions") and "ValueError: bad" in w
+    assert "1 rewards clamped" in check_scoring(_result(10, clamped=1), **kw)
+    with pytest.raises(UserError) as e:
+        check_scoring(_result(10, errors=4, timeouts=2, last_error="ZeroDivisionError: x"), **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and "round 7" in msg and "'mod:fn'" in msg and "60%" in msg
+    assert "4 errors and 2 timeouts in 10" in msg and "reward.max_failure_rate=0.5" in msg and "ZeroDivisionError" in msg
+    with pytest.raises(UserError):  # a rate of 0 tolerates no failure at all
+        check_scoring(_result(100, timeouts=1), scorer="s", max_failure_rate=0.0, where="r")
+    assert check_scoring(_result(4, errors=4), scorer="s", max_failure_rate=1.0, where="r") is not None
+    # several calls of one round add up; n overrides the count of rewards
+    both = _result(4, errors=1) + _result(6, errors=3, last_error="E: late")
+    assert (len(both.rewards), both.errors, both.last_error) == (10, 4, "E: late")
+    with pytest.raises(UserError):
+        check_scoring(both, n=5, **kw)
+
+
+# ---------------------------------------------------------------- model directories
+def _edit_config(d: Path, **kw):
+    c = json.loads((d / "config.json").read_text())
+    c.update(kw)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+MODEL_CASES = {  # id -> (how the copy is broken, substrings of the message)
+    "truncated_weights": (_truncate_weights, ["SafetensorError", "incomplete metadata"]),
+    "hidden_size": (lambda d: _edit_config(d, hidden_size=128), ["other shapes than config.json", "[512, 64] in the weights but [512, 128]"]),
+    "more_layers": (lambda d: _edit_config(d, num_hidden_layers=7), ["lack 18 tensors", "model.layers.5."]),
+    "fewer_layers": (lambda d: _edit_config(d, num_hidden_layers=3), ["hold 18 tensors config.json has no place for", "model.layers.3."]),
+    "no_tokenizer": (lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")], ["has no tokenizer"]),
+    "config_not_json": (lambda d: (d / "config.json").write_text("{hidden_size: 64"), ["config.json is not valid JSON"]),
+    "not_a_model": (lambda d: (d / "config.json").write_text('{"name": "my notes"}'), ["config.json names no model_type"]),
+    "no_weights": (lambda d: (d / "model.safetensors").unlink(), ["no file named model.safetensors"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_broken_model_directory_is_one_line(shared_dir, tmp_path, case, capfd):
+    d = _model_copy(shared_dir, tmp_path / case)
+    break_it, expected = MODEL_CASES[case]
+    break_it(d)
+    with pytest.raises(UserError) as e:
+        load_policy(d)
+    msg = str(e.value)
+    assert "\n" not in msg and str(d) in msg, msg
+    for s in expected:
+        assert s in msg, msg
+    out, err = capfd.readouterr()  # transformers' multi-line load report stays silent
+    assert "LOAD REPORT" not in out + err and "MISMATCH" not in out + err
+
+
+def test_intact_model_copy_still_loads(shared_dir, tmp_path):
+    policy = load_policy(_model_copy(shared_dir, tmp_path / "ok"))
+    assert policy.model.get_input_embeddings().num_embeddings == 512 and policy.eos_id == 2
