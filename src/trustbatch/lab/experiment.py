@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import load_config
+from ..config import load_config, read_yaml_file
 from ..errors import UserError
 
 # Small enough that one run takes one to two minutes on one core (so an experiment of 4 arms × 3
@@ -69,10 +69,7 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
         UserError: a missing file, a malformed experiment or an invalid arm config.
     """
     path = resolve_experiment(name_or_path)
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"experiment {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    spec = read_yaml_file(path, what="experiment") or {}
     if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
         raise UserError(f"experiment {str(path)!r} needs an 'arms' mapping of arm name -> overrides")
     common = {**LAB_COMMON, **(spec.get("common") or {})}

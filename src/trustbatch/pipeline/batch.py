@@ -21,9 +21,13 @@ class TrainBatch:
     packed: Packed
     behavior_logprobs: torch.Tensor  # [B, C] float32, log π_b at sampling
     advantages: torch.Tensor  # [B] float32
-    policy_version: torch.Tensor  # [B] long
+    policy_version: torch.Tensor | None = None  # [B] long; None: all rows from version 0
     proximal_logprobs: torch.Tensor | None = None  # [B, C], for objectives that declare needs_proximal
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.policy_version is None:
+            self.policy_version = torch.zeros(self.advantages.shape[0], dtype=torch.long)
 
     def __len__(self) -> int:
         return self.advantages.shape[0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .. import objectives, rewards
 from ..config import Config
 from ..data import load_task
-from ..data.benchmarks import load_file_task
+from ..data.benchmarks import fit_prompts, load_file_task
 from ..errors import UserError
 from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
@@ -53,9 +53,40 @@ def check_objective(cfg: Config) -> None:
                         f"not {cfg.train.ess_scope!r}")
 
 
+def scoring_check(cfg: Config, task, console):
+    """``check_round(result, n)`` for the rollout source: warn on any scorer failure, stop past ``reward.max_failure_rate``."""
+    scorer = cfg.reward.name or task.reward
+
+    def check(result, n):
+        warning = rewards.check_scoring(result, n=n, scorer=scorer, max_failure_rate=cfg.reward.max_failure_rate,
+                                        where="a rollout round")
+        if warning and console is not None:
+            console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+
+    return check
+
+
+def fit_to_context(task, policy, max_new_tokens: int, console=None):
+    """Drop (with a warning) the prompts that leave no room for ``max_new_tokens`` in the model's context.
+
+    Raises:
+        UserError: no prompt of a split fits.
+    """
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    for split in ("train", "heldout"):
+        examples = getattr(task, split)
+        keep, warning = fit_prompts([len(policy.encode_prompt(e.prompt)) for e in examples], context=context,
+                                    max_new_tokens=max_new_tokens, where=f"the {split} prompts")
+        if warning:
+            setattr(task, split, [examples[i] for i in keep])
+            if console is not None:
+                console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+
+
 def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
+    Prompts that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
     """
     task = configured_task(cfg)
@@ -67,6 +98,7 @@ def prepare_run(cfg: Config, console=None):
             console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
         policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
         source = f"{path} ({'built now' if built else 'cached'})"
+    fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
     return task, policy, pool, source
 
 
@@ -111,7 +143,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=tr.lr,
                       weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
                       ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs,
-                      minibatches=tr.minibatches, world=world, version=version)
+                      minibatches=tr.minibatches, world=world, version=version, max_bad_steps=tr.max_bad_steps)
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)

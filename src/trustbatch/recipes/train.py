@@ -16,9 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-import yaml
 
-from ..config import Config, dump_config, load_config
+from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
 from ..policy import load_policy
@@ -26,7 +25,7 @@ from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.parallel import World
 from ..trainer.runlog import MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics
-from .build import build_parts, check_objective, foreign_engine, prepare_run
+from .build import build_parts, check_objective, foreign_engine, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
 
 
@@ -92,12 +91,11 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         if not (run_dir / "config.yaml").exists():
             raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
         try:
-            saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-            if not isinstance(saved, dict):
-                raise ValueError("not a mapping")
-        except (yaml.YAMLError, ValueError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is corrupt ({str(e).splitlines()[0]}); "
-                            "restore it or start a new run") from None
+            saved = read_yaml_file(run_dir / "config.yaml", what="the run's config")
+        except UserError as e:
+            raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
+        if not isinstance(saved, dict):
+            raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
         cfg = load_config(None, overrides, base=saved)
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"))
         return cfg, run_dir, changed
@@ -161,7 +159,11 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
 
     # ---- task, policy, reward pool, parts -----------------------------------------------------
     t_start = time.time()
+    if not world.is_main:
+        world.barrier()  # rank 0 builds (or finds) the cached default base first, the others then load it
     task, policy, pool, source = prepare_run(cfg, console)
+    if world.is_main:
+        world.barrier()
     try:
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
         start = 0
@@ -170,7 +172,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             ckpt, policy, state = found
             start = int(state["step"])
         version = state["learner"]["policy_version"] if state else 0
-        built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version)
+        built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version,
+                            check_round=scoring_check(cfg, task, console))
         parts = built.parts
         log = MetricsLog(run_dir, enabled=world.is_main)
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)

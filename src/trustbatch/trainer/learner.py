@@ -18,11 +18,13 @@ ones padded in), so no collective is left waiting.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
 from .. import objectives
+from ..errors import UserError
 from ..objectives import RatioStats
 from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs
@@ -31,6 +33,12 @@ from .parallel import World
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.
 _ADDITIVE = ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens")
+
+
+class NonFiniteTraining(UserError):
+    """``max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
 
@@ -49,6 +57,8 @@ class Learner:
         epochs, minibatches: ``train_on`` makes epochs × minibatches optimizer steps per batch.
         world: the data-parallel world (default: one process).
         version: the policy version to start from (optimizer steps taken; restored on resume).
+        max_bad_steps: consecutive optimizer steps with a non-finite loss or gradient norm that are
+            skipped (counted in ``nonfinite_skipped``) before ``NonFiniteTraining`` stops the run.
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support.
@@ -57,7 +67,7 @@ class Learner:
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
-                 world: World | None = None, version: int = 0):
+                 world: World | None = None, version: int = 0, max_bad_steps: int = 3):
         self.model = model
         self.spec = objectives.spec(objective)
         self.options = objectives.validate_options(objective, dict(options or {}))
@@ -70,6 +80,8 @@ class Learner:
         self.world = world or World()
         self.wrapped = self.world.wrap(model)
         self.version = version
+        self.max_bad_steps = max_bad_steps
+        self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
         self._pad: TrainBatch | None = None
@@ -83,12 +95,13 @@ class Learner:
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "policy_version": self.version}
+                "policy_version": self.version, "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["policy_version"])
+        self.bad_steps = int(state.get("bad_steps", 0))
 
     # ---- forward passes without gradient -------------------------------------------------------
     def _chunks(self, n: int) -> list[slice]:
@@ -125,7 +138,8 @@ class Learner:
         """``epochs × minibatches`` optimizer steps on ``batch`` (this rank's shard of it).
 
         The proximal snapshot (π_θ before this batch's updates) is taken first when the objective
-        declares ``needs_proximal``. Returns the steps' metrics averaged, plus ``optimizer_steps``.
+        declares ``needs_proximal``. Returns the steps' metrics averaged (``nonfinite_skipped`` summed),
+        plus ``optimizer_steps``.
         """
         local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
         self._pad = _empty_like(batch)
@@ -139,15 +153,18 @@ class Learner:
             pieces += [perm[:0]] * (self.minibatches - len(pieces))
             for mb in pieces:
                 step_metrics.append(self.step(local.select(mb)))
-        m = {k: sum(s[k] for s in step_metrics) / len(step_metrics) for k in step_metrics[0]}
-        m["optimizer_steps"] = float(len(step_metrics))
-        return m
+        return _mean_over_steps(step_metrics)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: metrics are token-weighted means over micro-batches and ranks.
 
+        A step whose loss or gradient is not finite (the objective raises ValueError on a non-finite
+        loss or gradient; a NaN or inf gradient norm) is skipped: no update, the version stays, and
+        ``nonfinite_skipped`` is 1. The decision is taken over every rank, so all ranks skip together.
+
         Raises:
             ValueError: the objective needs proximal log-probs and the batch has none.
+            NonFiniteTraining: ``max_bad_steps`` consecutive steps were skipped.
         """
         if self.spec.needs_proximal and batch.proximal_logprobs is None:
             raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
@@ -169,9 +186,10 @@ class Learner:
 
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
+        failure = ""
         for i in range(n_chunks):
             skip_sync = World.no_sync(self.wrapped, skip=i < n_chunks - 1)
-            if i >= len(chunks):
+            if i >= len(chunks) or failure:
                 # a rank with fewer micro-batches runs empty ones, so that every rank reaches the
                 # same collectives; a zero loss through the forward gives every weight a zero gradient
                 with skip_sync:
@@ -190,9 +208,13 @@ class Learner:
                         local = {k: RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), m)
                                  for k in self.spec.batch_stats}
                     kw.update(self._sum_stats(local))
-                out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=n_tokens,
-                                   num_sequences=n_seqs, **kw, **self.options)
-                (out.loss if world.size == 1 else out.loss * world.size).backward()
+                try:
+                    out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=n_tokens,
+                                       num_sequences=n_seqs, **kw, **self.options)
+                    (out.loss if world.size == 1 else out.loss * world.size).backward()
+                except ValueError as e:  # non-finite loss or gradient (objectives never return NaN silently)
+                    failure = str(e).splitlines()[0]
+                    continue
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
@@ -203,14 +225,29 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
                 else:
                     sums[k] = sums.get(k, 0.0) + v * w
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        if world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
+            return self._skip(failure or f"gradient norm {grad_norm}")
+        self.bad_steps = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         for fn in self.on_step:
             fn(self.version, self.model)
-        return self._reduce_metrics(sums, maxes, float(mask.sum()), float(grad_norm))
+        out = self._reduce_metrics(sums, maxes, float(mask.sum()), grad_norm)
+        out["nonfinite_skipped"] = 0.0
+        return out
+
+    def _skip(self, cause: str) -> dict[str, float]:
+        """Drop this step's gradient; stop the run after ``max_bad_steps`` in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_steps += 1
+        if self.bad_steps >= self.max_bad_steps:
+            raise NonFiniteTraining(
+                f"{self.bad_steps} optimizer steps in a row had a non-finite loss or gradient ({cause}); "
+                "lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
+        return {"nonfinite_skipped": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
     def _reduce_metrics(self, sums: dict, maxes: dict, local_tokens: float, grad_norm: float) -> dict[str, float]:
         if self.world.size > 1:  # a rank that ran only empty micro-batches has no keys of its own
@@ -229,6 +266,17 @@ class Learner:
         out["grad_norm"] = grad_norm
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+
+def _mean_over_steps(step_metrics: list[dict]) -> dict[str, float]:
+    """Each metric averaged over the steps that report it (a skipped step reports few); skips are counted."""
+    keys = list(dict.fromkeys(k for s in step_metrics for k in s))
+    m = {}
+    for k in keys:
+        vals = [s[k] for s in step_metrics if k in s]
+        m[k] = sum(vals) if k == "nonfinite_skipped" else sum(vals) / len(vals)
+    m["optimizer_steps"] = float(len(step_metrics))
+    return m
 
 
 def _empty_like(batch: TrainBatch) -> TrainBatch:

@@ -112,6 +112,11 @@ class World:
             return wrapped.no_sync()
         return contextlib.nullcontext()
 
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for one rank)."""
+        if self.size > 1:
+            dist.barrier()
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
