@@ -90,3 +90,11 @@ class LaggedSync:
             self.record(version, model)
         served, state = self.history.at_or_before(version - self.lag)
         self.engine.load_weights(state.items(), served)
+
+    def state_dict(self) -> dict:
+        """The snapshots (lag + steps per round state dicts): a resume serves exactly the same old weights."""
+        return {"snapshots": dict(self.history._states)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history._states.clear()
+        self.history._states.update(sorted(state["snapshots"].items()))

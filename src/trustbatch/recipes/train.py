@@ -183,6 +183,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             parts.source.load_state_dict(state["source"])
             if "sync" in state and hasattr(parts.sync, "load_state_dict"):
                 parts.sync.load_state_dict(state["sync"])
+                parts.sync.push(policy.model, version)  # serve the restored (lagged) weights
             torch.set_rng_state(state["torch_rng"])
             random.setstate(state["python_rng"])
             console.print(f"resuming {run_dir} from {ckpt.name}")
