@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..objectives import RatioStats
 from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs
+from ..policy.shared_prompt import grouped_response_logprobs
 from .parallel import World
 
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
@@ -59,6 +60,9 @@ class Learner:
         version: the policy version to start from (optimizer steps taken; restored on resume).
         max_bad_steps: consecutive optimizer steps with a non-finite loss or gradient norm that are
             skipped (counted in ``nonfinite_skipped``) before ``NonFiniteTraining`` stops the run.
+        shared_prompt: run each distinct prompt of a micro-batch once and reuse its key/value cache
+            for its completions (``policy.shared_prompt``; the same log-probs and gradient; falls
+            back to the plain forward where a model cannot share a cache). False: the plain forward.
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support.
@@ -67,7 +71,7 @@ class Learner:
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
-                 world: World | None = None, version: int = 0, max_bad_steps: int = 3):
+                 world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True):
         self.model = model
         self.spec = objectives.spec(objective)
         self.options = objectives.validate_options(objective, dict(options or {}))
@@ -81,6 +85,9 @@ class Learner:
         self.wrapped = self.world.wrap(model)
         self.version = version
         self.max_bad_steps = max_bad_steps
+        # (model, packed, with_entropy=) -> (logp [B, C], entropy or None); shared_prompt: each distinct
+        # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
+        self.forward_fn = grouped_response_logprobs if shared_prompt else response_logprobs
         self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
@@ -110,7 +117,7 @@ class Learner:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient)."""
-        return torch.cat([response_logprobs(self.model, batch.packed.select(c))[0] for c in self._chunks(len(batch))])
+        return torch.cat([self.forward_fn(self.model, batch.packed.select(c))[0] for c in self._chunks(len(batch))])
 
     @torch.no_grad()
     def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
@@ -118,7 +125,7 @@ class Learner:
         stats = {k: RatioStats.zeros() for k in names}
         for c in self._chunks(len(batch)):
             mb = batch.select(c)
-            logp, _ = response_logprobs(self.model, mb.packed)
+            logp, _ = self.forward_fn(self.model, mb.packed)
             for k in names:
                 stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
         return self._sum_stats(stats)
@@ -199,7 +206,7 @@ class Learner:
             mb = batch.select(chunks[i])
             m = mb.packed.response_mask
             with skip_sync:
-                logp, ent = response_logprobs(self.wrapped, mb.packed, with_entropy=True)
+                logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
                 kw = dict(kw_all)
                 if mb.proximal_logprobs is not None and self.spec.needs_proximal:
                     kw["proximal_logprobs"] = mb.proximal_logprobs
