@@ -220,13 +220,20 @@ def _finite_or_null(x):
 
 
 def main() -> None:
+    """Exit codes: 2 for bad input (one line), 130 for Ctrl-C or SIGTERM (one line saying how to resume)."""
     try:
         app()
     except UserError as e:
         print(f"trustbatch: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as e:
-        print(f"trustbatch: {e or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # typer turns KeyboardInterrupt into a silent exit 130: find it in the chain to say its message
+        ki = e
+        while ki is not None and not isinstance(ki, KeyboardInterrupt):
+            ki = ki.__cause__ or ki.__context__
+        if ki is None:
+            raise
+        print(f"trustbatch: {ki or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
         sys.exit(130)
 
 

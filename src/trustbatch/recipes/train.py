@@ -8,7 +8,10 @@ and how often it reports (``rundir.RESUMABLE_KEYS``).
 from __future__ import annotations
 
 import contextlib
+import copy
+import errno
 import json
+import os
 import random
 import signal
 import time
@@ -24,9 +27,25 @@ from ..policy import load_policy
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.parallel import World
-from ..trainer.runlog import MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics
+from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics,
+                              truncate_records)
 from .build import build_parts, check_objective, foreign_engine, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
+
+
+# errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
+# permissions / not a folder / no such parent when the path is the run directory, inside it or above it
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
+
+
+def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
+    if e.errno in _DISK_FULL:
+        return True
+    if e.errno not in _PATH_ERRNOS or not e.filename:
+        return False
+    f, r = Path(os.path.abspath(e.filename)), Path(os.path.abspath(run_dir))
+    return f == r or r in f.parents or f in r.parents
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -96,12 +115,14 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
-        cfg = load_config(None, overrides, base=saved)
+        cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"))
         return cfg, run_dir, changed
     cfg = cfg or load_config()
     run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
+        with RunLock(run_dir):  # a run still training there is named (its pid), not sent to --resume
+            pass
         raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or another run_dir")
     return cfg, run_dir, []
 
@@ -137,6 +158,12 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     except KeyboardInterrupt:
         raise RunInterrupted(f"interrupted; the last checkpoint is intact: resume with "
                              f"`trustbatch train --resume {run_dir}`") from None
+    except OSError as e:  # the run directory cannot be written: one line, not a traceback
+        if not _run_dir_write_error(e, run_dir):
+            raise
+        raise UserError(f"cannot write {e.filename or run_dir} ({os.strerror(e.errno)}); free disk space, fix the "
+                        f"permissions or give another run_dir (a run with a checkpoint continues with "
+                        f"--resume {run_dir})") from None
     finally:
         signal.signal(signal.SIGTERM, old_handler)
         world.close()
@@ -189,12 +216,14 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             console.print(f"resuming {run_dir} from {ckpt.name}")
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
+            if world.is_main:
+                truncate_records(run_dir / "ratios.jsonl", start if state is not None else -1)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)
         console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
                       f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
         console.print(f"run directory: {run_dir}")
-        if start == 0 and world.is_main:
+        if state is None and world.is_main:  # not when resuming from the step-0 checkpoint
             base_eval = hooks.evaluate()
             log.log(0, base_eval)
             console.print(f"base policy: held-out accuracy {base_eval['heldout_accuracy']:.3f} "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..policy.model import _quiet_transformers
 
 KEEP = 2  # checkpoints kept besides the newest ones being written
 
@@ -43,7 +44,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
     final = root / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        policy.save(tmp)
+        with _quiet_transformers():  # no "Writing model shards" progress bar on stderr at every checkpoint
+            policy.save(tmp)
         torch.save({
             "step": step,
             "torch_rng": torch.get_rng_state(),

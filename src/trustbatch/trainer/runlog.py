@@ -43,17 +43,8 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` and any torn last line (used on resume)."""
-        if not self.enabled or not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("step", 0) <= step:
-                keep.append(line)
-        atomic_write(self.path, "".join(k + "\n" for k in keep))
+        if self.enabled:
+            truncate_records(self.path, step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -71,6 +62,22 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_records(path: Path, step: int) -> None:
+    """Drop the JSONL records of ``path`` past ``step`` and any torn line (a resume redoes those rounds)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("step", 0) <= step:
+            keep.append(line)
+    atomic_write(path, "".join(k + "\n" for k in keep))
 
 
 def read_metrics(path: Path) -> list[dict]:
