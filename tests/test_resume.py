@@ -1,0 +1,159 @@
+"""Issue 10: a kill -9 at any moment, then ``--resume``, continues bit-identically to a run never interrupted.
+
+Every comparison is against a second, uninterrupted run of the same config (real processes, real files):
+the final checkpoint's tensors with ``torch.equal``, and every metrics and ratio-histogram record (timing
+fields aside). Also the resume rules (what a resume may change) and recovery from a crash before the
+first checkpoint, a corrupt newest checkpoint and leftover temporary checkpoint folders.
+"""
+
+import signal
+import warnings
+
+import pytest
+
+from trustbatch.cli import main
+from trustbatch.config import load_config
+from trustbatch.recipes import train
+
+from runproc import (cache, n_records, one_line, records, resume_args, run, snapshot, start, tmp_checkpoints,  # noqa: F401
+                     assert_same_weights, train_args, wait_until)
+from tiny import TINY
+
+SHIFTED = ["rollout.staleness=2", "train.epochs=2", "train.minibatches=2", "rollout.precision=bfloat16"]
+
+# kill points: ("round", n) after round n's record is written; ("ckpt", n) while a checkpoint folder is
+# being written (a .tmp-* folder exists) once round n's record is written, i.e. round n's checkpoint
+CASES = {  # the default suite: p3o with every shift that keeps state across rounds, and the reward pool
+    "p3o_stale_replay_bf16_workers2": (SHIFTED, [("ckpt", 1), ("round", 3)]),
+}
+SLOW_CASES = {
+    "p3o_workers2": ([], [("round", 2), ("ckpt", 4)]),
+    "p3o_workers0_late": (["reward.workers=0"], [("round", 1), ("ckpt", 3), ("ckpt", 5)]),
+    "grpo_stale_replay_bf16_workers2": (SHIFTED + ["objective.name=grpo"], [("ckpt", 2), ("round", 5)]),
+}
+
+
+def _kill_at(run_dir, args, point, log):
+    kind, n = point
+    proc = start(args, log)
+    try:
+        if kind == "round":
+            wait_until(proc, lambda: n_records(run_dir) >= n + 1, f"round {n}")
+        else:
+            wait_until(proc, lambda: n_records(run_dir) >= n + 1 and tmp_checkpoints(run_dir),
+                       f"a checkpoint write after round {n}")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (run_dir / "summary.json").exists(), "killed after the run had finished"
+
+
+def _crash_resume_matches_uninterrupted(tmp_path, extra, points):
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    uninterrupted = start(train_args(ref, *extra), tmp_path / "ref.log")  # in parallel with the killed one
+    try:
+        _kill_at(run_dir, train_args(run_dir, *extra), points[0], tmp_path / "kill0.log")
+        for i, point in enumerate(points[1:], 1):
+            _kill_at(run_dir, resume_args(run_dir), point, tmp_path / f"kill{i}.log")
+        (run_dir / "checkpoints" / ".tmp-left-by-a-crash").mkdir(exist_ok=True)
+        done = run(resume_args(run_dir))
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        assert uninterrupted.wait(timeout=300) == 0, (tmp_path / "ref.log.err").read_text()[-3000:]
+    assert_same_weights(ref / "checkpoints" / "step_000006", run_dir / "checkpoints" / "step_000006")
+    assert records(run_dir) == records(ref)
+    assert records(run_dir, "ratios.jsonl") == records(ref, "ratios.jsonl")
+    segments = records(run_dir, "segments.jsonl")
+    assert len(segments) == len(points) + 1
+    assert segments[0]["start_round"] == 0 and all(s["changed"] == [] for s in segments)
+    assert not tmp_checkpoints(run_dir)  # leftover temporary folders are removed on resume
+    return segments
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill9_at_several_points_then_resume_is_bit_identical(tmp_path, cache, case):
+    segments = _crash_resume_matches_uninterrupted(tmp_path, *CASES[case])
+    # a kill during round 1's checkpoint write leaves only the step-0 checkpoint: that resumes too
+    if CASES[case][1][0] == ("ckpt", 1):
+        assert segments[1]["start_round"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_kill9_then_resume_is_bit_identical_more_cases(tmp_path, cache, case):
+    _crash_resume_matches_uninterrupted(tmp_path, *SLOW_CASES[case])
+
+
+@pytest.mark.slow
+def test_kill9_before_the_first_checkpoint_every_resumes_from_step_0(tmp_path, cache):
+    extra = ["checkpoint_every=100", "reward.workers=0"]
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    uninterrupted = start(train_args(ref, *extra), tmp_path / "ref.log")
+    _kill_at(run_dir, train_args(run_dir, *extra), ("round", 3), tmp_path / "kill.log")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step_000000"]
+    done = run(resume_args(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert uninterrupted.wait(timeout=300) == 0
+    assert_same_weights(ref / "checkpoints" / "step_000006", run_dir / "checkpoints" / "step_000006")
+    assert records(run_dir) == records(ref)
+
+
+# ---- in-process: resume rules and a corrupt newest checkpoint --------------------------------------------
+
+QUICK = TINY + ["checkpoint_every=1", "threads=1", "reward.workers=0"]
+
+
+def _cli(monkeypatch, capsys, *argv) -> tuple[int, str]:
+    """``trustbatch`` through ``cli.main`` in this process: (exit code, stderr)."""
+    monkeypatch.setattr("sys.argv", ["trustbatch", *argv])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path, cache, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    train(load_config(None, QUICK + ["train.steps=2", f"run_dir={run_dir}"]))
+    before = snapshot(run_dir)
+
+    code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), "train.lr=0.01")
+    assert code == 2 and "train.lr" in one_line(err) and "Traceback" not in err
+    assert snapshot(run_dir) == before  # config.yaml byte-identical, nothing else touched
+
+    code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir))
+    assert code == 2 and "already finished" in one_line(err) and "train.steps" in err
+    assert snapshot(run_dir) == before  # summary.json byte-identical
+
+    code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), "train.steps=3")
+    assert code == 0, err
+    assert "steps: 3" in (run_dir / "config.yaml").read_text()
+    assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
+    segments = records(run_dir, "segments.jsonl")
+    assert [(s["start_round"], s["rounds"], s["changed"]) for s in segments] == [(0, 2, []), (2, 3, ["train.steps"])]
+
+
+@pytest.fixture(scope="module")
+def four_rounds(cache, tmp_path_factory):
+    """An uninterrupted 4-round run (in this process)."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    train(load_config(None, QUICK + ["train.steps=4", f"run_dir={run_dir}"]))
+    return run_dir
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer_state.pt"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cache, four_rounds, damaged):
+    run_dir = tmp_path / "run"
+    train(load_config(None, QUICK + ["train.steps=3", f"run_dir={run_dir}"]))
+    newest = run_dir / "checkpoints" / "step_000003" / damaged
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn by a crash or a full disk
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(resume=str(run_dir), overrides=["train.steps=4"])
+    assert any("step_000003" in str(w.message) and "previous" in str(w.message) for w in caught)
+    assert records(run_dir, "segments.jsonl")[-1]["start_round"] == 2
+    # round 2's checkpoint of a 3-round run is round 2's of a 4-round run: the rest is the uninterrupted run
+    assert_same_weights(four_rounds / "checkpoints" / "step_000004", run_dir / "checkpoints" / "step_000004")
+    assert records(run_dir) == records(four_rounds)

@@ -1,0 +1,174 @@
+"""Issue 10: one run per directory, no orphaned processes, SIGTERM, NaN policy and unwritable or full disks.
+
+Real ``trustbatch train`` processes, their process trees read from /proc, and the files they leave.
+"""
+
+import dataclasses
+import errno
+import signal
+
+import pytest
+import torch
+
+from trustbatch.config import load_config
+from trustbatch.policy import load_policy
+from trustbatch.recipes import train
+from trustbatch.trainer import checkpoint as ckpt_mod
+from trustbatch.trainer.checkpoint import load_latest
+
+from runproc import (cache, descendants, n_records, one_line, resume_args, run, snapshot, start, survivors,  # noqa: F401
+                     train_args, wait_until, weights)
+from test_resume import QUICK, _cli
+
+LONG = ["train.steps=100000", "reward.workers=2"]  # runs until the test stops it
+
+
+def _last_checkpoint_step(run_dir) -> int:
+    return max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+def test_lock_refuses_a_second_run_and_kill9_leaves_no_process_and_no_stale_lock(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    first = start(train_args(run_dir, *LONG), tmp_path / "first.log")
+    try:
+        wait_until(first, lambda: n_records(run_dir) >= 3, "round 2")
+        for args in (train_args(run_dir, *LONG), resume_args(run_dir)):
+            second = run(args)
+            assert second.returncode == 2, second.stderr[-3000:]
+            line = one_line(second.stderr)
+            assert f"in use by process {first.pid}" in line, line
+        tree = descendants(first.pid)
+        assert len(tree) >= 2, f"expected the reward workers under the trainer, got {tree}"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert survivors(tree) == [], "processes outlived the trainer killed with SIGKILL"
+    # the dead owner's lock (its pid still in .lock) does not block a resume
+    assert (run_dir / ".lock").read_text().strip() == str(first.pid)
+    done = run(resume_args(run_dir, f"train.steps={_last_checkpoint_step(run_dir) + 1}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run_dir / "summary.json").is_file()
+
+
+def test_sigterm_stops_with_one_line_and_the_run_resumes(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    proc = start(train_args(run_dir, *LONG), tmp_path / "run.log")
+    try:
+        wait_until(proc, lambda: n_records(run_dir) >= 3, "round 2")
+        tree = descendants(proc.pid)
+        assert len(tree) >= 2
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "run.log.err").read_text()
+    assert rc == 130, err[-3000:]  # documented in cli.main: Ctrl-C and SIGTERM exit 130
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    line = one_line(err)
+    assert "interrupted" in line and f"--resume {run_dir}" in line, line
+    assert survivors(tree) == []
+    done = run(resume_args(run_dir, f"train.steps={_last_checkpoint_step(run_dir) + 1}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---- NaN: skipped steps, then one line; never a non-finite checkpoint --------------------------------------
+
+def test_diverging_run_stops_with_one_line_and_no_nonfinite_checkpoint(tmp_path, cache, monkeypatch, capsys):
+    # lr=1e38: the first Adam step puts weights at ±1e38, the next gradients are NaN (lr=1e4 stays finite here)
+    run_dir = tmp_path / "run"
+    code, err = _cli(monkeypatch, capsys, "train", *QUICK, "train.steps=4", "train.lr=1e38", "train.epochs=2",
+                     "train.minibatches=2", f"run_dir={run_dir}")
+    assert code == 2, err
+    line = one_line(err)
+    assert "non-finite" in line and "train.lr" in line, line
+    saved = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert saved, "the step-0 checkpoint should exist"
+    for c in saved:
+        for name, t in weights(c).items():
+            assert torch.isfinite(t).all(), (c.name, name)
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_learner_skips_a_nonfinite_step_without_touching_weights_or_version():
+    from test_learner import _batch
+    from trustbatch.policy.model import build_small_llama
+    from trustbatch.policy.tokenizer import train_tokenizer
+    from trustbatch.trainer import Learner
+    from trustbatch.trainer.learner import NonFiniteTraining
+
+    tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3", "State the answer"], vocab_size=300)
+    model = build_small_llama(len(tok), hidden=16, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok)
+    learner = Learner(model, "p3o", lr=1e-2, max_bad_steps=2)
+    good = learner.step(_batch(tok))  # a real step first, so the optimizer has state to protect
+    assert good["nonfinite_skipped"] == 0 and learner.version == 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {k: v.clone() for k, v in learner.optimizer.state[next(model.parameters())].items()}
+
+    def nonfinite(*a, **k):
+        raise ValueError("p3o: the loss is not finite (nan)")
+
+    learner.spec = dataclasses.replace(learner.spec, fn=nonfinite)
+    m = learner.step(_batch(tok, seed=1))
+    assert m["nonfinite_skipped"] == 1
+    assert learner.version == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in learner.optimizer.state[next(model.parameters())].items():
+        assert torch.equal(v, opt_before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(NonFiniteTraining, match="train.lr"):
+        learner.step(_batch(tok, seed=2))  # the second in a row: max_bad_steps=2
+    assert learner.version == 1
+
+
+def test_nonfinite_weights_are_never_checkpointed(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    train(load_config(None, QUICK + ["train.steps=1", f"run_dir={run_dir}"]))
+    _, policy, _ = load_latest(run_dir, load_policy)
+    before = snapshot(run_dir)
+    with torch.no_grad():
+        next(policy.model.parameters())[0] = float("nan")
+    with pytest.raises(ckpt_mod.NonFiniteWeights, match="train.lr"):
+        ckpt_mod.save_checkpoint(run_dir, 2, policy, {})
+    assert snapshot(run_dir) == before  # nothing written, no temporary folder left
+
+
+# ---- disks that cannot be written ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file", "proc"])
+def test_unwritable_run_dir_is_one_line(tmp_path, cache, monkeypatch, capsys, where):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    run_dir = {"under_a_file": afile / "run", "a_file": afile, "proc": "/proc/1/no/run"}[where]
+    code, err = _cli(monkeypatch, capsys, "train", *QUICK, "train.steps=1", f"run_dir={run_dir}")
+    assert code == 2, err
+    assert "Traceback" not in err and "cannot write" in one_line(err)
+    assert afile.read_text() == "not a folder"
+
+
+def test_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint_survives(tmp_path, cache,
+                                                                                        monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def filling_save(obj, f, *a, **k):
+        calls.append(f)
+        if len(calls) == 3:  # the third checkpoint (round 2): steps 0 and 1 are on disk
+            with open(f, "wb") as out:
+                out.write(b"\0" * 10)  # a torn write, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", filling_save)
+    code, err = _cli(monkeypatch, capsys, "train", *QUICK, "train.steps=3", f"run_dir={run_dir}")
+    assert code == 2, err
+    line = one_line(err)
+    assert "No space left on device" in line and str(run_dir) in line, line
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000", "step_000001"]
+    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
+    path, _, state = load_latest(run_dir, load_policy)
+    assert path.name == "step_000001" and state["step"] == 1
+    code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir))
+    assert code == 0, err
+    assert (run_dir / "checkpoints" / "step_000003").is_dir()
