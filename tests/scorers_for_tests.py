@@ -21,3 +21,8 @@ def hang_on_odd_answer(completion: str, reference: str) -> float:
     if reference.strip()[-1:] in "13579":
         time.sleep(3600)
     return 0.0
+
+
+def digit_fraction(completion: str, reference: str) -> float:
+    """The fraction of characters that are digits: a reward with spread even for an untrained policy."""
+    return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0

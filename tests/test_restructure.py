@@ -1,8 +1,10 @@
-"""The loop over parts writes the same metrics as the monolithic loop it replaced (main at 160b451), bit for bit.
+"""Fixed-seed tiny runs write exactly the pinned metrics (tests/fixtures/metrics_pinned/README.md).
 
-The fixtures were written by 160b451 on this project's 2-core x86-64 container. Sampling is exact
-only where the CPU kernels are: a machine that builds another SFT'd base (its weights' hash differs)
-cannot reproduce the records, and the test skips there, saying so.
+First the acceptance test of the restructure into parts (issue 9): at a449989 the new loop reproduced
+the records of the monolithic loop of 160b451 bit for bit. The fixtures were re-recorded when sampling
+became per-group Gumbel-max (issue 12); they now pin determinism. The records are exact only where the
+CPU kernels are: a machine that builds another SFT'd base (its weights' hash differs) cannot reproduce
+them, and the test skips there, saying so.
 """
 
 import hashlib
@@ -16,7 +18,7 @@ from trustbatch.recipes import train
 
 from tiny import TINY
 
-FIXTURES = Path(__file__).parent / "fixtures" / "before_160b451"
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics_pinned"
 CASES = {
     "p3o": [],
     "grpo_stale_replay_bf16": ["objective.name=grpo", "rollout.staleness=2", "train.epochs=2", "train.minibatches=2",
@@ -27,8 +29,8 @@ CASES = {
                          "rollout.top_p=0.9"],
 }
 TIMING = {"tokens_per_s", "rollout_s", "step_s"}
-# Fields whose definition changed on purpose after 160b451 (issue 9's fixes), not by the restructure.
-FIXED = {"cap_fraction"}
+# Fields whose definition changed on purpose after the fixtures were recorded.
+FIXED: set[str] = set()
 
 
 def _weights_hash(model_dir: Path) -> str:

@@ -170,3 +170,21 @@ def test_pool_survives_a_scorer_that_exits_and_counts_clamped(tmp_path, monkeypa
         assert res.rewards == [0.0, 1.0, 0.0, 1.0, 0.5], workers
         assert (res.errors, res.timeouts, res.clamped) == (1, 0, 2), workers
         assert "SystemExit" in res.last_error
+
+
+def test_a_worker_killed_while_idle_is_replaced_on_the_next_call():
+    import os
+    import signal
+    import time
+
+    from trustbatch.rewards import RewardPool
+
+    pool = RewardPool("scorers_for_tests:misbehave", workers=2, timeout_s=5)
+    try:
+        assert pool.score(["a", "b"], ["a", "x"]).rewards == [1.0, 0.0]
+        os.kill(pool._pool[0].proc.pid, signal.SIGKILL)  # idle: no job in flight
+        time.sleep(0.3)
+        res = pool.score(["a", "b", "c"], ["a", "b", "x"])
+        assert res.rewards == [1.0, 1.0, 0.0] and res.errors == 0
+    finally:
+        pool.close()

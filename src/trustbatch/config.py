@@ -170,7 +170,21 @@ class RolloutConfig(_Strict):
     # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
     precision: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization)")
-    staleness: Int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago")
+    staleness: Int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago "
+                                                 "(simulated in one process; rollout.mode=async is the real pipeline)")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: sample each round in the trainer; async: rollout worker processes run ahead")
+    max_staleness: Int | Literal["auto"] = Field(
+        0, description="async: samples at most this many policy versions old; auto: the batch ESS moves the bound")
+    workers: Int = Field(1, ge=1, description="async: rollout worker processes (one torch thread each)")
+    worker_timeout_s: Float = Field(300.0, gt=0, description="async: restart a worker that holds the awaited batch this long")
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _non_negative(cls, v):
+        if v != "auto" and v < 0:
+            raise ValueError("must be >= 0 (policy versions) or 'auto'")
+        return v
     foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
     foreign_model: str | FreeDict = Field(
         "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "

@@ -17,6 +17,7 @@ import torch
 
 from ..advantages import group_advantages, overlong_penalty
 from ..rollout.engine import SamplingParams
+from ..rollout.transformers_engine import row_seed
 from ..trainer.parallel import World
 from .batch import TrainBatch, build_batch
 
@@ -40,14 +41,17 @@ class RolloutSource(Protocol):
 
 
 def sample_groups(engine, foreign, prompts: list[list[int]], group_size: int, foreign_fraction: float,
-                  sampling: SamplingParams) -> list:
-    """G rollouts per prompt, grouped; with a foreign engine, the last round(G·f) of each group are its samples."""
+                  sampling: SamplingParams, seeds: list[int] | None = None) -> list:
+    """G rollouts per prompt, grouped; with a foreign engine, the last round(G·f) of each group are its samples.
+
+    ``seeds``: one per prompt (the group's random streams; the foreign part uses derived seeds).
+    """
     G = group_size
     m = round(G * foreign_fraction) if foreign is not None else 0
-    own = engine.generate(prompts, G - m, sampling)
+    own = engine.generate(prompts, G - m, sampling, seeds=seeds)
     if m == 0:
         return own
-    alien = foreign.generate(prompts, m, sampling)
+    alien = foreign.generate(prompts, m, sampling, seeds=None if seeds is None else [row_seed(s, -1) for s in seeds])
     out = []
     for i in range(len(prompts)):
         out += own[i * (G - m):(i + 1) * (G - m)] + alien[i * m:(i + 1) * m]
@@ -66,7 +70,8 @@ class SyncSource:
         dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
         overlong_cache: DAPO overlong shaping zone (tokens), or None.
         advantage, std: ``advantages.group_advantages`` estimator and std convention.
-        seed: seeds the prompt sampler (its state is saved in checkpoints: ``state_dict``).
+        seed: with the batch index, fixes each batch's prompts and every group's random streams, so
+            batch b is the same whichever process makes it and whenever (``make_batch(b)``).
         world: data-parallel world; each rank samples its share of the round's prompts and every rank
             receives the whole scored round, so every rank makes the same batch decisions.
         check_round: called as ``check_round(result, n)`` after each scoring call (scorer-failure limits).
@@ -90,15 +95,16 @@ class SyncSource:
         self.foreign_fraction = foreign_fraction
         self.world = world or World()
         self.check_round = check_round
-        self.rng = random.Random(seed * 1_000_003)
+        self.seed = seed
+        self.batch_index = 0  # batches made so far; batch b's randomness is a function of (seed, b)
         self.last_metrics: dict[str, float] = {}
 
     # ---- state (exact resume) ------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"prompt_rng": self.rng.getstate()}
+        return {"batch_index": self.batch_index}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate(state["prompt_rng"])
+        self.batch_index = int(state["batch_index"])
 
     def on_update(self, learner_metrics: dict[str, float]) -> None:
         pass
@@ -107,12 +113,12 @@ class SyncSource:
         pass
 
     # ---- one round -----------------------------------------------------------------------------
-    def _sample_and_score(self, idx: list[int]):
+    def _sample_and_score(self, idx: list[int], seeds: list[int]):
         """Rollouts for prompts ``idx`` (G each, grouped) and their rewards; every rank gets all of them."""
         mine = self.world.shard(len(idx)) if self.world.size > 1 else slice(0, len(idx))
         part = idx[mine]
         ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
-                           self.foreign_fraction, self.sampling)
+                           self.foreign_fraction, self.sampling, seeds[mine])
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
                                  [self.references[part[x.prompt_index]] for x in ro])
         if self.check_round is not None:
@@ -130,13 +136,24 @@ class SyncSource:
         return rollouts, rewards, errors, timeouts
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
+        batch = self.make_batch(self.batch_index)
+        self.batch_index += 1
+        return batch
+
+    def make_batch(self, b: int) -> TrainBatch | None:
+        """Batch number ``b``: its prompts and random streams depend only on (seed, b), not on history.
+
+        Returns None (and sets ``last_metrics``) when dynamic sampling kept no group.
+        """
         t0 = time.time()
         G = self.G
         rollouts, rew, sampled, errors, timeouts, dropped = [], [], [], 0, 0, 0
-        for _refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
+        for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
-            idx = [self.rng.randrange(len(self.prompts)) for _ in range(need)]
-            new, r, e, t = self._sample_and_score(idx)
+            rng = random.Random(row_seed(self.seed, b, refill))
+            idx = [rng.randrange(len(self.prompts)) for _ in range(need)]
+            seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
+            new, r, e, t = self._sample_and_score(idx, seeds)
             errors, timeouts = errors + e, timeouts + t
             sampled += r
             for j in range(need):  # one group per prompt, G consecutive rollouts

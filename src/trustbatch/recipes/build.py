@@ -14,6 +14,8 @@ from ..config import Config
 from ..data import load_task
 from ..data.benchmarks import fit_prompts, load_file_task
 from ..errors import UserError
+from ..orchestration.rollout_worker import WorkerSpec
+from ..pipeline.async_source import AsyncSource
 from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
@@ -137,13 +139,17 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     """
     world = world or World()
     ro, tr = cfg.rollout, cfg.train
-    shifted = ro.precision != "float32" or ro.staleness > 0
-    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
-                                share=not shifted, version=version)
     learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=tr.lr,
                       weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
                       ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs,
                       minibatches=tr.minibatches, world=world, version=version, max_bad_steps=tr.max_bad_steps)
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    if ro.mode == "async":
+        source = async_source(cfg, task, policy, version, world)
+        return Built(Parts(source, learner, source.sync), eval_engine)
+    shifted = ro.precision != "float32" or ro.staleness > 0
+    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
+                                share=not shifted, version=version)
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)
@@ -162,5 +168,30 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
         check_round=check_round,
     )
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     return Built(Parts(source, learner, sync), eval_engine)
+
+
+def async_source(cfg: Config, task, policy, version: int, world: World) -> AsyncSource:
+    """Rollout workers in their own processes (``rollout.mode=async``), bounded by ``rollout.max_staleness``.
+
+    Raises:
+        UserError: a combination the async pipeline does not run (simulated staleness, foreign data,
+            several data-parallel ranks).
+    """
+    ro, tr = cfg.rollout, cfg.train
+    for bad, why in ((ro.staleness > 0, "rollout.staleness (the simulated lag; use rollout.max_staleness)"),
+                     (ro.foreign_fraction > 0, "rollout.foreign_fraction"),
+                     (world.size > 1, "several data-parallel ranks")):
+        if bad:
+            raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
+    spec = WorkerSpec(
+        model_dir="", prompts=[policy.encode_prompt(e.prompt) for e in task.train],
+        references=[e.reference for e in task.train], reward=cfg.reward.name or task.reward,
+        sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
+        group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=tr.seed, precision=ro.precision,
+        reward_workers=cfg.reward.workers, reward_timeout_s=cfg.reward.timeout_s,
+        max_failure_rate=cfg.reward.max_failure_rate, dynamic_sampling=ro.dynamic_sampling,
+        max_sampling_rounds=ro.max_sampling_rounds, overlong_cache=ro.overlong_cache,
+        advantage=cfg.objective.advantage, std=cfg.objective.std)
+    return AsyncSource(spec, policy, version=version, workers=ro.workers, max_staleness=ro.max_staleness,
+                       steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)

@@ -24,9 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from ..processes import die_with_parent
+
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
-_PARENT_CHECK_S = 1.0  # how often an idle or busy worker checks that its parent is alive
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 # Parent ends of every live worker pipe in this process. A forked worker inherits them all and
 # must close them: a worker holding another worker's parent end keeps that pipe open after the
@@ -70,29 +70,6 @@ def _with_output(cause: str, output: str) -> str:
     return f"{cause}; scorer output: {output}" if output else cause
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In a worker: be killed when the parent dies, and watch for it where the kernel cannot help."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            # The signal is sent when the thread that forked this process exits; RewardPool
-            # documents that it must be used from a thread that lives as long as the pool.
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-    def watch() -> None:  # also covers a scorer that hangs while the parent is gone (non-Linux)
-        while True:
-            time.sleep(_PARENT_CHECK_S)
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="trustbatch-parent-watch").start()
-
-
 def _redirect_output(out_fd: int | None) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2, so C code too) to ``out_fd``."""
     if out_fd is None:
@@ -125,7 +102,7 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None) ->
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent around start()
     for c in [parent_end, *_PARENT_ENDS]:
         c.close()
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     _redirect_output(out_fd)
 
     from . import get, score_one
@@ -236,12 +213,20 @@ class RewardPool:
         res = ScoreResult([0.0] * len(completions), 0, 0)
         todo = deque(range(len(completions)))
         while todo or any(w.job for w in self._pool):
-            for w in self._pool:
+            for k, w in enumerate(list(self._pool)):
                 if w.job is None and todo:
-                    i = todo.popleft()
-                    w.conn.send((i, completions[i], references[i]))
+                    i = todo[0]
+                    try:
+                        w.conn.send((i, completions[i], references[i]))
+                    except OSError:  # the worker died while idle (e.g. the OOM killer): replace it, retry
+                        w.close(kill=True)
+                        self._pool[k] = _Worker(self._ctx, self.name)
+                        continue
+                    todo.popleft()
                     w.job = (i, time.monotonic() + self.timeout_s)
             busy = [w for w in self._pool if w.job]
+            if not busy:
+                continue
             next_deadline = min(w.job[1] for w in busy)
             ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
             for k, w in enumerate(list(self._pool)):

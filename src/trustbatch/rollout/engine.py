@@ -69,8 +69,13 @@ class Engine(Protocol):
 
     version: int  # set by the constructor and by load_weights only; copied into every Rollout
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Rollout]:
-        """Sample ``n`` completions for each prompt (token ids); grouped: prompt 0's n first."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Rollout]:
+        """Sample ``n`` completions for each prompt (token ids); grouped: prompt 0's n first.
+
+        ``seeds``, one per prompt, fix each group's random streams where the engine can (the same
+        group then comes out the same from any process or batch); None: the engine's own randomness.
+        """
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

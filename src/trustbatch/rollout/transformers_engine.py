@@ -1,13 +1,44 @@
-"""Rollouts with ``transformers`` ``generate`` on CPU (or any torch device)."""
+"""Rollouts with ``transformers`` ``generate`` on CPU (or any torch device).
+
+Sampling is Gumbel-max with one random stream per completion: token = argmax(s + g), where s are the
+processed scores (logits / T, top-p filtered) and g is standard Gumbel noise drawn from that
+completion's own ``torch.Generator``. That draws exactly from softmax(s) (Gumbel 1954; the
+Gumbel-max trick), and makes a completion depend only on its seed, prompt and weights, never on
+which other prompts share the batch or which process generates it: what lets an asynchronous
+pipeline reproduce a synchronous one.
+"""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .engine import Rollout, SamplingParams
 from .shifts import behaviour_copy
+
+
+def row_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (e.g. group seed and sample index), stable across processes."""
+    h = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+class _GumbelPerRow(LogitsProcessor):
+    """Adds per-row Gumbel noise after the warpers, keeping the clean processed scores for log-probs."""
+
+    def __init__(self, seeds: list[int] | None):
+        self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+        self.clean: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        self.clean.append(scores)
+        if self.gens is None:  # greedy
+            return scores
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
+        return scores - torch.log(-torch.log(u.clamp_min(1e-20)))
 
 
 class TransformersEngine:
@@ -57,9 +88,18 @@ class TransformersEngine:
         self.version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Rollout]:
-        """``n`` completions per prompt, grouped; see ``Engine.generate``."""
-        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Rollout]:
+        """``n`` completions per prompt, grouped; see ``Engine.generate``.
+
+        ``seeds`` (one per prompt) fix each group's random streams: completion j of prompt i is drawn
+        from ``row_seed(seeds[i], j)``. None draws the group seeds from torch's global generator.
+        """
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        elif len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt")
+        flat = [(i, p, row_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(n)]
         out: list[Rollout] = []
         was_training = self.model.training
         self.model.eval()
@@ -71,24 +111,27 @@ class TransformersEngine:
         return out
 
     def _generate_chunk(self, items, sp: SamplingParams):
-        P = max(len(p) for _, p in items)
+        P = max(len(p) for _, p, _ in items)
         ids = torch.full((len(items), P), self.pad_id, dtype=torch.long)
         att = torch.zeros_like(ids)
-        for j, (_, p) in enumerate(items):
+        for j, (_, p, _) in enumerate(items):
             ids[j, P - len(p):] = torch.tensor(p)
             att[j, P - len(p):] = 1
-        kwargs = (dict(do_sample=False) if sp.greedy
-                  else dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=0))
+        # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
+        # HF's own sampler would draw every row from one global stream.
+        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
+        procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
+            [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
         gen = self.model.generate(
             input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            output_scores=True, return_dict_in_generate=True, **kwargs,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
+            temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
         )
         new = gen.sequences[:, P:]
-        scores = torch.stack(gen.scores, dim=1).float()  # [N, steps, V], processed (T, top-p)
+        scores = torch.stack(noise.clean, dim=1).float()  # [N, steps, V], processed (T, top-p), no noise
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
         rows = []
-        for j, (i, p) in enumerate(items):
+        for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
             end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
             rows.append(Rollout(

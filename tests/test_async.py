@@ -1,0 +1,148 @@
+"""The asynchronous rollout source: k = 0 reproduces the sync source, the staleness bound holds, the
+controller follows its rule, and a killed rollout worker is replaced without leaving processes behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trustbatch.config import load_config
+from trustbatch.pipeline.staleness import StalenessController, may_start, rounds_ahead, too_stale
+from trustbatch.recipes import train
+
+from tiny import TINY
+
+TIMING = {"tokens_per_s", "rollout_s", "step_s", "learner_wait_s"}
+ASYNC_ONLY = {"learner_wait_s", "max_staleness", "batches_dropped_stale", "worker_restarts"}
+# a reward with spread for an untrained policy, so the comparison covers non-zero advantages and updates
+SIGNAL = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "threads=1"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    # spawned rollout workers import the scorer module too
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_at_k0_writes_the_sync_metrics(tmp_path, cache):
+    base = TINY + SIGNAL + ["train.steps=4"]
+    train(load_config(None, base + [f"run_dir={tmp_path / 'sync'}"]))
+    train(load_config(None, base + [f"run_dir={tmp_path / 'async'}", "rollout.mode=async", "rollout.max_staleness=0"]))
+    sync, asyn = _records(tmp_path / "sync"), _records(tmp_path / "async")
+    assert [r["step"] for r in sync] == [r["step"] for r in asyn] == [0, 1, 2, 3, 4]
+    assert any(abs(r.get("loss", 0.0)) > 1e-6 for r in sync)  # the comparison covers real updates
+    for a, b in zip(sync, asyn):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING | ASYNC_ONLY}
+    assert all(r["staleness"] == 0 and r["max_staleness"] == 0 for r in asyn[1:])
+
+
+@pytest.mark.parametrize("k,workers", [(1, 1), (3, 2)])
+def test_no_sample_older_than_k_is_trained_on(tmp_path, cache, k, workers):
+    run = tmp_path / "run"
+    train(load_config(None, TINY + SIGNAL + ["train.steps=6", "eval.every=100", f"run_dir={run}", "rollout.mode=async",
+                                             f"rollout.max_staleness={k}", f"rollout.workers={workers}"]))
+    recs = _records(run)[1:]
+    for r in recs:
+        # staleness from the samples' tags: learner version at the round's first step − the oldest row's version
+        assert r["policy_version"] - r["optimizer_steps"] - r["behaviour_version"] == r["staleness"]
+        assert 0 <= r["staleness"] <= k, r
+    assert max(r["staleness"] for r in recs) >= 1  # the pipeline did run ahead
+
+
+def test_staleness_rules_by_hand():
+    assert rounds_ahead(3, 1) == 3 and rounds_ahead(3, 2) == 1 and rounds_ahead(1, 4) == 0
+    assert may_start(5, requested=5, max_staleness=0, steps_per_round=1)
+    assert not may_start(6, requested=5, max_staleness=0, steps_per_round=1)
+    assert may_start(7, requested=5, max_staleness=2, steps_per_round=1)
+    assert not may_start(7, requested=5, max_staleness=3, steps_per_round=2)  # 3 versions = 1 round of 2 steps
+    assert too_stale(10, 6, 3) and not too_stale(10, 7, 3)
+
+
+@pytest.mark.parametrize("sequence,expected", [
+    # (ess, learner_wait_s, round_s) per round -> k after each round; start k = 1, bounds [0, 8]
+    ([(0.99, 1.0, 2.0)] * 3, [2, 3, 4]),                         # on-policy and waiting: +1 each round
+    ([(0.99, 0.0, 2.0)] * 3, [1, 1, 1]),                         # on-policy but never waiting: keep
+    ([(0.99, 1.0, 2.0)] * 4 + [(0.5, 1.0, 2.0)] * 2, [2, 3, 4, 5, 2, 1]),  # trust falls: halve
+    ([(0.93, 1.0, 2.0)] * 2, [1, 1]),                            # between the thresholds: keep
+    ([(0.99, 1.0, 2.0)] * 10, [2, 3, 4, 5, 6, 7, 8, 8, 8, 8]),   # capped at k_max
+    ([(0.1, 1.0, 2.0)] * 2, [0, 0]),                             # floored at k_min
+    ([(None, 1.0, 2.0)], [1]),                                   # an objective without ESS: keep
+])
+def test_controller_follows_its_rule(sequence, expected):
+    c = StalenessController()
+    assert [c.update(*x) for x in sequence] == expected
+
+
+def _descendants(pid: int) -> set[int]:
+    children = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    return [c for c in _descendants(pid) if _ppid(c) == pid]
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_rollout_worker_is_restarted_and_nothing_survives(tmp_path, cache):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, "reward.workers=1", "train.steps=8",
+           "eval.every=100", f"run_dir={run}", "rollout.mode=async", "rollout.max_staleness=1"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    killed = None
+    deadline = time.time() + 240
+    while p.poll() is None and time.time() < deadline:
+        seen |= _descendants(p.pid)
+        metrics = run / "metrics.jsonl"
+        if killed is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            workers = [c for c in _children(p.pid)  # rollout workers: the trainer's own spawned children
+                       if b"spawn_main" in (Path("/proc") / str(c) / "cmdline").read_bytes()]
+            assert workers, "no spawned rollout worker found"
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.2)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-3000:]
+    assert killed is not None
+    recs = _records(run)
+    assert [r["step"] for r in recs] == list(range(9))
+    assert recs[-1]["worker_restarts"] >= 1
+    time.sleep(3)
+    assert not [c for c in seen if _alive(c)], "processes outlived the run"
