@@ -47,4 +47,19 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py
+	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py tests/test_vllm_train.py
+
+# Ray gets its own environment too: `trustbatch[ray]` is an extra the default install does not carry.
+RAY_VENV := .venv-ray
+RAY_BIN := $(RAY_VENV)/bin
+
+$(RAY_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(RAY_VENV)
+	$(RAY_BIN)/pip install -q --upgrade pip
+	$(RAY_BIN)/pip install -q $(TORCH)
+	$(RAY_BIN)/pip install -q -e '.[test,ray]'
+	touch $@
+
+.PHONY: test-ray
+test-ray: $(RAY_VENV)/.installed
+	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray.py
