@@ -253,6 +253,11 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run_dir: str | None = None
     checkpoint_every: Int = Field(50, ge=1)
+    orchestrator: Literal["local", "ray"] = Field(
+        "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
+                             "existing cluster (with rollout.mode=async; needs trustbatch[ray])")
+    ray_address: str | None = Field(None, description="orchestrator=ray: the cluster to join (host:6379); "
+                                                      "default RAY_ADDRESS, else a new local cluster")
     threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
 

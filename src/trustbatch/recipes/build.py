@@ -15,7 +15,7 @@ from ..data import load_task
 from ..data.benchmarks import fit_prompts, load_file_task
 from ..errors import UserError
 from ..orchestration.rollout_worker import WorkerSpec
-from ..pipeline.async_source import AsyncSource
+from ..pipeline.async_source import AsyncSource, BoundedSource
 from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
@@ -53,6 +53,21 @@ def check_objective(cfg: Config) -> None:
     if spec.batch_stats and cfg.train.ess_scope not in spec.ess_scopes:
         raise UserError(f"objective {cfg.objective.name!r} supports train.ess_scope in {spec.ess_scopes}, "
                         f"not {cfg.train.ess_scope!r}")
+
+
+def check_orchestrator(cfg: Config) -> None:
+    """``orchestrator=ray`` runs the async rollout workers as Ray actors: it needs that mode and Ray.
+
+    Raises:
+        UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra).
+    """
+    if cfg.orchestrator != "ray":
+        return
+    if cfg.rollout.mode != "async":
+        raise UserError("orchestrator=ray runs the rollout workers of rollout.mode=async; add rollout.mode=async")
+    from ..orchestration.ray_rollout import check_ray_installed  # imports no ray
+
+    check_ray_installed()
 
 
 def scoring_check(cfg: Config, task, console):
@@ -144,6 +159,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
                       ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs,
                       minibatches=tr.minibatches, world=world, version=version, max_bad_steps=tr.max_bad_steps)
     eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    check_orchestrator(cfg)
     if ro.mode == "async":
         source = async_source(cfg, task, policy, version, world)
         return Built(Parts(source, learner, source.sync), eval_engine)
@@ -171,12 +187,13 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     return Built(Parts(source, learner, sync), eval_engine)
 
 
-def async_source(cfg: Config, task, policy, version: int, world: World) -> AsyncSource:
-    """Rollout workers in their own processes (``rollout.mode=async``), bounded by ``rollout.max_staleness``.
+def async_source(cfg: Config, task, policy, version: int, world: World) -> BoundedSource:
+    """Rollout workers (``rollout.mode=async``), bounded by ``rollout.max_staleness``: processes of this
+    machine, or Ray actors with ``orchestrator=ray`` (``ray_address``).
 
     Raises:
         UserError: a combination the async pipeline does not run (simulated staleness, foreign data,
-            several data-parallel ranks).
+            several data-parallel ranks); ``orchestrator=ray`` without Ray installed.
     """
     ro, tr = cfg.rollout, cfg.train
     for bad, why in ((ro.staleness > 0, "rollout.staleness (the simulated lag; use rollout.max_staleness)"),
@@ -193,5 +210,10 @@ def async_source(cfg: Config, task, policy, version: int, world: World) -> Async
         max_failure_rate=cfg.reward.max_failure_rate, dynamic_sampling=ro.dynamic_sampling,
         max_sampling_rounds=ro.max_sampling_rounds, overlong_cache=ro.overlong_cache,
         advantage=cfg.objective.advantage, std=cfg.objective.std)
-    return AsyncSource(spec, policy, version=version, workers=ro.workers, max_staleness=ro.max_staleness,
-                       steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
+    kw = dict(version=version, workers=ro.workers, max_staleness=ro.max_staleness,
+              steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
+    if cfg.orchestrator == "ray":  # the same rules over Ray actors; ray is imported only in there
+        from ..orchestration.ray_rollout import ray_source
+
+        return ray_source(spec, policy, address=cfg.ray_address, **kw)
+    return AsyncSource(spec, policy, **kw)

@@ -1,0 +1,240 @@
+"""Rollout workers as Ray actors: the transport of ``BoundedSource`` for one machine or a cluster.
+
+``orchestrator=ray rollout.mode=async``: the driver (the trainer's process) runs the same loop and the
+learner; each rollout worker is the plain ``RolloutWorker`` class wrapped with ``ray.remote`` (one CPU
+each). The rules (batch order, capacity bound, drop rule, restarts, metrics) are ``BoundedSource``'s,
+as for spawned processes; only the transport differs:
+
+- Weights: ``push`` puts the learner's named tensors into Ray's object store once per version
+  (``ray.put``); an actor whose version is behind gets a ``load_weights`` call with that reference
+  before its next batch, so it fetches the tensors from the object store itself (from another node
+  if it runs there), and only when it needs them.
+- Batches: the driver hands batch ``j`` to an idle actor when the capacity rule allows it
+  (``may_start``), one batch per actor at a time; results come back through the object store.
+  Unlike a spawned process, which claims its next batch by itself, an actor that finishes while the
+  learner trains waits for the driver's next call to the source (``next_batch``): at most one batch
+  per actor runs ahead of that call. With ``rollout.workers ≥ floor(k / steps per round) + 1`` that
+  costs nothing.
+- Faults: an actor whose call fails with ``RayActorError`` is dead; ``BoundedSource`` restarts it (a
+  new actor) on the batch it held and counts it. A hung one is killed with ``ray.kill``.
+- Shutdown: ``close`` kills the actors and calls ``ray.shutdown()`` if this process started Ray
+  (``ray.init()`` with no address and no ``RAY_ADDRESS`` starts a local cluster; an address joins one).
+
+``ray`` is imported here only, inside functions, so the package works without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import time
+
+import torch
+
+from ..errors import UserError
+from ..orchestration.rollout_worker import RolloutWorker, WorkerSpec
+from ..pipeline.async_source import BoundedSource, Message, describe_error, save_worker_model
+from ..pipeline.staleness import may_start
+from ..pipeline.weight_sync import named_weights
+
+INSTALL_HINT = "orchestrator=ray needs Ray, which is not installed: pip install 'trustbatch[ray]'"
+
+
+def check_ray_installed() -> None:
+    """Fail before any work when Ray is missing, without importing it (it takes seconds).
+
+    Raises:
+        UserError: Ray is not installed (one line naming the extra).
+    """
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # sys.modules["ray"] is None: an import of ray would fail
+        found = False
+    if not found:
+        raise UserError(INSTALL_HINT)
+
+
+def import_ray():
+    """The ``ray`` module.
+
+    Raises:
+        UserError: Ray is not installed (one line naming the extra).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise UserError(INSTALL_HINT) from None
+    return ray
+
+
+class RayTransport:
+    """Rollout workers as Ray actors (``RolloutWorker`` with ``ray.remote``, ``num_cpus=1``); see the module docstring.
+
+    Args:
+        spec: what each actor builds (``spec.model_dir`` already written; on a multi-node cluster it
+            must be a path every node can read, e.g. a shared file system).
+        model: the learner's module (its current tensors are the actors' first weights).
+        version: the learner's policy version now.
+        workers: actors, one CPU each.
+        steps_per_round: optimizer steps per batch, for the capacity rule.
+        address: the Ray cluster to join (``ray.init(address=...)``); None: ``RAY_ADDRESS``, a cluster
+            started on this machine with ``ray start``, or else a new local one. Ignored when Ray is
+            already initialised in this process.
+
+    Raises:
+        UserError: Ray is not installed; the cluster has fewer CPUs than ``workers``.
+    """
+
+    def __init__(self, spec: WorkerSpec, model: torch.nn.Module, *, version: int, workers: int,
+                 steps_per_round: int, address: str | None = None):
+        ray = import_ray()
+        self.ray = ray
+        self.spec, self.n, self.m = spec, workers, steps_per_round
+        self.started_ray = False
+        if not ray.is_initialized():
+            # no dashboard: it is a web server (and an extra) a training run does not need
+            ray.init(address=address, include_dashboard=False)
+            self.started_ray = True
+        self.actors: list = [None] * workers
+        try:
+            cpus = ray.cluster_resources().get("CPU", 0.0)
+            if cpus < workers:  # an actor that cannot be placed waits forever
+                raise UserError(f"the Ray cluster has {cpus:g} CPUs but rollout.workers={workers} actors need one "
+                                "each; lower rollout.workers or add nodes")
+            self._remote = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
+            self.requested, self.k = 0, 0  # until the first request
+            self.next_index = 0
+            self.held_batch = [-1] * workers  # the batch each actor makes (or will make first after a restart)
+            self.calls: list = [None] * workers  # (make_batch ref, load_weights ref or None) in flight
+            self.actor_version: list = [None] * workers  # None: a new actor, which loads before its first batch
+            self.dead = [False] * workers
+            self.version = version
+            self.weights_ref = ray.put(list(named_weights(model)))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- actors ------------------------------------------------------------------------------------
+    def _new_actor(self, wid: int) -> None:
+        self.actors[wid] = self._remote.remote(self.spec)
+        self.actor_version[wid] = None
+        self.calls[wid] = None
+        self.dead[wid] = False
+
+    def _submit(self, wid: int, j: int) -> None:
+        actor = self.actors[wid]
+        load = None
+        if self.actor_version[wid] != self.version:
+            # the reference is resolved in the actor: it fetches the tensors from the object store
+            load = actor.load_weights.remote(self.weights_ref, self.version)
+            self.actor_version[wid] = self.version
+        self.calls[wid] = (actor.make_batch.remote(j), load)  # an actor runs its calls in order
+        self.held_batch[wid] = j
+
+    def _dispatch(self) -> None:
+        """Give each idle live actor its held batch, or else the next batch the capacity rule allows."""
+        for wid in range(self.n):
+            if self.calls[wid] is not None or self.dead[wid]:
+                continue
+            j = self.held_batch[wid]
+            if j < 0:
+                if not may_start(self.next_index, self.requested, self.k, self.m):
+                    continue  # another actor may still hold a batch handed over on a restart
+                j = self.next_index
+                self.next_index += 1
+            self._submit(wid, j)
+
+    # ---- the Transport protocol --------------------------------------------------------------------
+    def start(self, first_index: int) -> None:
+        self.next_index = first_index
+        for wid in range(self.n):
+            self._new_actor(wid)
+
+    def request(self, b: int, k: int) -> None:
+        self.requested, self.k = b, k
+        self._dispatch()
+
+    def poll(self, timeout_s: float) -> Message | None:
+        ray = self.ray
+        self._dispatch()
+        pending = {c[0]: wid for wid, c in enumerate(self.calls) if c is not None}
+        if not pending:
+            time.sleep(timeout_s)
+            return None
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+        if not ready:
+            return None
+        wid = pending[ready[0]]
+        batch_ref, load_ref = self.calls[wid]
+        self.calls[wid] = None
+        j = self.held_batch[wid]
+        try:
+            if load_ref is not None:
+                ray.get(load_ref)
+            result = ray.get(batch_ref)
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:  # the actor cannot even build its worker: a restart would not help
+                return "error", wid, j, (False, str(e))
+            self.dead[wid] = True  # BoundedSource restarts it on held_batch[wid]
+            return None
+        except ray.exceptions.RayTaskError as e:
+            return "error", wid, j, describe_error(e.cause if isinstance(e.cause, BaseException) else e)
+        self.held_batch[wid] = -1
+        self._dispatch()  # the idle actor takes the next allowed batch before the learner trains
+        return "batch", wid, j, result
+
+    def held(self, wid: int) -> int:
+        return self.held_batch[wid]
+
+    def alive(self, wid: int) -> bool:
+        return not self.dead[wid]
+
+    def restart(self, wid: int, first: int) -> str:
+        how = "died" if self.dead[wid] else "was killed after holding the awaited batch too long"
+        try:
+            self.ray.kill(self.actors[wid], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self._new_actor(wid)
+        self.held_batch[wid] = first
+        self._dispatch()
+        return how
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Put the named tensors in the object store once; actors behind ``version`` fetch them before their next batch."""
+        self.weights_ref = self.ray.put(list(named_weights(model)))  # the old reference is freed when unused
+        self.version = version
+
+    def close(self) -> None:
+        ray = self.ray
+        for wid, actor in enumerate(self.actors):
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead, or Ray already down
+                    pass
+                self.actors[wid] = None
+        self.calls = [None] * self.n
+        self.weights_ref = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        self.started_ray = False
+
+
+def ray_source(spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_staleness: int | str = 0,
+               steps_per_round: int = 1, worker_timeout_s: float = 300.0, address: str | None = None) -> BoundedSource:
+    """The asynchronous rollout source with Ray actors as workers (arguments as ``AsyncSource``'s, plus
+    ``address``, see ``RayTransport``).
+
+    Raises:
+        UserError: Ray is not installed; the cluster has too few CPUs.
+    """
+    model_dir = save_worker_model(spec, policy)
+    try:
+        transport = RayTransport(spec, policy.model, version=version, workers=workers,
+                                 steps_per_round=steps_per_round, address=address)
+    except BaseException:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise
+    return BoundedSource(transport, max_staleness=max_staleness, worker_timeout_s=worker_timeout_s,
+                         model_dir=model_dir)
