@@ -33,6 +33,9 @@ def cache(tmp_path, monkeypatch):
     # Ray's worker processes inherit the environment of the raylet that ray.init starts: they import the scorer
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a new local cluster, whatever the shell says
+    # a local cluster for one test needs no token; Ray would otherwise write one to ~/.ray and set
+    # RAY_AUTH_MODE in this process's environment for the rest of the session
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
 
 
 def _cmdline(pid: int) -> bytes:
