@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from trustbatch.config import load_config
 from trustbatch.recipes import train
@@ -104,3 +105,20 @@ def test_weak_teacher_corrupts_a_fixed_fraction_with_plausible_answers():
     assert abs(changed / 4000 - 0.25 * 36 / 37) < 0.03
     assert {c for _, c in out} <= {c for _, c in demos}
     assert weak_teacher(demos, 0.25, seed=0) == out and weak_teacher(demos, 0.0, seed=0) == demos
+
+
+def test_evaluation_does_not_move_the_training_streams(tmp_path, cache):
+    """eval.every may change on resume, so evaluating more or less often must leave training bit-identical."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for every in (1, 100):
+        run = tmp_path / f"every{every}"
+        train(load_config(None, TINY + ["train.steps=3", f"eval.every={every}", "checkpoint_every=100", "threads=1",
+                                        "reward.workers=0", f"run_dir={run}"]))
+        runs[every] = run
+    trained = {e: [{k: v for k, v in r.items() if not k.startswith("heldout") and k not in ("tokens_per_s", "step_s", "rollout_s")}
+                   for r in _records(run) if r["step"] > 0] for e, run in runs.items()}
+    assert trained[1] == trained[100]
+    a, b = (load_file(str(runs[e] / "checkpoints" / "step_000003" / "model.safetensors")) for e in (1, 100))
+    assert all(torch.equal(a[k], b[k]) for k in a)

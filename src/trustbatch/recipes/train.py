@@ -24,12 +24,13 @@ from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
 from ..policy import load_policy
+from ..rollout.transformers_engine import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.parallel import World
 from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics,
                               truncate_records)
-from .build import build_parts, check_objective, foreign_engine, prepare_run, scoring_check
+from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
 
 
@@ -46,6 +47,9 @@ def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
         return False
     f, r = Path(os.path.abspath(e.filename)), Path(os.path.abspath(run_dir))
     return f == r or r in f.parents or f in r.parents
+
+
+_EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -67,11 +71,15 @@ class TrainHooks:
     def is_eval(self, round_: int) -> bool:
         return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
 
-    def evaluate(self) -> dict:
+    def evaluate(self, round_: int) -> dict:
+        """Held-out evaluation on a random stream of its own, seeded from (train.seed, round): how often
+        it runs (``eval.every``, a resumable key) never moves the training's random streams."""
         c = self.cfg
-        return evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
-                                samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
-                                max_new_tokens=c.rollout.max_new_tokens)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
+            return evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
+                                    samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
+                                    max_new_tokens=c.rollout.max_new_tokens)
 
     def save(self, round_: int) -> None:
         parts = self.built.parts
@@ -93,7 +101,7 @@ class TrainHooks:
             self.progress.advance(round_, "all groups uninformative: step skipped")
             return
         if self.is_eval(round_):
-            m.update(self.evaluate())
+            m.update(self.evaluate(round_))
         self.log.log(round_, m)
         if round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps:
             self.save(round_)
@@ -143,7 +151,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
 
     console = console or Console()
     cfg, run_dir, changed = _resolve_run(cfg, resume, overrides)
-    check_objective(cfg)
+    preflight(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     world = World.from_env()
@@ -191,6 +199,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     task, policy, pool, source = prepare_run(cfg, console)
     if world.is_main:
         world.barrier()
+    built = None
     try:
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
         start = 0
@@ -224,7 +233,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
                       f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
         console.print(f"run directory: {run_dir}")
         if state is None and world.is_main:  # not when resuming from the step-0 checkpoint
-            base_eval = hooks.evaluate()
+            base_eval = hooks.evaluate(0)
             log.log(0, base_eval)
             console.print(f"base policy: held-out accuracy {base_eval['heldout_accuracy']:.3f} "
                           f"(greedy {base_eval['heldout_greedy_accuracy']:.3f})")
@@ -235,6 +244,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             last = run_loop(parts, hooks, start_round=start, rounds=cfg.train.steps)
         log.close()
     finally:
+        if built is not None:
+            built.parts.source.close()
         pool.close()
     if not world.is_main:
         return {}

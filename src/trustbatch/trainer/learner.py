@@ -252,8 +252,8 @@ class Learner:
         self.bad_steps += 1
         if self.bad_steps >= self.max_bad_steps:
             raise NonFiniteTraining(
-                f"{self.bad_steps} optimizer steps in a row had a non-finite loss or gradient ({cause}); "
-                "lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
+                f"{self.bad_steps} optimizer steps in a row (train.max_bad_steps={self.max_bad_steps}) had a non-finite "
+                f"loss or gradient ({cause}); lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
         return {"nonfinite_skipped": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
     def _reduce_metrics(self, sums: dict, maxes: dict, local_tokens: float, grad_norm: float) -> dict[str, float]:
