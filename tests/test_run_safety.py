@@ -172,3 +172,34 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint_s
     code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir))
     assert code == 0, err
     assert (run_dir / "checkpoints" / "step_000003").is_dir()
+
+
+def test_torch_save_on_a_full_disk_is_an_enospc_oserror(tmp_path, monkeypatch):
+    """torch.save raises RuntimeError, not OSError, when the disk fills: save_checkpoint names it ENOSPC."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    from trustbatch.trainer import checkpoint
+
+    class P:
+        model = torch.nn.Linear(2, 2)
+
+        def save(self, path):
+            (path / "model.safetensors").write_bytes(b"x")
+
+    def torn(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 448 vs 342")
+
+    monkeypatch.setattr(checkpoint.torch, "save", torn)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 0))
+    with pytest.raises(OSError) as e:
+        checkpoint.save_checkpoint(tmp_path, 1, P(), {})
+    assert e.value.errno == errno.ENOSPC
+    assert not list((tmp_path / "checkpoints").iterdir())  # nothing half-written left behind
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 0, 10 << 30))
+    with pytest.raises(RuntimeError):  # with space left it is another fault: not disguised as a full disk
+        checkpoint.save_checkpoint(tmp_path, 1, P(), {})

@@ -8,6 +8,7 @@ leaves the previous checkpoints intact; a checkpoint whose weights are not finit
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -20,6 +21,7 @@ import torch
 from ..errors import UserError
 from ..policy.model import _quiet_transformers
 
+_FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
 KEEP = 2  # checkpoints kept besides the newest ones being written
 
 
@@ -55,6 +57,14 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except RuntimeError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # torch.save on a full disk raises RuntimeError ("unexpected pos", "PytorchStreamWriter failed
+        # writing"), not OSError: say what it is, so the run ends with one line instead of a traceback
+        if shutil.disk_usage(root).free < _FULL_DISK_BYTES:
+            raise OSError(errno.ENOSPC, f"no space left while writing a checkpoint ({str(e).splitlines()[0][:120]})",
+                          str(root)) from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
