@@ -31,3 +31,15 @@ def test_train_samples_with_vllm_and_the_weights_follow(tmp_path, monkeypatch, p
         assert r["staleness"] == 0 and r["behaviour_version"] == r["policy_version"] - r["optimizer_steps"]
     if precision == "bfloat16":  # the real precision mismatch between engine and float32 learner
         assert recs[0]["ess"] < 1.0 and recs[0]["kl_behavior"] > 0
+
+
+def test_async_rollout_worker_samples_with_vllm(tmp_path, monkeypatch):
+    """rollout.mode=async with the vLLM engine: the worker process runs its own vllm.LLM; staleness stays <= k."""
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    train(load_config(None, VLLM_TINY + ["train.steps=4", f"run_dir={run}", "rollout.engine=vllm", "rollout.mode=async",
+                                         "rollout.max_staleness=1", "eval.every=100"]))
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(0 <= r["staleness"] <= 1 and math.isfinite(r["ess"]) for r in recs)
+    assert recs[-1]["worker_restarts"] == 0

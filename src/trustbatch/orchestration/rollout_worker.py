@@ -41,6 +41,8 @@ class WorkerSpec:
     advantage: str = "zscore"
     std: str = "population"
     threads: int = 1
+    engine: str = "transformers"  # or "vllm" (its own vllm.LLM in the worker's process)
+    quantization: str | None = None  # vllm engine only
     extra: dict = field(default_factory=dict)
 
 
@@ -55,8 +57,15 @@ class RolloutWorker:
         torch.set_num_threads(spec.threads)
         self.spec = spec
         policy = load_policy(spec.model_dir)
-        self.engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=spec.precision,
-                                         share=spec.precision == "float32")
+        if spec.engine == "vllm":
+            from ..rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(spec.model_dir, policy.eos_id, policy.pad_id, precision=spec.precision,
+                                     quantization=spec.quantization, seed=spec.seed, threads=spec.threads,
+                                     max_model_len=getattr(policy.model.config, "max_position_embeddings", None))
+        else:
+            self.engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=spec.precision,
+                                             share=spec.precision == "float32")
         self.pool = rewards.RewardPool(spec.reward, workers=spec.reward_workers, timeout_s=spec.reward_timeout_s)
 
         def check(result, n):  # a broken scorer stops the run from the learner's side, with its message

@@ -220,9 +220,9 @@ def vllm_engine(cfg: Config, policy, version: int):
     import tempfile
 
     ro = cfg.rollout
-    if ro.mode == "async" or ro.precision == "int8":
-        raise UserError("rollout.engine=vllm runs with rollout.mode=sync and precision float32, bfloat16 or float16 "
-                        "(for 8-bit weights use rollout.quantization=fp8_per_channel)")
+    if ro.precision == "int8":
+        raise UserError("rollout.engine=vllm runs in float32, bfloat16 or float16; for 8-bit weights use "
+                        "rollout.quantization=fp8_per_channel")
     model_dir = tempfile.mkdtemp(prefix="trustbatch-vllm-model-")
     atexit.register(shutil.rmtree, model_dir, True)
     policy.save(model_dir)
@@ -260,7 +260,7 @@ def async_source(cfg: Config, task, policy, version: int, world: World) -> Bound
         reward_workers=cfg.reward.workers, reward_timeout_s=cfg.reward.timeout_s,
         max_failure_rate=cfg.reward.max_failure_rate, dynamic_sampling=ro.dynamic_sampling,
         max_sampling_rounds=ro.max_sampling_rounds, overlong_cache=ro.overlong_cache,
-        advantage=cfg.objective.advantage, std=cfg.objective.std)
+        advantage=cfg.objective.advantage, std=cfg.objective.std, engine=ro.engine, quantization=ro.quantization)
     kw = dict(version=version, workers=ro.workers, max_staleness=ro.max_staleness,
               steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
     if cfg.orchestrator == "ray":  # the same rules over Ray actors; ray is imported only in there
