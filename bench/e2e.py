@@ -1,0 +1,244 @@
+"""Seconds per optimizer step of the default job, split into generation, scoring and learner, shared-prompt forward off vs on.
+
+    python bench/e2e.py [--threads 2] [--repeats 5] [--warmup 1]          # the default job (make run's config)
+    python bench/e2e.py --scale [--threads 2] [--repeats 3]                # ~50M-parameter random Llama,
+                                                                            # prompt 128 / completion 512, learner only
+
+Default job: ``load_config(None, [])`` (64 prompts × 8 completions per optimizer step, the cached
+default base, built on first use in ~1 min under $TRUSTBATCH_CACHE or ~/.cache/trustbatch). One
+policy trains in place; rounds alternate between the learner's plain forward (off) and the
+shared-prompt forward (on), so machine noise and the policy's drift hit both alike. Each round is
+timed as generation (engine.generate), scoring (reward pool), learner (``train_on``) and the rest
+(batching, advantages, weight sync). Medians over ``--repeats`` rounds per variant; the 1-minute
+load average is printed next to each figure (other processes on the machine distort timings).
+
+Useful FLOP/s: the FLOPs a step needs once each distinct prompt and each completion token is
+computed once (no padding, no prompt copies): per token 2·(linear weights) + 4·layers·hidden·context
+for attention, the LM head only where a log-prob is needed; ×3 for the learner's forward + backward;
+generation counts its prefill and every sampled token. Divided by the step's (or learner's) time and by
+a float32 matmul peak measured here on the same threads (best 1024² matmul seen, measured before
+every round: a busy machine lowers it, so the best is the closest to the machine's peak).
+
+``--scale``: a randomly initialised Llama (hidden 640, 8 layers, 10 heads, vocabulary 8192: ~48M
+parameters), one group of G=8 completions of 512 tokens on a 128-token prompt, one forward +
+backward of Σ log-probs per repeat, off and on interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from trustbatch.policy.forward import pack, response_logprobs
+from trustbatch.policy.shared_prompt import grouped_response_logprobs
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.2f}"
+
+
+def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
+    """Best float32 matmul FLOP/s over ``repeats`` n×n @ n×n products (2n³ FLOPs each)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def model_shape(model) -> tuple[int, int, int, int]:
+    """(linear weights in the decoder layers, hidden, layers, vocabulary) of a Llama-like causal LM."""
+    cfg = model.config
+    linear = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    return linear, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+
+
+def forward_flops(shape, prompts: list[list[int]], completions: list[list[int]], group: int) -> tuple[float, float]:
+    """(learner forward FLOPs, generation FLOPs) of one batch, each distinct prompt counted once.
+
+    prompts/completions: per row; rows come in groups of ``group`` sharing a prompt.
+    """
+    linear, h, layers, vocab = shape
+    learn = gen = 0.0
+    for i in range(0, len(prompts), group):
+        p = len(prompts[i])
+        pre = sum(2 * linear + 4 * layers * h * (t + 1) for t in range(p))  # the prompt once
+        learn += pre
+        gen += pre + 2 * h * vocab  # prefill, and the first token's logits
+        for c in completions[i:i + group]:
+            for t in range(len(c)):
+                tok = 2 * linear + 4 * layers * h * (p + t + 1)
+                learn += tok + 2 * h * vocab
+                gen += (tok + 2 * h * vocab) if t < len(c) - 1 else 0.0  # the last token is not fed back
+    return learn, gen
+
+
+class Timed:
+    """Wraps ``obj.name`` (an instance attribute) to add its wall time to ``self.s``."""
+
+    def __init__(self, obj, name: str):
+        self.s = 0.0
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.s += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+
+def default_job(a) -> None:
+    from trustbatch.config import load_config
+    from trustbatch.recipes.build import build_parts, prepare_run
+
+    cfg = load_config(None, [])
+    task, policy, pool, src = prepare_run(cfg)
+    built = build_parts(cfg, task, policy, pool)
+    source, learner, sync = built.parts.source, built.parts.learner, built.parts.sync
+    gen_t, score_t = Timed(source.engine, "generate"), Timed(source.pool, "score")
+    shape = model_shape(policy.model)
+    G = cfg.rollout.group_size
+    peak = matmul_peak()
+    print(f"default job: {cfg.rollout.prompts_per_step} prompts × {G} completions, base {src}, "
+          f"{sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {a.threads} threads")
+    print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({load()})")
+    variants = {"off": response_logprobs, "on": grouped_response_logprobs}
+    rows: dict[str, list[dict]] = {k: [] for k in variants}
+    for r in range(a.warmup + a.repeats):
+        for name, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
+            learner.forward_fn = fn
+            peak = max(peak, matmul_peak())  # the best seen: a busy machine only lowers it
+            gen_t.s = score_t.s = 0.0
+            c0, t0 = time.process_time(), time.perf_counter()
+            batch = source.next_batch(learner.version)
+            t1 = time.perf_counter()
+            c1 = time.process_time()
+            learner.train_on(batch)
+            t2, c2 = time.perf_counter(), time.process_time()
+            sync.push(learner.model, learner.version)
+            source.on_update({})
+            t3, c3 = time.perf_counter(), time.process_time()
+            m = batch.packed.response_mask
+            ids, lens = batch.packed.input_ids, batch.packed.attention_mask.sum(1)
+            n = m.sum(1)
+            prompts = [ids[i, ids.shape[1] - int(lens[i]):ids.shape[1] - int(n[i])].tolist() for i in range(len(batch))]
+            comps = [[0] * int(k) for k in n]
+            learn_f, gen_f = forward_flops(shape, prompts, comps, G)
+            row = dict(step=t3 - t0, gen=gen_t.s, score=score_t.s, learner=t2 - t1, other=(t3 - t0) - gen_t.s
+                       - score_t.s - (t2 - t1), tokens=float(m.sum()), useful=3 * learn_f + gen_f,
+                       useful_learner=3 * learn_f, load=os.getloadavg()[0], step_cpu=c3 - c0, learner_cpu=c2 - c1)
+            if r >= a.warmup:
+                rows[name].append(row)
+            print(f"  round {r:2d} {name:>3}: step {row['step']:.3f} s (process CPU {row['step_cpu']:.3f} s)  learner "
+                  f"{row['learner']:.3f} s (CPU {row['learner_cpu']:.3f} s)  ({load()})", flush=True)
+    pool.close()
+    same = same_batch(learner.model, batch, a)
+    print(f"\nmedian of {a.repeats} rounds per variant, rounds interleaved off/on; "
+          f"best matmul peak seen {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'':>4}{'step s':>9}{'gen s':>8}{'score s':>9}{'learner s':>11}{'other s':>9}{'tok/s':>9}"
+          f"{'useful/peak':>13}{'learner useful/peak':>21}{'load':>7}")
+    med = {}
+    for name, rs in rows.items():
+        md = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        med[name] = md
+        useful = statistics.median(x["useful"] / x["step"] for x in rs)
+        useful_l = statistics.median(x["useful_learner"] / x["learner"] for x in rs)
+        print(f"{name:>4}{md['step']:>9.3f}{md['gen']:>8.3f}{md['score']:>9.3f}{md['learner']:>11.3f}"
+              f"{md['other']:>9.3f}{md['tokens'] / md['step']:>9.0f}{useful / peak:>13.1%}{useful_l / peak:>21.1%}"
+              f"{md['load']:>7.2f}")
+    print(f"{'':>4}{'step CPU s':>11}{'learner CPU s':>15}   (process CPU time: less sensitive to a busy machine)")
+    for name in rows:
+        print(f"{name:>4}{med[name]['step_cpu']:>11.3f}{med[name]['learner_cpu']:>15.3f}")
+    print(f"on/off: step {med['on']['step'] / med['off']['step']:.2f}× (CPU {med['on']['step_cpu'] / med['off']['step_cpu']:.2f}×), "
+          f"learner {med['on']['learner'] / med['off']['learner']:.2f}× (CPU {med['on']['learner_cpu'] / med['off']['learner_cpu']:.2f}×)")
+    print(f"learner forward+backward on one batch ({len(batch)} rows), median of {a.repeats}, interleaved:")
+    for name, (wall, cpu, ld) in same.items():
+        print(f"{name:>4}: {wall:.3f} s (CPU {cpu:.3f} s)  load {ld:.2f}")
+    print(f"on/off: {same['on'][0] / same['off'][0]:.2f}× (CPU {same['on'][1] / same['off'][1]:.2f}×)")
+
+
+def same_batch(model, batch, a) -> dict[str, tuple[float, float, float]]:
+    """Median (wall s, process CPU s, load) of forward + backward of Σ log-probs over ``batch``, off vs on."""
+    packed, mask = batch.packed, batch.packed.response_mask
+    fns = {"off": response_logprobs, "on": grouped_response_logprobs}
+    res: dict[str, list] = {k: [] for k in fns}
+    for r in range(a.warmup + a.repeats):
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            model.zero_grad(set_to_none=True)
+            c, t = time.process_time(), time.perf_counter()
+            logp, _ = fns[name](model, packed, with_entropy=True)
+            (logp * mask).sum().backward()
+            if r >= a.warmup:
+                res[name].append((time.perf_counter() - t, time.process_time() - c, os.getloadavg()[0]))
+    model.zero_grad(set_to_none=True)
+    return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in res.items()}
+
+
+def scale_job(a) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=640, intermediate_size=1920, num_hidden_layers=8,
+                      num_attention_heads=10, num_key_value_heads=10, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    P, C, G = a.prompt, a.completion, a.group
+    prompt = torch.randint(3, 8192, (P,), generator=g).tolist()
+    comps = [torch.randint(3, 8192, (C,), generator=g).tolist() for _ in range(G)]
+    packed = pack([prompt] * G, comps, pad_id=0)
+    learn_f, _ = forward_flops(model_shape(model), [prompt] * G, comps, G)
+    peak = matmul_peak()
+    print(f"scale: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter random Llama, prompt {P}, "
+          f"{G} completions of {C} tokens, float32, {a.threads} threads; matmul peak {peak / 1e9:.1f} GFLOP/s ({load()})")
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    fns = {"off": response_logprobs, "on": lambda m, p: grouped_response_logprobs(m, p, min_saving=0.0)}
+    for r in range(a.warmup + a.repeats):
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            model.zero_grad(set_to_none=True)
+            peak = max(peak, matmul_peak())
+            c, t = time.process_time(), time.perf_counter()
+            logp, _ = fns[name](model, packed)
+            (logp * packed.response_mask).sum().backward()
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            if r >= a.warmup:
+                times[name].append(dt)
+                cpu[name].append(dc)
+            print(f"  repeat {r} {name:>3}: forward+backward {dt:.2f} s (process CPU {dc:.2f} s)  ({load()})", flush=True)
+    print(f"best matmul peak seen {peak / 1e9:.1f} GFLOP/s")
+    for name, ts in times.items():
+        md = statistics.median(ts)
+        print(f"{name:>4}: {md:.2f} s (CPU {statistics.median(cpu[name]):.2f} s)  useful {3 * learn_f / md / peak:.1%} of peak")
+    print(f"on/off: {statistics.median(times['on']) / statistics.median(times['off']):.2f}× "
+          f"(CPU {statistics.median(cpu['on']) / statistics.median(cpu['off']):.2f}×)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=None, help="measured rounds per variant (default 5; --scale 3)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--scale", action="store_true", help="the ~50M-parameter prompt 128 / completion 512 case")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--completion", type=int, default=512)
+    ap.add_argument("--group", type=int, default=8)
+    a = ap.parse_args()
+    a.repeats = a.repeats or (3 if a.scale else 5)
+    torch.set_num_threads(a.threads)
+    scale_job(a) if a.scale else default_job(a)
+
+
+if __name__ == "__main__":
+    main()
