@@ -29,6 +29,7 @@ Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close`` stop
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -276,7 +277,9 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
                 if shared.version.value != worker.version:
                     worker.load_weights(shared.weights.items(), shared.version.value)
             batch, metrics = worker.make_batch(j)
-            shared.out.put(("batch", wid, j, (batch, metrics)))
+            # plain pickle copies the tensors into the message: torch's queue pickler would pass them as
+            # file descriptors fetched from this process later, lost if it is killed in between
+            shared.out.put(("batch", wid, j, pickle.dumps((batch, metrics))))
             j = -1
     except BaseException as e:
         shared.out.put(("error", wid, j, describe_error(e)))
@@ -321,9 +324,10 @@ class ProcessTransport:
 
     def poll(self, timeout_s: float) -> Message | None:
         try:
-            return self.shared.out.get(timeout=timeout_s)
+            kind, wid, j, payload = self.shared.out.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        return kind, wid, j, pickle.loads(payload) if kind == "batch" else payload
 
     def held(self, wid: int) -> int:
         return self.shared.claimed[wid]
