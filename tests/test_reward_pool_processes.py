@@ -37,7 +37,11 @@ def noisy(completion, reference):
 # The trainer stand-in: a pool of 2 workers that have scored, their pids on stdout, then it waits
 # (idle, or with both workers inside a hanging scorer).
 PARENT = '''
-import sys, time
+import signal, sys, time
+# a terminal's process: Ctrl-C raises KeyboardInterrupt, whatever the test runner's own SIGINT state was
+# (an ignored or blocked SIGINT is inherited across exec, and Python keeps an inherited SIG_IGN)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 sys.path[:0] = [{src!r}, {here!r}]
 if {no_pdeathsig}:
     sys.platform = "fallback-test"  # the workers skip prctl and rely on the pipe and getppid
