@@ -19,6 +19,8 @@ from trustbatch.policy.forward import pack
 from trustbatch.trainer.learner import Learner
 from trustbatch.trainer.parallel import World
 
+from grad_probe import sgd_recording_grads
+
 OBJECTIVES = ["p3o", "p3o_two_anchor", "grpo"]
 
 
@@ -54,20 +56,10 @@ def _step(objective: str, world: World | None, micro_batch_size: int):
     """One optimizer step; returns (gradients before the step, weights after it)."""
     model = _model()
     learner = Learner(model, objective, {}, lr=1e-2, grad_clip=1e9, micro_batch_size=micro_batch_size, world=world)
-    # SGD: Adam's first step, lr·g/(|g| + eps), turns round-off in near-zero gradients into O(lr) differences
-    learner.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda s: 1.0)
+    grads = sgd_recording_grads(learner, model)
     batch = _batch()
     if world is not None and world.size > 1:
         batch = batch.select(world.shard(len(batch)))
-    grads = {}
-    real_step = learner.optimizer.step
-
-    def record_then_step(*a, **k):
-        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        return real_step(*a, **k)
-
-    learner.optimizer.step = record_then_step
     learner.step(batch)
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -26,6 +26,8 @@ from trustbatch.policy.shared_prompt import grouped_response_logprobs, shared_pr
 from trustbatch.trainer.learner import Learner
 from trustbatch.trainer.parallel import World
 
+from grad_probe import sgd_recording_grads
+
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 PROMPT_LENS = (1, 3, 6, 2)  # one-token prompts have no prefix to share: their rows still join the passes
 G = 4
@@ -142,16 +144,7 @@ def _train_grads(objective, shared, micro_batch_size, dtype, world=None, batch=N
     model = _llama(dtype)
     learner = Learner(model, objective, {}, lr=1e-2, grad_clip=1e9, micro_batch_size=micro_batch_size,
                       world=world, shared_prompt=shared)
-    learner.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda s: 1.0)
-    grads = {}
-    real_step = learner.optimizer.step
-
-    def record_then_step(*a, **k):
-        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        return real_step(*a, **k)
-
-    learner.optimizer.step = record_then_step
+    grads = sgd_recording_grads(learner, model)
     calls = _Calls(model)
     torch.manual_seed(5)  # the same row permutation in train_on
     learner.train_on(batch if batch is not None else _batch(dtype))
