@@ -1,0 +1,132 @@
+"""The lab's statistics, fixed before any run: primary score, collapse rule, paired intervals, verdicts.
+
+Every rule here was written down before the Lab II runs and is not tuned afterwards:
+
+- **Primary score** of a run: the mean held-out pass@1 of its last two evaluations (a single final
+  evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
+- **Collapse** of a run: its primary score falls below half of its own base (the round-0 evaluation of the
+  same seed's base), or its training reward (10-round moving mean) falls below half of its peak and is
+  still below at the last round. The first catches a policy that lost the task; the second, one whose
+  reward fell apart late and did not recover before the held-out points caught it.
+- **Paired intervals**: arms share seeds (same base, same prompts, same evaluation stream), so arms are
+  compared through the per-seed differences d_s = score_A(s) − score_B(s); the interval is
+  mean(d) ± t_{1 − α/(2m), n−1} · sd(d)/√n, a paired t-interval with a Bonferroni correction over the
+  m comparisons of one experiment (α = 0.05).
+- **Verdicts**: A ahead when the whole interval is above 0, behind when below; "matches" only when the
+  whole interval lies inside ±``margin`` (0.02 by default); otherwise the test could not tell.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ALPHA = 0.05
+MARGIN = 0.02
+COLLAPSE_FRACTION = 0.5
+REWARD_WINDOW = 10
+
+
+def primary_score(evals: list[tuple[int, float]]) -> float:
+    """Mean of the last two held-out evaluations after round 0.
+
+    Args:
+        evals: (round, held-out pass@1) pairs, any order; round 0 is the base and is not counted.
+
+    Raises:
+        ValueError: fewer than two evaluations after round 0 (the run is unfinished or eval.every too coarse).
+    """
+    after = [v for s, v in sorted(evals) if s > 0]
+    if len(after) < 2:
+        raise ValueError(f"a primary score needs two held-out evaluations after round 0, got {len(after)}; "
+                         "finish the run or set eval.every to at most half of train.steps")
+    return (after[-1] + after[-2]) / 2
+
+
+def moving_mean(xs: list[float], window: int = REWARD_WINDOW) -> list[float]:
+    """Trailing mean over ``window`` values (shorter at the start)."""
+    return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
+
+
+def collapse_reason(evals: list[tuple[int, float]], rewards: list[float]) -> str | None:
+    """Why a run collapsed by the lab's rule (see the module docstring), or None if it did not.
+
+    Args:
+        evals: (round, held-out pass@1), including round 0 (the base).
+        rewards: the training reward per round, in order.
+
+    Raises:
+        ValueError: no round-0 evaluation, or too few evaluations for a primary score.
+    """
+    base = [v for s, v in evals if s == 0]
+    if not base:
+        raise ValueError("the collapse rule needs the round-0 (base) evaluation of the run")
+    score = primary_score(evals)
+    if score < COLLAPSE_FRACTION * base[0]:
+        return f"held-out {score:.3f} < half of base {base[0]:.3f}"
+    if rewards:
+        smooth = moving_mean(rewards)
+        peak = max(smooth)
+        if peak > 0 and smooth[-1] < COLLAPSE_FRACTION * peak:
+            return f"training reward {smooth[-1]:.3f} < half of its peak {peak:.3f} at the end"
+    return None
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student-t quantile (scipy.stats.t.ppf)."""
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
+
+
+@dataclass
+class Paired:
+    """A paired comparison of arm ``a`` against arm ``b`` over their common seeds."""
+
+    a: str
+    b: str
+    n: int
+    mean: float  # mean of score_a − score_b
+    lo: float
+    hi: float
+    level: float  # this interval's own level, 1 − α/m, so the m intervals hold together at 1 − α
+
+    def verdict(self, margin: float = MARGIN) -> str:
+        """'a ahead' | 'b ahead' | 'match' | 'cannot tell' (module docstring)."""
+        if self.lo > 0:
+            return f"{self.a} ahead"
+        if self.hi < 0:
+            return f"{self.b} ahead"
+        if -margin <= self.lo and self.hi <= margin:
+            return "match"
+        return "cannot tell"
+
+    def sentence(self, margin: float = MARGIN) -> str:
+        v = self.verdict(margin)
+        text = {"match": f"match within ±{margin}", "cannot tell": "the test cannot tell"}.get(v, f"**{v}**")
+        return (f"{self.a} − {self.b} = {self.mean:+.3f}, paired {100 * self.level:.2f}% interval "
+                f"[{self.lo:+.3f}, {self.hi:+.3f}] over {self.n} seeds: {text}.")
+
+
+def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,
+                    alpha: float = ALPHA) -> Paired:
+    """Paired t-interval for mean(score_a − score_b) over the seeds both arms have, Bonferroni over ``comparisons``.
+
+    Args:
+        scores_a, scores_b: {seed: primary score}.
+        comparisons: m, the number of comparisons in the family (each interval gets level 1 − α/m).
+
+    Raises:
+        ValueError: fewer than two common seeds, or comparisons < 1.
+    """
+    if comparisons < 1:
+        raise ValueError(f"comparisons must be >= 1, got {comparisons}")
+    seeds = sorted(set(scores_a) & set(scores_b))
+    if len(seeds) < 2:
+        raise ValueError(f"a paired interval of {a} and {b} needs two common seeds, got {len(seeds)}")
+    d = [scores_a[s] - scores_b[s] for s in seeds]
+    n = len(d)
+    m = sum(d) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
+    half = t_quantile(1 - alpha / (2 * comparisons), n - 1) * sd / math.sqrt(n)
+    return Paired(a, b, n, m, m - half, m + half, 1 - alpha / comparisons)

@@ -1,0 +1,81 @@
+"""The lab's fixed rules (trustbatch.lab.stats) against hand-worked numbers and an independent t quantile."""
+
+import math
+
+import pytest
+
+from trustbatch.lab.stats import collapse_reason, paired_interval, primary_score, t_quantile
+
+
+def _t_cdf(x: float, df: int, n: int = 200_000) -> float:
+    """Student-t CDF by the midpoint rule on its density (independent of scipy)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    h = x / n
+    return 0.5 + sum(c * (1 + ((i + 0.5) * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n)) * h
+
+
+def test_t_quantile_matches_table_and_integral():
+    assert t_quantile(0.975, 5) == pytest.approx(2.5706, abs=1e-4)  # printed t tables
+    assert t_quantile(0.995, 5) == pytest.approx(4.0321, abs=1e-4)
+    q = t_quantile(1 - 0.05 / 6, 5)  # Bonferroni over 3 comparisons
+    assert _t_cdf(q, 5) == pytest.approx(1 - 0.05 / 6, abs=1e-7)
+
+
+def test_primary_score_is_mean_of_last_two_after_round_zero():
+    assert primary_score([(0, 0.9), (25, 0.1), (50, 0.2), (75, 0.3), (100, 0.5)]) == pytest.approx(0.4)
+    assert primary_score([(100, 0.5), (0, 0.9), (75, 0.3)]) == pytest.approx(0.4)  # order does not matter
+    with pytest.raises(ValueError, match="two held-out evaluations"):
+        primary_score([(0, 0.2), (100, 0.3)])
+
+
+@pytest.mark.parametrize("evals, rewards, expect", [
+    # learned: no collapse
+    ([(0, 0.20), (50, 0.25), (100, 0.30)], [0.2] * 50 + [0.3] * 50, None),
+    # held-out at half of base or more: not collapsed by the first rule (0.10 vs 0.20 → exactly half)
+    ([(0, 0.20), (50, 0.10), (100, 0.10)], [0.2] * 100, None),
+    # held-out below half the base: collapsed
+    ([(0, 0.20), (50, 0.09), (100, 0.09)], [0.2] * 100, "held-out"),
+    # reward fell below half of its peak and stayed there: collapsed even though held-out looks fine
+    ([(0, 0.20), (50, 0.20), (100, 0.20)], [0.4] * 50 + [0.1] * 50, "training reward"),
+    # reward dipped below half of its peak but recovered by the end: not collapsed
+    ([(0, 0.20), (50, 0.20), (100, 0.20)], [0.4] * 30 + [0.1] * 30 + [0.4] * 40, None),
+])
+def test_collapse_rule_table(evals, rewards, expect):
+    reason = collapse_reason(evals, rewards)
+    if expect is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(expect)
+
+
+def test_collapse_needs_the_base():
+    with pytest.raises(ValueError, match="round-0"):
+        collapse_reason([(50, 0.1), (100, 0.1)], [])
+
+
+def test_paired_interval_by_hand():
+    a = {0: 0.30, 1: 0.32, 2: 0.28, 3: 0.35, 4: 0.31, 5: 0.29}
+    b = {0: 0.25, 1: 0.30, 2: 0.26, 3: 0.30, 4: 0.27, 5: 0.28, 9: 0.99}  # seed 9 has no partner: ignored
+    d = [0.05, 0.02, 0.02, 0.05, 0.04, 0.01]
+    m = sum(d) / 6  # 0.031667
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 5)
+    half = 2.5706 * sd / math.sqrt(6)  # one comparison: t_{0.975, 5} from the table
+    p = paired_interval("a", "b", a, b, comparisons=1)
+    assert p.n == 6 and p.mean == pytest.approx(m)
+    assert p.lo == pytest.approx(m - half, abs=1e-5) and p.hi == pytest.approx(m + half, abs=1e-5)
+    assert p.verdict() == "a ahead"
+    # the same data over 20 comparisons: wider, and no longer a call
+    p20 = paired_interval("a", "b", a, b, comparisons=20)
+    assert p20.hi - p20.lo > p.hi - p.lo
+
+
+def test_verdicts_match_behind_cannot_tell():
+    same = {s: 0.3 + 0.001 * s for s in range(6)}
+    near = {s: v + (0.002 if s % 2 else -0.002) for s, v in same.items()}
+    assert paired_interval("a", "b", same, near, 3).verdict() == "match"
+    worse = {s: v - 0.05 + 0.002 * (s % 3) for s, v in same.items()}
+    assert paired_interval("a", "b", worse, same, 3).verdict() == "b ahead"
+    noisy = {s: v + (0.08 if s % 2 else -0.07) for s, v in same.items()}
+    assert paired_interval("a", "b", noisy, same, 3).verdict() == "cannot tell"
+    with pytest.raises(ValueError, match="two common seeds"):
+        paired_interval("a", "b", {0: 0.1}, {0: 0.2}, 1)
