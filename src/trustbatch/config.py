@@ -264,6 +264,8 @@ class Config(_Strict):
                              "existing cluster (with rollout.mode=async; needs trustbatch[ray])")
     ray_address: str | None = Field(None, description="orchestrator=ray: the cluster to join (host:6379); "
                                                       "default RAY_ADDRESS, else a new local cluster")
+    ray_learners: Int = Field(1, ge=0, description="orchestrator=ray: learner ranks, each a Ray actor (data parallel, "
+                                                   "gloo on CPU); 0 trains in the driver's process")
     threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
 
