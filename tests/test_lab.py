@@ -8,7 +8,8 @@ import yaml
 from trustbatch.errors import UserError
 from trustbatch.lab import load_experiment, run_experiment
 from trustbatch.lab.experiment import EXPERIMENTS_DIR
-from trustbatch.lab.report import _mean_se, _verdict, write_report
+from trustbatch.lab.experiment import default_comparisons, family_and_dose
+from trustbatch.lab.report import _mean_se, write_report
 
 from tiny import TINY
 
@@ -36,33 +37,39 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     common = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in TINY)}
     common.update({"train.steps": 2, "eval.every": 1, "checkpoint_every": 1})
     spec = {"description": "tiny", "common": common, "seeds": [0, 1],
-            "arms": {"p3o_T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2},
-                     "grpo_T1.2": {"objective.name": "grpo", "rollout.temperature": 1.2}}}
+            "arms": {"onpolicy": {},
+                     "p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2},
+                     "grpo@T1.2": {"objective.name": "grpo", "rollout.temperature": 1.2}}}
     f = tmp_path / "tiny_exp.yaml"
     f.write_text(yaml.safe_dump(spec))
     exp = load_experiment(str(f))
     out = tmp_path / "runs"
     res = run_experiment(exp, out, jobs=2)
-    assert res["failed"] == [] and res["done"] == 4
+    assert res["failed"] == [] and res["done"] == 6
     for arm in exp.arms:
         for seed in (0, 1):
             d = out / "tiny_exp" / arm / f"seed{seed}"
             assert json.loads((d / "summary.json").read_text())["steps"] == 2
             cfg = yaml.safe_load((out / "tiny_exp" / arm / f"seed{seed}.yaml").read_text())
-            assert cfg["train"]["seed"] == seed and cfg["rollout"]["temperature"] == 1.2
-    mtime = (out / "tiny_exp" / "p3o_T1.2" / "seed0" / "summary.json").stat().st_mtime
+            assert cfg["train"]["seed"] == seed and cfg["model"]["seed"] == seed  # each seed its own base
+            assert cfg["rollout"]["temperature"] == (1.0 if arm == "onpolicy" else 1.2)
+    mtime = (out / "tiny_exp" / "p3o@T1.2" / "seed0" / "summary.json").stat().st_mtime
     run_experiment(exp, out, jobs=2)  # everything done: nothing reruns
-    assert (out / "tiny_exp" / "p3o_T1.2" / "seed0" / "summary.json").stat().st_mtime == mtime
+    assert (out / "tiny_exp" / "p3o@T1.2" / "seed0" / "summary.json").stat().st_mtime == mtime
     report = write_report(out, tmp_path / "report")
     text = report.read_text()
-    assert "## tiny_exp" in text and "p3o_T1.2 vs grpo_T1.2" in text
-    for fig in ("tiny_exp_curves.png", "tiny_exp_traces.png", "tiny_exp_ratios.png"):
+    # one comparison (p3o vs grpo at the same dose; the reference is not a contestant), over the two seeds
+    assert "## tiny_exp" in text and "p3o@T1.2 − grpo@T1.2" in text and "over 2 seeds" in text
+    assert "1 paired comparisons" in text and "| onpolicy |" in text
+    for fig in ("tiny_exp_dose.png", "tiny_exp_curves.png", "tiny_exp_traces.png", "tiny_exp_ratios.png"):
         assert (tmp_path / "report" / fig).stat().st_size > 1000 and f"]({fig})" in text
 
 
-def test_standard_error_and_verdict_rules():
+def test_standard_error_and_arm_names():
     m, se = _mean_se([1.0, 2.0, 3.0])
     assert m == 2.0 and abs(se - (1.0 / 3 ** 0.5)) < 1e-12  # sample sd 1, over √3
-    assert "no separation" in _verdict("a", "b", (0.50, 0.02), (0.46, 0.02))  # 0.04 < 2·0.028
-    assert "**a** is ahead" in _verdict("a", "b", (0.50, 0.01), (0.40, 0.01))
-    assert "**b** is ahead" in _verdict("a", "b", (0.40, 0.01), (0.50, 0.01))
+    assert family_and_dose("grpo_eps0.2@int8") == ("grpo_eps0.2", "int8")
+    assert family_and_dose("onpolicy") == ("onpolicy", None)
+    arms = ["onpolicy", "p3o@bf16", "grpo_eps0.2@bf16", "grpo_eps0.4@bf16", "p3o@int8", "grpo_eps0.2@int8", "p3o_exact@int8"]
+    assert default_comparisons(arms) == [("p3o@bf16", "grpo_eps0.2@bf16"), ("p3o@bf16", "grpo_eps0.4@bf16"),
+                                         ("p3o@int8", "grpo_eps0.2@int8"), ("p3o_exact@int8", "grpo_eps0.2@int8")]

@@ -4,10 +4,16 @@ YAML form (see examples/lab/)::
 
     description: one line on what the experiment asks
     common: {rollout.temperature: 1.2}        # applied to every arm (dotted keys)
-    seeds: [0, 1, 2]
+    seeds: [0, 1, 2, 3, 4, 5]                 # default LAB_SEEDS
+    per_seed_base: true                       # model.seed = seed: each seed has its own SFT base (default)
     arms:
-      p3o: {objective.name: p3o}
-      grpo: {objective.name: grpo}
+      onpolicy: {}                            # the reference: no shift
+      p3o@T0.6: {objective.name: p3o, rollout.temperature: 0.6}
+      grpo_eps0.2@T0.6: {objective.name: grpo, objective.options: {clip_eps: 0.2}, rollout.temperature: 0.6}
+    compare: [[p3o@T0.6, grpo_eps0.2@T0.6]]  # optional; default: p3o* arms vs the other arms of the same dose
+
+An arm is named ``family@dose``: the family is the objective setting (compared across doses), the
+dose the strength of the shift (in the order the arms list them). An arm without ``@`` has no dose.
 """
 
 from __future__ import annotations
@@ -20,17 +26,19 @@ import yaml
 from ..config import load_config, read_yaml_file
 from ..errors import UserError
 
-# Small enough that one run takes one to two minutes on one core (so an experiment of 4 arms × 3
-# seeds fits in 30 minutes on 2 cores); the task and base model are the defaults, so the cached
-# base of `make run` is reused. Held-out: the 256 default prompts × 2 samples, at rounds 0, 15, 30.
+# Lab II (issue 14): long enough to learn and to collapse, with one optimizer step per rollout round
+# (the paper's recipe; replay overrides it), held-out pass@1 from the 256 default prompts × 8 samples
+# at five points (rounds 0, 25, 50, 75, 100), and 6 seeds each with its own SFT base (``model.seed``
+# follows the seed). Sized so that an experiment of 7 arms × 6 seeds fits in 40 minutes on 2 cores.
 LAB_COMMON: dict = {
-    "train.steps": 30,
+    "train.steps": 100,
     "rollout.prompts_per_step": 32,
-    "eval.every": 15,
-    "eval.samples_per_prompt": 2,
-    "checkpoint_every": 15,
+    "eval.every": 25,
+    "eval.samples_per_prompt": 8,
+    "checkpoint_every": 25,
     "threads": 1,
 }
+LAB_SEEDS = [0, 1, 2, 3, 4, 5]
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[3] / "examples" / "lab"
 
 
@@ -42,10 +50,14 @@ class Experiment:
     arms: dict[str, dict]  # arm name -> dotted overrides (common settings already merged)
     source: Path | None = None
     notes: list[str] = field(default_factory=list)
+    per_seed_base: bool = True
+    compare: list[tuple[str, str]] = field(default_factory=list)
 
     def overrides(self, arm: str, seed: int) -> list[str]:
         """``key=value`` overrides for one run (values as YAML flow text)."""
         merged = {**self.arms[arm], "train.seed": seed}
+        if self.per_seed_base:
+            merged["model.seed"] = seed
         return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                 for k, v in merged.items()]
 
@@ -74,11 +86,35 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
         raise UserError(f"experiment {str(path)!r} needs an 'arms' mapping of arm name -> overrides")
     common = {**LAB_COMMON, **(spec.get("common") or {})}
     arms = {str(a): {**common, **(o or {})} for a, o in spec["arms"].items()}
+    compare = spec.get("compare") or []
+    if not isinstance(compare, list) or any(not isinstance(c, list) or len(c) != 2 or any(x not in arms for x in c)
+                                            for c in compare):
+        raise UserError(f"experiment {str(path)!r}: 'compare' must be a list of [arm, arm] pairs naming arms of the experiment")
     exp = Experiment(name=path.stem, description=str(spec.get("description", "")),
-                     seeds=list(seeds or spec.get("seeds") or [0, 1, 2]), arms=arms, source=path)
+                     seeds=list(seeds or spec.get("seeds") or LAB_SEEDS), arms=arms, source=path,
+                     per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare])
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))
         except UserError as e:
             raise UserError(f"experiment {path.stem!r}, arm {arm!r}: {e}") from None
     return exp
+
+
+def family_and_dose(arm: str) -> tuple[str, str | None]:
+    """``"grpo_eps0.2@int8"`` → ("grpo_eps0.2", "int8"); an arm without ``@`` has no dose."""
+    fam, _, dose = arm.partition("@")
+    return fam, (dose or None)
+
+
+def default_comparisons(arms: list[str]) -> list[tuple[str, str]]:
+    """Each ``p3o*`` arm against every other non-reference arm of the same dose (the reference,
+    ``onpolicy``, is a baseline for the dose–response plot, not a contestant)."""
+    pairs = []
+    for a in arms:
+        fa, da = family_and_dose(a)
+        if not fa.startswith("p3o"):
+            continue
+        pairs += [(a, b) for b in arms if b != a and family_and_dose(b)[1] == da
+                  and not family_and_dose(b)[0].startswith("p3o") and family_and_dose(b)[0] != "onpolicy"]
+    return pairs

@@ -1,7 +1,7 @@
-"""``trustbatch lab report``: curves with seed bands, ESS/KL traces, ratio histograms, a results table, findings.
+"""``trustbatch lab report``: pre-flight table, dose–response, curves, per-step traces, ratio histograms, verdicts.
 
-Everything in the report is computed from the run directories; the findings are rules applied to
-the numbers (a difference counts only when it exceeds two standard errors), not hand-written.
+Everything in the report is computed from the run directories; the findings are the rules of
+``trustbatch.lab.stats`` (fixed before the runs) applied to the numbers, not hand-written.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import yaml
 
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
+from .experiment import LAB_COMMON, default_comparisons, family_and_dose
+from .stats import MARGIN, collapse_reason, paired_interval, primary_score
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -69,10 +71,12 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     files = []
     panels = [
         ("curves", [("reward_mean", "training reward (5-step mean)", True), ("heldout_accuracy", "held-out pass@1", False)]),
-        ("traces", [("ess", "normalized ESS of π/μ", True), ("kl_behavior", "KL(μ‖π) estimate", True)]),
+        ("traces", [("ess", "normalized ESS of π/μ", False), ("cap_fraction", "P3O cap share", False),
+                    ("kl_weight", "P3O KL weight", False), ("clip_fraction", "clip share (own objective)", False),
+                    ("grad_norm", "gradient norm", False)]),
     ]
     for tag, keys in panels:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.0), dpi=80)
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * min(len(keys), 3), 3.0) if len(keys) < 4 else (15, 3.0), dpi=80)
         for ax, (key, label, smooth) in zip(axes, keys):
             for i, (arm, runs) in enumerate(arms.items()):
                 steps, mean, se = _series(runs, key)
@@ -81,9 +85,10 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
                 if smooth:
                     mean, se = _smooth(mean), _smooth(se)
                 c = COLORS[i % len(COLORS)]
-                ax.plot(steps, mean, color=c, label=arm, lw=1.4, marker=None if smooth else "o", ms=3)
+                ax.plot(steps, mean, color=c, label=arm, lw=1.0 if tag == "traces" else 1.4,
+                        marker="o" if key.startswith("heldout") else None, ms=3)
                 ax.fill_between(steps, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)], color=c, alpha=0.2)
-            ax.set_xlabel("rollout round")
+            ax.set_xlabel("optimizer step" if tag == "traces" else "rollout round")
             ax.set_title(label, fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
@@ -121,39 +126,99 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     return files
 
 
-def _final(runs: list[dict], key: str) -> tuple[float, float]:
-    vals = []
-    for run in runs:
-        evals = [r for r in run["metrics"] if key in r and r["step"] > 0]
-        if evals:
-            vals.append(evals[-1][key])
-    return _mean_se(vals)
-
-
 def _over_steps(runs: list[dict], key: str) -> float:
+    """Mean over seeds of each run's mean of ``key`` over its optimizer steps (nan when never logged)."""
     return _mean_se([sum(v) / len(v) for run in runs
                      if (v := [r[key] for r in run["metrics"] if key in r and r["step"] > 0])])[0]
 
 
-def _pairs(arms: list[str]) -> list[tuple[str, str]]:
-    """(reference, other) comparisons: p3o_X vs grpo_X by shared suffix, else every arm vs the first."""
-    pairs = []
-    for a in arms:
-        if a.startswith("p3o_") or a == "p3o":
-            suffix = a[len("p3o"):]
-            pairs += [(a, b) for b in arms if b != a and not b.startswith("p3o") and b.endswith(suffix) and suffix]
-    if pairs:
-        return pairs
-    return [(arms[0], b) for b in arms[1:]]
+def run_scores(run: dict) -> tuple[list[tuple[int, float]], list[float]]:
+    """(held-out evaluations as (round, pass@1), training reward per round) of one run."""
+    evals = [(r["step"], r["heldout_accuracy"]) for r in run["metrics"] if "heldout_accuracy" in r]
+    rewards = [r["reward_mean"] for r in run["metrics"] if r["step"] > 0 and "reward_mean" in r]
+    return evals, rewards
 
 
-def _verdict(ref: str, other: str, a: tuple[float, float], b: tuple[float, float]) -> str:
-    d = a[0] - b[0]
-    se = math.sqrt((a[1] if math.isfinite(a[1]) else 0) ** 2 + (b[1] if math.isfinite(b[1]) else 0) ** 2)
-    if se > 0 and abs(d) < 2 * se:
-        return f"{ref} vs {other}: {a[0]:.3f} vs {b[0]:.3f} (difference {d:+.3f} ± {se:.3f}): no separation."
-    better = ref if d > 0 else other
-    return f"{ref} vs {other}: {a[0]:.3f} vs {b[0]:.3f} (difference {d:+.3f} ± {se:.3f}): **{better}** is ahead by more than 2 s.e."
+def arm_scores(runs: list[dict]) -> tuple[dict[int, float], dict[int, str | None], dict[int, float]]:
+    """({seed: primary score}, {seed: collapse reason or None}, {seed: base pass@1}) for one arm's runs."""
+    scores, collapses, bases = {}, {}, {}
+    for run in runs:
+        evals, rewards = run_scores(run)
+        try:
+            scores[run["seed"]] = primary_score(evals)
+            collapses[run["seed"]] = collapse_reason(evals, rewards)
+        except ValueError:
+            continue  # too few evaluations: reported as missing, not scored
+        bases[run["seed"]] = next((v for s, v in evals if s == 0), float("nan"))
+    return scores, collapses, bases
+
+
+def _dose_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+    """Primary score and collapses against shift strength, one line per objective family."""
+    doses: list[str] = []
+    fams: dict[str, dict[str, tuple[float, float, int, int]]] = {}
+    ref = None
+    for arm, runs in arms.items():
+        fam, dose = family_and_dose(arm)
+        sc, col, _ = arm_scores(runs)
+        m, se = _mean_se(list(sc.values()))
+        n_col = sum(1 for v in col.values() if v)
+        if dose is None:
+            ref = (fam, m, se)
+            continue
+        if dose not in doses:
+            doses.append(dose)
+        fams.setdefault(fam, {})[dose] = (m, se, n_col, len(col))
+    if not doses:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
+    x = {d: i for i, d in enumerate(doses)}
+    for i, (fam, pts) in enumerate(fams.items()):
+        c = COLORS[i % len(COLORS)]
+        ds = [d for d in doses if d in pts]
+        axes[0].errorbar([x[d] + 0.04 * i for d in ds], [pts[d][0] for d in ds], yerr=[pts[d][1] for d in ds],
+                         color=c, marker="o", ms=4, capsize=3, label=fam)
+        axes[1].plot([x[d] + 0.04 * i for d in ds], [pts[d][2] / max(1, pts[d][3]) for d in ds], color=c, marker="o", ms=4, label=fam)
+    if ref is not None and math.isfinite(ref[1]):
+        axes[0].axhline(ref[1], color="k", ls="--", lw=1, label=f"{ref[0]} (no shift)")
+    for ax, title in ((axes[0], "primary score (held-out pass@1, mean of last two evals) ± s.e."),
+                      (axes[1], "fraction of seeds collapsed")):
+        ax.set_xticks(range(len(doses)), doses, fontsize=8)
+        ax.set_xlabel("shift strength")
+        ax.set_title(title, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{name}: dose–response", fontsize=9)
+    fig.tight_layout()
+    f = f"{name}_dose.png"
+    fig.savefig(out / f)
+    plt.close(fig)
+    return f
+
+
+def _preflight_table(exp_dir: Path) -> list[str]:
+    """The pre-flight table (``trustbatch lab preflight``), if it was run into this experiment's folder."""
+    path = exp_dir / "preflight.json"
+    if not path.exists():
+        return ["No pre-flight was recorded for this experiment (`trustbatch lab preflight` writes `preflight.json`).", ""]
+    rows = json.loads(path.read_text())
+    rows = rows.get("arms", rows) if isinstance(rows, dict) else rows
+    if not rows:
+        return []
+    keys = [k for k in rows[0] if k != "arm"]
+    lines = ["**Pre-flight at the base policy** (one batch per arm, before any training):", "",
+             "| arm | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for r in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k) for k in keys)]
+        lines.append(f"| {r.get('arm')} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def git_commit() -> str:
@@ -165,37 +230,53 @@ def git_commit() -> str:
 
 
 def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[str]]:
-    """Markdown for one experiment and its one-line findings."""
+    """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``)."""
     arms = load_runs(exp_dir)
     if not arms:
         return f"## {name}\n\nNo finished runs in `{exp_dir}`.\n", []
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     figs = _figures(name, arms, out)
-    pk = sorted({k for runs in arms.values() for run in runs for r in run["metrics"] for k in r if k.startswith("heldout_pass@")})
-    pk = pk[0] if pk else None
+    dose_fig = _dose_figure(name, arms, out)
     lines = [f"## {name}", "", spec.get("description", ""), ""]
     if spec.get("command"):
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
-    lines.append(f"Seeds {seeds}; {len(wall)} runs of {wall and max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds; "
+    lines.append(f"Seeds {seeds} ({'each with its own SFT base' if spec.get('per_seed_base', True) else 'one shared base'}); "
+                 f"{len(wall)} runs of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds; "
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
-                 + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock." if (exp_dir / "wall_s.txt").exists() else "."))
-    lines += ["", f"| arm | base pass@1 | final pass@1 | final {pk.removeprefix('heldout_') if pk else 'pass@k'} | greedy | mean ESS | min ESS | mean KL(μ‖π) |",
-              "|---|---|---|---|---|---|---|---|"]
-    finals = {}
+                 + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
+                    if (exp_dir / "wall_s.txt").exists() else "."))
+    lines += [""] + _preflight_table(exp_dir)
+    lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | mean grad norm |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    scores: dict[str, dict[int, float]] = {}
+    collapse_lines = []
     for arm, runs in arms.items():
-        base = _mean_se([run["metrics"][0].get("heldout_accuracy") for run in runs])
-        p1 = finals[arm] = _final(runs, "heldout_accuracy")
-        pkv = _final(runs, pk) if pk else (float("nan"), float("nan"))
-        gr = _final(runs, "heldout_greedy_accuracy")
-        min_ess = _mean_se([min(r["ess"] for r in run["metrics"] if "ess" in r) for run in runs])[0]
-        lines.append(f"| {arm} | {base[0]:.3f} | {p1[0]:.3f} ± {p1[1]:.3f} | {pkv[0]:.3f} ± {pkv[1]:.3f} | {gr[0]:.3f} ± {gr[1]:.3f} "
-                     f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'kl_behavior'):.2e} |")
-    lines += ["", "± is one standard error over seeds. pass@1 is the mean reward of the held-out samples at T = 1; greedy is one argmax completion per prompt.", ""]
-    findings = [_verdict(a, b, finals[a], finals[b]) for a, b in _pairs(list(arms))]
-    lines += ["**Findings (final held-out pass@1):**", ""] + [f"- {f}" for f in findings] + [""]
-    lines += [f"![{f}]({f})" for f in figs] + [""]
+        sc, col, bases = arm_scores(runs)
+        scores[arm] = sc
+        m, se = _mean_se(list(sc.values()))
+        n_col = sum(1 for v in col.values() if v)
+        min_ess = _mean_se([min((r["ess"] for r in run["metrics"] if "ess" in r), default=float("nan")) for run in runs])[0]
+        lines.append(f"| {arm} | {_mean_se(list(bases.values()))[0]:.3f} | {m:.3f} ± {se:.3f} | {n_col}/{len(col)} "
+                     f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'clip_fraction'):.3f} "
+                     f"| {_over_steps(runs, 'cap_fraction'):.3f} | {_over_steps(runs, 'grad_norm'):.3f} |")
+        collapse_lines += [f"- {arm} seed {s}: {why}" for s, why in sorted(col.items()) if why]
+    lines += ["", "Primary score: mean held-out pass@1 (T = 1) of the last two evaluations, ± one standard error over seeds. "
+              "Collapsed: seeds meeting the collapse rule fixed before the runs (`trustbatch.lab.stats`). "
+              "Clip share: the objective's own clip/cap statistic per optimizer step (0 for objectives without one).", ""]
+    lines += (["**Collapses:**", ""] + collapse_lines + [""]) if collapse_lines else ["**Collapses:** none.", ""]
+    pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
+    pairs = [(a, b) for a, b in pairs if a in scores and b in scores]
+    findings = []
+    for a, b in pairs:
+        try:
+            findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs)).sentence())
+        except ValueError as e:
+            findings.append(f"{a} vs {b}: not compared ({e}).")
+    lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
+              f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
+    lines += [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
 
 
@@ -222,14 +303,16 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         "# Off-policy lab report", "",
         f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by "
         f"`trustbatch lab report --runs {runs} --out {out}`.", "",
-        "Every run is `trustbatch train` on the default task (reasoning-gym chain_sum) and the default SFT base, "
-        "with the lab's common settings (see `LAB_COMMON` in `src/trustbatch/lab/experiment.py`: 30 rounds × 32 prompts × 8 samples, held-out pass@1 from 256 prompts × 2 samples). "
+        "Every run is `trustbatch train` with the lab's common settings (`LAB_COMMON` in "
+        f"`src/trustbatch/lab/experiment.py`: {LAB_COMMON['train.steps']} rounds × {LAB_COMMON['rollout.prompts_per_step']} prompts × 8 samples, "
+        f"one optimizer step per round unless the arm says otherwise, held-out pass@1 from 256 prompts × "
+        f"{LAB_COMMON['eval.samples_per_prompt']} samples every {LAB_COMMON['eval.every']} rounds), each seed with its own SFT base. "
         "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
+        "The rules were fixed before the runs (`src/trustbatch/lab/stats.py`): the primary score is the mean of the last "
+        "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
+        "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
+        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
         "## All findings", "",
-        f"{len(findings)} comparisons of final held-out pass@1, each called only beyond two standard errors. With 3 "
-        "seeds per arm the standard errors are themselves noisy: the two-s.e. rule is roughly a t-test with 4 degrees "
-        f"of freedom at p ≈ 0.12, so about {0.12 * len(findings):.1f} of these verdicts would be called by chance "
-        "alone. Read single verdicts with that in mind.", "",
         *[f"- {f}" for f in findings], "",
     ]
     path = out / "README.md"

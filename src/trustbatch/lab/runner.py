@@ -34,13 +34,21 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
 
 
 def build_shared_base(exp: Experiment, console) -> None:
-    """Build (or find cached) the default and foreign bases once, before parallel runs would each build them."""
-    from ..recipes.build import foreign_engine, prepare_run
+    """Build (or find cached) each seed's base and foreign base once, before parallel runs would each build them.
 
-    for arm in exp.arms:
-        cfg = load_config(None, exp.overrides(arm, exp.seeds[0]))
-        if cfg.model.path is None or cfg.rollout.foreign_fraction > 0:
-            console.print(f"[dim]{arm}: building or loading the cached base models…[/dim]")
+    Arms that differ only in shift or objective share a base; the cache key is the task and model settings.
+    """
+    from ..recipes.build import foreign_engine, prepare_run, task_key
+
+    seen = set()
+    for seed in (exp.seeds if exp.per_seed_base else exp.seeds[:1]):
+        for arm in exp.arms:
+            cfg = load_config(None, exp.overrides(arm, seed))
+            key = (repr(task_key(cfg)), cfg.model.model_dump_json(), cfg.rollout.foreign_fraction > 0 and cfg.rollout.foreign_model)
+            if key in seen or not (cfg.model.path is None or cfg.rollout.foreign_fraction > 0):
+                continue
+            seen.add(key)
+            console.print(f"[dim]seed {seed}, {arm}: building or loading the cached base models…[/dim]")
             task, policy, pool, _ = prepare_run(cfg)
             pool.close()
             if cfg.rollout.foreign_fraction > 0:
@@ -61,7 +69,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     from .report import git_commit
 
     (root / "experiment.yaml").write_text(yaml.safe_dump(
-        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms, "commit": git_commit(),
+        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
+         "compare": [list(c) for c in exp.compare], "commit": git_commit(),
          "command": f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"}, sort_keys=False))
     todo = [(a, s) for a in exp.arms for s in exp.seeds]
     build_shared_base(exp, console)
