@@ -191,6 +191,29 @@ def lab_run(
         raise UserError(f"{len(res['failed'])} runs failed: {', '.join(res['failed'])}; rerun the same command to retry them")
 
 
+@lab_app.command("preflight")
+def lab_preflight(
+    experiment: str = typer.Argument(..., help="a bundled experiment or a YAML file, as for lab run"),
+    out: str = typer.Option("lab_runs", "--out", help="the --out of lab run: writes OUT/EXPERIMENT/preflight.json"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's first)"),
+):
+    """At the base policy, per arm: batch ESS, share of tokens GRPO's clip zeroes, cosine of the P3O and GRPO gradients."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .lab.preflight import preflight_table, run_preflight
+
+    try:
+        seed_list = [int(x) for x in seeds.split(",")] if seeds else None
+    except ValueError:
+        raise UserError(f"--seeds {seeds!r} must be comma-separated integers, e.g. --seeds 0,1,2") from None
+    console = Console()
+    res = run_preflight(experiment, Path(out), seeds=seed_list, console=console)
+    console.print(preflight_table(res))
+    console.print(f"pre-flight: {Path(out) / res['experiment'] / 'preflight.json'}")
+
+
 @lab_app.command("report")
 def lab_report(
     experiments: Optional[List[str]] = typer.Argument(None, help="experiments to report (default: all under --runs)"),
