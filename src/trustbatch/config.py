@@ -268,6 +268,18 @@ class Config(_Strict):
                                                    "gloo on CPU); 0 trains in the driver's process")
     threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
+    @model_validator(mode="after")
+    def _task_defaults(self) -> "Config":
+        # a task whose completions need more room (data.tasks.TASK_DEFAULTS) gets it unless the key was set
+        from .data.tasks import TASK_DEFAULTS
+
+        for key, value in ({} if self.data.train else TASK_DEFAULTS.get(self.task.name, {})).items():
+            section, name = key.split(".")
+            sub = getattr(self, section)
+            if name not in sub.model_fields_set:
+                object.__setattr__(sub, name, value)  # validate_assignment would re-run this validator
+        return self
+
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:
     if key == "data" and isinstance(value, str):  # data=FILE is short for data.train=FILE

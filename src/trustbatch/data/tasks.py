@@ -2,6 +2,12 @@
 
 A task is generated from a fixed seed, de-duplicated by prompt text, and split into disjoint
 train and held-out prompts, so held-out accuracy measures generalisation, not recall.
+
+``chain_sum_steps`` is reasoning-gym's ``chain_sum`` with worked demonstrations: the completion states
+every partial sum, ``"4-1=3, 3-7=-4, -4+7=3, answer 3"`` (25–31 tokens with the default base's tokenizer,
+EOS included, for four one-digit terms), so that a train–inference mismatch can build up over a sequence
+instead of over the ~3 tokens of a bare answer. Its reward (``rg-final:chain_sum``) scores only the number
+after the last ``answer``, with the task's own ``score_answer``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,34 @@ from ..errors import UserError
 # one-digit numbers, which a ~1M-parameter model partly learns from a minute of SFT.
 DEFAULT_PARAMS: dict[str, dict] = {
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
+    # four terms: three worked steps, 25–31 completion tokens
+    "chain_sum_steps": {"min_terms": 4, "max_terms": 4, "min_digits": 1, "max_digits": 1},
 }
+# Config defaults a task needs to fit, applied when the key is not set explicitly (config.Config):
+# the longest chain_sum_steps demonstration is 31 tokens; 40 leaves room to be wrong at length, and
+# the longest prompt (23 tokens) + 40 fits the default base's 64 positions.
+TASK_DEFAULTS: dict[str, dict] = {"chain_sum_steps": {"rollout.max_new_tokens": 40}}
+# trustbatch task with worked demonstrations -> the reasoning-gym task it states (only chain_sum has a writer)
+STEPS_TASKS = {"chain_sum_steps": "chain_sum"}
+
+
+def chain_sum_steps(expression: str) -> str:
+    """The worked demonstration of a chain_sum expression: each partial sum, then ``answer N``.
+
+    ``"4 - 1 - 7 + 7"`` → ``"4-1=3, 3-7=-4, -4+7=3, answer 3"``.
+
+    Raises:
+        ValueError: the expression is not ``int (+|- int)*`` separated by spaces.
+    """
+    toks = expression.split()
+    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
+        raise ValueError(f"not a chain_sum expression: {expression!r}")
+    acc, steps = int(toks[0]), []
+    for op, c in zip(toks[1::2], toks[2::2]):
+        new = acc + int(c) if op == "+" else acc - int(c)
+        steps.append(f"{acc}{op}{c}={new}")
+        acc = new
+    return ", ".join(steps + [f"answer {acc}"])
 
 
 @dataclass(frozen=True)
@@ -25,7 +58,7 @@ class Example:
 
     prompt: str
     reference: str
-    answer: str  # the gold answer text, used as the SFT demonstration
+    answer: str  # the SFT demonstration: the gold answer text, or worked steps ending in it (STEPS_TASKS)
 
 
 @dataclass
@@ -50,13 +83,16 @@ def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, param
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
-    if name not in DATASETS:
-        raise UserError(f"unknown task {name!r}; choose a reasoning-gym task such as chain_sum, basic_arithmetic, leg_counting")
+    steps_of = STEPS_TASKS.get(name)
+    rg_name = steps_of or name
+    if rg_name not in DATASETS:
+        raise UserError(f"unknown task {name!r}; choose a reasoning-gym task such as chain_sum, basic_arithmetic, leg_counting, "
+                        f"or {', '.join(sorted(STEPS_TASKS))} (worked steps)")
     if heldout_size < 1 or train_size < 1:
         raise UserError(f"task sizes must be >= 1 (train_size={train_size}, heldout_size={heldout_size})")
     pool = 2 * (train_size + heldout_size)
     try:
-        ds = reasoning_gym.create_dataset(name, size=pool, seed=seed, **(params or {}))
+        ds = reasoning_gym.create_dataset(rg_name, size=pool, seed=seed, **(params or {}))
     except (TypeError, AssertionError, ValueError) as e:
         raise UserError(f"invalid parameters {params} for task {name!r}: {e}") from None
     seen: set[str] = set()
@@ -67,7 +103,8 @@ def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, param
             continue
         seen.add(q)
         ref = json.dumps({"answer": entry["answer"], "metadata": entry.get("metadata", {})}, default=str)
-        examples.append(Example(prompt=q, reference=ref, answer=str(entry["answer"])))
+        demo = chain_sum_steps(entry["metadata"]["expression"]) if steps_of else str(entry["answer"])
+        examples.append(Example(prompt=q, reference=ref, answer=demo))
     if len(examples) < heldout_size + 1:
         raise UserError(
             f"task {name!r} with {params} gave only {len(examples)} distinct prompts; "
@@ -75,7 +112,7 @@ def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, param
         )
     return TaskSplit(
         name=name,
-        reward=f"rg:{name}",
+        reward=f"rg-final:{steps_of}" if steps_of else f"rg:{name}",
         heldout=examples[:heldout_size],
         train=examples[heldout_size : heldout_size + train_size],
     )

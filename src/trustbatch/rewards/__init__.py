@@ -5,6 +5,7 @@ Names (``get``):
 - ``gsm8k``: the number after ``####``;
 - ``countdown``: an expression over the given numbers that equals the target;
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
+- ``rg-final:TASK``: worked steps ending in ``answer X``: ``score_answer`` of X (``data.tasks.chain_sum_steps``);
 - ``module:function``: a user function with the scorer signature.
 
 ``RewardPool`` runs any of them in worker processes with a time limit; ``score_local`` runs one in
@@ -17,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 from typing import Callable
 
 from ..errors import UserError
@@ -47,6 +49,23 @@ class ReasoningGymScorer:
         return float(self._ds.score_answer(completion.strip(), entry))
 
 
+class FinalAnswerScorer:
+    """Worked steps that end in ``answer X``: the reasoning-gym task's ``score_answer`` of X alone.
+
+    The steps are not checked (only the outcome is rewarded, as in RL with a verifier). A completion with
+    no ``answer``, or with anything but a number after the last one, is malformed and scores 0.
+    """
+
+    _FINAL = re.compile(r"answer\s*:?\s*([+-]?\d[\d,]*(?:\.\d+)?)\s*\.?\s*$")
+
+    def __init__(self, task: str):
+        self.inner = ReasoningGymScorer(task)
+
+    def __call__(self, completion: str, reference: str) -> float:
+        m = self._FINAL.search(completion)
+        return self.inner(m.group(1), reference) if m else 0.0
+
+
 def get(name: str) -> Scorer:
     """The scorer named ``name`` (see the module docstring).
 
@@ -59,6 +78,8 @@ def get(name: str) -> Scorer:
         return BUILTIN[name]
     if name.startswith("rg:"):
         return ReasoningGymScorer(name[3:])
+    if name.startswith("rg-final:"):
+        return FinalAnswerScorer(name[len("rg-final:"):])
     if ":" in name:
         return _user_function(name)
     raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
@@ -155,5 +176,5 @@ def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> 
     return res.rewards, res.errors
 
 
-__all__ = ["BUILTIN", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
+__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
            "score_all", "score_local", "score_one"]
