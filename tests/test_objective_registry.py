@@ -116,7 +116,7 @@ def _one_line_error(name, opts, *parts, **kw):
     ("p3o", {"seq_constant": 0}, ["seq_constant must be a finite number > 0 or None"]),
     ("reinforce", {"ref_kl_coef": -1.0}, ["ref_kl_coef must be a finite number ≥ 0"]),
     ("reinforce", {"entropy_coef": "0.01"}, ["entropy_coef must be a number, got the string '0.01'"]),
-    ("p3o", {"kl": "k4"}, ["kl must be one of 'k1', 'k2', 'k3', got the string 'k4'"]),
+    ("p3o", {"kl": "k4"}, ["kl must be one of 'k1', 'k2', 'k3', 'exact', got the string 'k4'"]),
     ("p3o", {"aggregation": "sum"}, ["aggregation must be one of 'token_mean'"]),
     ("reinforce", {"importance_weight": 1}, ["importance_weight must be true or false, got int 1"]),
     ("reinforce", {"check_finite": "yes"}, ["check_finite must be true or false"]),

@@ -170,8 +170,9 @@ class RolloutConfig(_Strict):
     max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
     # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
-    precision: Literal["float32", "bfloat16", "float16", "int8"] = Field(
-        "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization)")
+    precision: Literal["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e4m3_rowwise"] = Field(
+        "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization; "
+                               "fp8_e4m3[_rowwise]: FP8-E4M3 weights and activations emulated, per-tensor/per-row scales)")
     staleness: Int = Field(0, ge=0, description="rollouts from the policy as it was this many optimizer steps ago "
                                                  "(simulated in one process; rollout.mode=async is the real pipeline)")
     engine: Literal["transformers", "vllm"] = Field(
@@ -220,7 +221,8 @@ class ObjectiveConfig(_Strict):
         name = info.data.get("name")
         if check is not None and name is not None:  # no name: its own error is reported instead
             try:
-                check(name, v)
+                # the rollout-dependent refusal of full-distribution options is recipes.build.check_objective's
+                check(name, v, supplied=("behavior_logprobs_full",))
             except (TypeError, ValueError) as e:
                 raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         return v

@@ -19,7 +19,7 @@ from __future__ import annotations
 from ._common import AGGREGATIONS, ESS_SCOPES, ObjectiveOutput, aggregate
 from .clipped import cispo, dapo, decoupled_ppo, grpo, gspo, ppo_clip_per_token, reinforce  # registers them
 from .corrections import CORRECTIONS, correction_weights
-from .kl import KL_ESTIMATORS, kl_estimate
+from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
 from .p3o import CAP_RTOL, p3o, p3o_two_anchor  # registers them
 from .ratio_stats import RatioStats
 from .registry import (TENSOR_INPUTS, TRAINER_SUPPLIED, Objective, ObjectiveSpec, Opt, get, names, register, spec,
@@ -30,8 +30,8 @@ USES_BATCH_ESS = frozenset(n for n in names() if spec(n).batch_stats)
 NEEDS_PROXIMAL = frozenset(n for n in names() if spec(n).needs_proximal)
 
 __all__ = [
-    "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "KL_ESTIMATORS", "NEEDS_PROXIMAL", "TENSOR_INPUTS",
+    "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "NEEDS_PROXIMAL", "TENSOR_INPUTS",
     "TRAINER_SUPPLIED", "USES_BATCH_ESS", "Objective", "ObjectiveOutput", "ObjectiveSpec", "Opt", "RatioStats",
-    "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "get", "grpo", "gspo", "kl_estimate",
+    "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
     "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "validate_options",
 ]

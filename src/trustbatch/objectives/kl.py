@@ -1,4 +1,6 @@
-"""Single-sample KL estimators at the sampled token (Schulman, http://joschu.net/blog/kl-approx.html).
+"""KL estimators: single-sample ones at the sampled token, and the exact full-distribution KL.
+
+Sampled-token estimators (Schulman, http://joschu.net/blog/kl-approx.html).
 
 All take ``log_ratio`` = log π_θ(y_t) − log π_other(y_t), shape [B, T], with gradient through π_θ,
 and return a per-token value of the same shape. With x = log_ratio and r = π_other/π_θ = e^{−x}:
@@ -12,6 +14,9 @@ and return a per-token value of the same shape. With x = log_ratio and r = π_ot
 
 Callers clamp ``log_ratio`` first (see ``log_ratio_clip``), which makes the k3 gradient 0, not
 reversed, beyond the bound (the reference's ±10 exponent clamp reverses it; docs §1.3 item 3).
+
+``exact_kl`` sums over the vocabulary instead: KL(π_θ‖π_b) at each position, the term P3O's paper
+writes (arXiv 2605.12380, Eq. 12). It needs both policies' full log-probs ``[B, T, V]``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,34 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3}
+# Estimators that need the full distributions, not the sampled-token log-ratio (P3O's ``kl=`` only).
+FULL_KL_ESTIMATORS = ("exact",)
+
+
+def exact_kl(logprobs_full: torch.Tensor, behavior_logprobs_full: torch.Tensor) -> torch.Tensor:
+    """Exact KL(π_θ‖π_b) per position: Σ_v π_θ(v|c_t) · (log π_θ(v|c_t) − log π_b(v|c_t)).
+
+    The behaviour-KL term of P3O as the paper writes it (arXiv 2605.12380, Eq. 12: KL(π_θ‖π_b) of
+    the whole next-token distribution), rather than a single-sample estimate at the sampled token.
+
+    Its gradient w.r.t. the learner's logits z is ∂KL_t/∂z_u = π_θ(u)·(log π_θ(u) − log π_b(u) − KL_t)
+    (softmax Jacobian), bounded by 2·max_v |log π_θ(v) − log π_b(v)| whatever the sampled token's
+    ratio: k3's gradient (1 − 1/ρ)·∇log π_θ grows like 1/ρ as ρ → 0.
+
+    Args:
+        logprobs_full: [B, T, V] log π_θ (a log-softmax over the vocabulary), with gradient; finite.
+        behavior_logprobs_full: [B, T, V] log π_b of the distribution the tokens were sampled from
+            (temperature applied), no gradient needed. Must be finite wherever π_θ > 0: a truncated
+            π_b (top-p, top-k: log π_b = −inf) makes the KL infinite, which the caller must refuse.
+
+    Returns:
+        [B, T] in nats, ≥ 0 up to rounding. Where π_θ(v) underflows to 0 the term is 0 (0·log 0 = 0).
+    """
+    p = logprobs_full.exp()
+    # Zero the difference (not only the product) where p == 0: p·(±inf) would be NaN in the
+    # forward and 0·inf in the backward.
+    diff = torch.where(p > 0, logprobs_full - behavior_logprobs_full, torch.zeros((), dtype=p.dtype))
+    return (p * diff).sum(-1)
 
 
 def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:

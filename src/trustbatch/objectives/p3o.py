@@ -8,14 +8,21 @@ Per valid token (Eq. 12 per the read-through; docs/objectives.md §1.2):
 
 with e_B = sg(ESS(B)) the normalized effective sample size of the batch's ratios (Eq. 11).
 On-policy data (ρ ≡ 1) gives e_B = 1, so the update is token-mean REINFORCE with no KL.
+
+KL_t is the sampled-token estimator ``kl`` = k3 (reference code), k2 or k1 of log ρ_t, or with
+``kl="exact"`` the full-distribution KL(π_θ(·|c_t) ‖ π_b(·|c_t)) the paper writes (``kl.exact_kl``),
+from the learner's and the behaviour policy's full log-probs ``[B, T, V]``. The objective declares
+that need at registration (``full_logprobs_when``), so the learner passes them and a caller that
+cannot is refused by ``validate_options``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import ESS_SCOPES, ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
-from .kl import KL_ESTIMATORS, kl_estimate
+from ._common import (ESS_SCOPES, ObjectiveOutput, Prepared, _check_finite, add_regularizers, aggregate, finish, prepare,
+                      ratio_metrics)
+from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
 from .ratio_stats import RatioStats
 from .registry import choice, register
 
@@ -25,7 +32,53 @@ from .registry import choice, register
 # and would otherwise report up to half its tokens as capped. 1e-4 is 100× that noise, and a
 # cap that moves a weight by less than 0.01 % does not change the update in any way that matters.
 CAP_RTOL = 1e-4
-_KL = choice(sorted(KL_ESTIMATORS))
+_KL = choice(sorted(KL_ESTIMATORS) + list(FULL_KL_ESTIMATORS))
+_FULL_WHEN = {"kl": FULL_KL_ESTIMATORS}
+# |logsumexp| beyond this at a valid position means the input is not a log-softmax (float32 log-softmax
+# over 1e5 entries is normalised to ~1e-5).
+_NORM_TOL = 1e-3
+
+
+def _full_input(prep: Prepared, name: str, t, V: int | None = None) -> torch.Tensor:
+    """Check a [B, T, V] log-prob input, cast it to the compute dtype and zero it at masked positions."""
+    B, T = prep.mask.shape
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[:2]) != (B, T) or (V is not None and t.shape[2] != V):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        want = f"[{B}, {T}, {V if V is not None else 'V'}]"
+        raise ValueError(f"{name} has shape {got}; kl='exact' needs {want} full log-probs at the response positions")
+    if t.shape[2] == 0:
+        raise ValueError(f"{name} has an empty vocabulary dimension; pass the full log-softmax over the vocabulary")
+    m3 = prep.mask[..., None]
+    if prep.opts.check_finite:
+        if name == "behavior_logprobs_full" and bool(((t.detach() == float("-inf")) & m3).any()):
+            raise ValueError("behavior_logprobs_full is -inf at valid positions: a truncated behaviour distribution "
+                             "(top-p or top-k) puts π_b = 0 where π_θ > 0, so KL(π_θ‖π_b) is infinite; "
+                             "sample with top_p=1 or use kl='k3'")
+        _check_finite(name, t.detach(), m3.expand_as(t))
+        lse = torch.logsumexp(t.detach().double(), -1)
+        off = float(torch.where(prep.mask, lse.abs(), 0.0).max()) if prep.mask.any() else 0.0
+        if off > _NORM_TOL:
+            raise ValueError(f"{name} is not normalised (|logsumexp| up to {off:.3g} at valid positions); "
+                             "pass log_softmax over the vocabulary")
+    t = t.to(prep.logprobs.dtype)
+    return torch.where(m3, t, torch.zeros((), dtype=t.dtype))
+
+
+def _exact_kl_inputs(prep: Prepared, kl: str, **full) -> dict[str, torch.Tensor] | None:
+    """The checked [B, T, V] inputs for ``kl="exact"``; None for a sampled-token estimator (which takes none)."""
+    given = sorted(k for k, v in full.items() if v is not None)
+    if kl not in FULL_KL_ESTIMATORS:
+        if given:
+            raise ValueError(f"{given[0]} is only used by kl='exact', not kl={kl!r}; drop it or set kl='exact'")
+        return None
+    missing = sorted(k for k, v in full.items() if v is None)
+    if missing:
+        raise ValueError(f"kl='exact' needs {', '.join(missing)}= ([B, T, V] log-softmax at the response positions); "
+                         "pass them or use kl='k3'")
+    # the learner's own tensor first: its vocabulary is the one the others must match
+    order = ["logprobs_full"] + sorted(k for k in full if k != "logprobs_full")
+    V = full["logprobs_full"].shape[-1] if isinstance(full["logprobs_full"], torch.Tensor) else None
+    return {k: _full_input(prep, k, full[k], V) for k in order}
 
 
 def _resolve_ess(
@@ -74,7 +127,7 @@ def _resolve_ess(
     return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
 
 
-@register("p3o", batch_stats=("ess",), ess_scopes=ESS_SCOPES, options={"kl": _KL})
+@register("p3o", batch_stats=("ess",), ess_scopes=ESS_SCOPES, options={"kl": _KL}, full_logprobs_when=_FULL_WHEN)
 def p3o(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -84,6 +137,8 @@ def p3o(
     ess: float | RatioStats | torch.Tensor | None = None,
     ess_scope: str = "batch",
     kl: str = "k3",
+    logprobs_full: torch.Tensor | None = None,
+    behavior_logprobs_full: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
     """P3O loss (arXiv 2605.12380 Eq. 11–12; docs/objectives.md §1).
@@ -98,7 +153,14 @@ def p3o(
             ``RatioStats``, or for "sequence" scope a [B] tensor. None computes it from this call.
         ess_scope: "batch" (default; the whole optimizer batch), "micro_batch" (the reference
             code's choice: each micro-batch on its own) or "sequence" (one ESS per row).
-        kl: behaviour-KL estimator, "k3" (reference code, default), "k2" or "k1".
+        kl: behaviour-KL estimator, "k3" (reference code, default), "k2" or "k1" at the sampled token,
+            or "exact": Σ_v π_θ(v)·(log π_θ(v) − log π_b(v)) per position (``kl.exact_kl``; the
+            paper's KL(π_θ‖π_b), Eq. 12), whose gradient stays bounded as ρ → 0.
+        logprobs_full: [B, T, V] log-softmax of the learner's logits at the response positions, with
+            gradient (the same graph as ``logprobs``, which is its value at the sampled token);
+            only with kl="exact".
+        behavior_logprobs_full: [B, T, V] log π_b of the distribution actually sampled (temperature
+            applied; no top-p/top-k truncation, where the KL is infinite); only with kl="exact".
         **options: ``CommonOptions`` (aggregation, num_tokens, log_ratio_clip, ref KL, entropy).
 
     Returns:
@@ -110,14 +172,16 @@ def p3o(
     Raises:
         ValueError: bad shapes, mask values, non-finite log-probs at valid positions, an ``ess``
             outside [0, 1] (a per-row tensor: at a non-empty row, NaN included), an unknown scope,
-            estimator or option, and the errors of ``finish`` (non-finite loss, ``num_tokens`` below
+            estimator or option; for kl="exact" a missing, misshapen, non-finite or unnormalised full
+            input, or a −inf behaviour log-prob (truncated π_b); and the errors of ``finish`` (non-finite loss, ``num_tokens`` below
             this call's count).
     """
     prep = prepare("p3o", logprobs, behavior_logprobs, advantages, mask, options)
+    full = _exact_kl_inputs(prep, kl, logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full)
     lr = prep.clamped_log_ratio()
     ratio = lr.detach().exp()
     e, fallbacks = _resolve_ess(ess, ess_scope, ratio, prep)
-    kl_t = kl_estimate(lr, kl)
+    kl_t = kl_estimate(lr, kl) if full is None else exact_kl(full["logprobs_full"], full["behavior_logprobs_full"])
     return _capped_pg_plus_kl(prep, ratio, e, kl_t, {"ess_fallback": fallbacks})
 
 
@@ -156,7 +220,8 @@ def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
     return (e[:, 0] * rows).sum() / rows.sum().clamp_min(1)
 
 
-@register("p3o_two_anchor", needs_proximal=True, batch_stats=("ess", "ess_proximal"), options={"kl": _KL})
+@register("p3o_two_anchor", needs_proximal=True, batch_stats=("ess", "ess_proximal"), options={"kl": _KL},
+          full_logprobs_when=_FULL_WHEN)
 def p3o_two_anchor(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -167,6 +232,9 @@ def p3o_two_anchor(
     ess: float | RatioStats | None = None,
     ess_proximal: float | RatioStats | None = None,
     kl: str = "k3",
+    logprobs_full: torch.Tensor | None = None,
+    behavior_logprobs_full: torch.Tensor | None = None,
+    proximal_logprobs_full: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
     """Two-anchor P3O (arXiv 2605.12380 §3.1, Eq. 13, App. B per the read-through; docs §2). Experimental.
@@ -188,11 +256,17 @@ def p3o_two_anchor(
             or a ``RatioStats`` of π_θ/π_b (``ess``) and π_θ/π_prox (``ess_proximal``) over the whole
             optimizer batch. With both given and the global ``num_tokens``, the losses of the
             micro-batches sum to the loss of the whole batch. Others as ``p3o`` (batch scope only).
+        logprobs_full, behavior_logprobs_full, proximal_logprobs_full: [B, T, V] log-softmax of
+            π_θ (with gradient), π_b and π_prox, only with kl="exact": then π_mix is the mixture of
+            the whole distributions, π_mix(v) = (w_b·π_b(v) + w_p·π_prox(v)) / (w_b + w_p), and
+            KL_t = Σ_v π_θ(v)·(log π_θ(v) − log π_mix(v)).
 
     Raises:
         ValueError: as ``p3o``; ``proximal_logprobs`` with a wrong shape or non-finite valid values.
     """
     prep = prepare("p3o_two_anchor", logprobs, behavior_logprobs, advantages, mask, options)
+    full = _exact_kl_inputs(prep, kl, logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full,
+                            proximal_logprobs_full=proximal_logprobs_full)
     prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
     c = prep.opts.log_ratio_clip
     lr_b = prep.clamped_log_ratio()
@@ -204,7 +278,13 @@ def p3o_two_anchor(
     w_b, w_p = (1.0 - e_b).clamp_min(0.0), (1.0 - e_p).clamp_min(0.0)
     if float(w_b + w_p) <= 0.0:
         w_b = w_p = torch.ones((), dtype=lr_b.dtype)
-    log_mix = torch.logaddexp(torch.log(w_b) + prep.behavior_logprobs, torch.log(w_p) + prox) - torch.log(w_b + w_p)
-    kl_t = kl_estimate((prep.logprobs - log_mix).clamp(-c, c), kl)
+    log_w_b, log_w_p, log_w = torch.log(w_b), torch.log(w_p), torch.log(w_b + w_p)
+    if full is None:
+        log_mix = torch.logaddexp(log_w_b + prep.behavior_logprobs, log_w_p + prox) - log_w
+        kl_t = kl_estimate((prep.logprobs - log_mix).clamp(-c, c), kl)
+    else:
+        log_mix_full = torch.logaddexp(log_w_b + full["behavior_logprobs_full"],
+                                       log_w_p + full["proximal_logprobs_full"]) - log_w
+        kl_t = exact_kl(full["logprobs_full"], log_mix_full)
     return _capped_pg_plus_kl(prep, ratio_b, e_mix, kl_t,
                               {"ess_behavior": e_b, "ess_proximal": e_p, "ess_fallback": fb_b + fb_p})

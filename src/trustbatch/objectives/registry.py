@@ -15,6 +15,12 @@ Options fall in three groups:
   values. An option that needs one (``correction`` needs old_logprobs, ``ref_kl_coef`` > 0 needs
   ref_logprobs, ``entropy_coef`` > 0 needs entropy) is refused unless the caller says it supplies
   that tensor (``validate_options(..., supplied=...)``); the trainer supplies none of them today.
+
+An objective may also need **full next-token distributions** for some option values
+(``full_logprobs_when``, e.g. P3O's ``kl="exact"``): the learner's log-softmax ``[B, T, V]`` and the
+behaviour policy's (and the proximal snapshot's, for ``needs_proximal``). ``spec(name).needs_full_logprobs(options)``
+tells the learner and the recipe; ``validate_options`` refuses such options unless the caller says
+it supplies ``behavior_logprobs_full`` (a rollout engine that returns the behaviour's full log-probs).
 """
 
 from __future__ import annotations
@@ -39,7 +45,13 @@ TRAINER_SUPPLIED = {
     "ess_proximal": "the batch RatioStats of π_θ/π_prox",
     "ess_scope": "train.ess_scope; set it there",
     "proximal_logprobs": "the π_θ snapshot taken at the start of train_on",
+    # only when the options need full distributions (ObjectiveSpec.needs_full_logprobs)
+    "logprobs_full": "the learner's [B, T, V] log-softmax at the response positions",
+    "behavior_logprobs_full": "the behaviour policy's [B, T, V] log-probs, recorded by the rollout engine",
+    "proximal_logprobs_full": "the [B, T, V] π_θ snapshot taken at the start of train_on",
 }
+# what a caller must be able to supply for options that need full distributions
+FULL_LOGPROBS_INPUT = "behavior_logprobs_full"
 # per-token tensor input -> the option that needs it to have any effect
 TENSOR_INPUTS = {"old_logprobs": "correction", "ref_logprobs": "ref_kl_coef", "entropy": "entropy_coef"}
 
@@ -111,6 +123,9 @@ class ObjectiveSpec:
         "ess" = ratio π_θ/π_b (logprobs vs behavior_logprobs), "ess_proximal" = ratio π_θ/π_prox.
     ess_scopes: scopes the objective supports; objectives taking ``ess_scope=`` list more than "batch".
     options: user option name -> ``Opt`` (its own keyword options; the common ones are added).
+    full_logprobs_when: option name -> the values that make the objective need full distributions
+        (``logprobs_full``, ``behavior_logprobs_full`` and, with needs_proximal, ``proximal_logprobs_full``,
+        all [B, T, V]), e.g. {"kl": ("exact",)}.
     """
 
     name: str
@@ -120,6 +135,19 @@ class ObjectiveSpec:
     ess_scopes: tuple[str, ...] = ("batch",)
     options: Mapping[str, Opt] = field(default_factory=dict, repr=False)
     defaults: Mapping[str, object] = field(default_factory=dict, repr=False)
+    full_logprobs_when: Mapping[str, tuple] = field(default_factory=dict)
+
+    def full_logprobs_cause(self, options: Mapping) -> str | None:
+        """The option setting (e.g. "kl='exact'") that needs full distributions, or None."""
+        for key, values in self.full_logprobs_when.items():
+            v = options.get(key, self.defaults.get(key))
+            if v in values:
+                return f"{key}={v!r}"
+        return None
+
+    def needs_full_logprobs(self, options: Mapping) -> bool:
+        """Whether ``options`` make this objective take [B, T, V] full log-probs (see ``full_logprobs_when``)."""
+        return self.full_logprobs_cause(options) is not None
 
 
 _REGISTRY: dict[str, ObjectiveSpec] = {}
@@ -127,15 +155,18 @@ _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = False,
              batch_stats: tuple[str, ...] = (), ess_scopes: tuple[str, ...] = ("batch",),
-             options: Mapping[str, Opt] | None = None):
+             options: Mapping[str, Opt] | None = None, full_logprobs_when: Mapping[str, Iterable] | None = None):
     """Register ``fn`` as objective ``name``; usable as ``@register(name, ...)``. Returns ``fn``.
 
     ``options`` must declare an ``Opt`` for every keyword parameter of ``fn`` that users may set
     (keywords in ``TRAINER_SUPPLIED`` need none), plus any option ``fn`` reads from ``**options``.
+    ``full_logprobs_when`` maps an option to the values that need full distributions; ``fn`` must then
+    take ``logprobs_full`` and ``behavior_logprobs_full`` (and ``proximal_logprobs_full`` if needs_proximal).
 
     Raises:
         ValueError: a taken name; an unknown batch statistic or scope; a declaration that ``fn``'s
-            signature cannot honour (needs_proximal without a ``proximal_logprobs`` keyword, a
+            signature cannot honour (needs_proximal without a ``proximal_logprobs`` keyword, full
+            distributions without their keywords or for an undeclared option value, a
             batch statistic that is not a keyword, extra scopes without ``ess_scope``); a keyword
             parameter without an option check.
     """
@@ -164,9 +195,19 @@ def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = F
         for k in params:
             if k not in decl and k not in TRAINER_SUPPLIED:
                 bad(f"keyword {k!r} has no option check; pass options={{{k!r}: ...}}")
+        full = {k: tuple(v) for k, v in (full_logprobs_when or {}).items()}
+        if full:
+            want = ["logprobs_full", "behavior_logprobs_full"] + (["proximal_logprobs_full"] if needs_proximal else [])
+            for k in want:
+                if k not in params:
+                    bad(f"full_logprobs_when needs a {k!r} keyword")
+            for k, values in full.items():
+                opt = decl.get(k)
+                if opt is None or opt.kind != "choice" or not set(values) <= set(opt.choices):
+                    bad(f"full_logprobs_when {k}={values} must name choices of a declared choice option")
         defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
         _REGISTRY[name] = ObjectiveSpec(name, f, needs_proximal, tuple(batch_stats), tuple(ess_scopes),
-                                        {**COMMON_OPTIONS, **decl}, defaults)
+                                        {**COMMON_OPTIONS, **decl}, defaults, full)
         return f
 
     return _add(fn) if fn is not None else _add
@@ -196,13 +237,17 @@ def validate_options(name: str, options: dict, *, supplied: Iterable[str] = ()) 
     Checks: the key is a declared option of the objective or a ``CommonOptions`` field; it is not
     supplied by the trainer or a per-token tensor; the value's type (int is accepted for a float,
     bool and strings are not numbers) and range; that an option needing a per-token tensor
-    (``TENSOR_INPUTS``) has it in ``supplied``; that correction_* options come with a correction.
+    (``TENSOR_INPUTS``) has it in ``supplied``; that correction_* options come with a correction;
+    that options needing full distributions (``ObjectiveSpec.full_logprobs_when``, e.g. P3O's
+    kl="exact") come from a caller that supplies ``behavior_logprobs_full``.
 
     Args:
         name: a registered objective.
         options: the user's keyword options (e.g. a config's ``objective.options``).
         supplied: per-token tensors the caller passes with each batch ("old_logprobs",
-            "ref_logprobs", "entropy"). The trainer passes none of them today.
+            "ref_logprobs", "entropy", "behavior_logprobs_full"). The trainer passes
+            "behavior_logprobs_full" when its rollout engine records the full distributions
+            (recipes.build.check_objective decides), none of the others.
 
     Raises:
         ValueError: one line naming the objective, the option, the cause and the fix.
@@ -229,6 +274,11 @@ def validate_options(name: str, options: dict, *, supplied: Iterable[str] = ()) 
         if opt in out and v not in (None, 0, 0.0) and tensor not in supplied:
             raise ValueError(f"objective {name!r}: option {opt!r}={v!r} needs the {tensor} tensor, which this caller "
                              f"does not supply; remove {opt} (the trainer passes no {tensor})")
+    cause = s.full_logprobs_cause(out)
+    if cause is not None and FULL_LOGPROBS_INPUT not in supplied:
+        raise ValueError(f"objective {name!r}: {cause} needs the behaviour policy's full log-probs [B, T, V] "
+                         f"({FULL_LOGPROBS_INPUT}), which this caller does not supply; use kl='k3' or a rollout "
+                         f"engine that returns them (rollout.engine=transformers, top_p=1, mode=sync)")
     loose = sorted(k for k in out if k.startswith("correction_"))
     if loose and out.get("correction") is None:
         raise ValueError(f"objective {name!r}: option {loose[0]!r} has no effect without a correction; "

@@ -44,12 +44,14 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) ->
     return Packed(ids, att, pos, resp)
 
 
-def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0):
+def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0,
+                      with_full: bool = False):
     """Log π(y_t | c_t) for the completion tokens, float32 ``[B, C]``, and optionally the entropy ``[B, C]``.
 
     Only the last C + 1 positions' logits are computed (``logits_to_keep``). Values at positions
     outside ``response_mask`` are meaningless (the caller masks them). ``temperature`` divides the
-    logits first (to score a policy at T ≠ 1).
+    logits first (to score a policy at T ≠ 1). ``with_full=True`` returns a third item, the whole
+    log-softmax ``[B, C, V]`` at the completion positions, with gradient (for an exact KL).
     """
     C = packed.response_mask.shape[1]
     out = model(
@@ -65,8 +67,8 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = packed.input_ids[:, -C:]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return (logp, ent, logp_all) if with_full else (logp, ent)

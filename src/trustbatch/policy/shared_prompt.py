@@ -168,7 +168,8 @@ def split_prompts(packed: Packed) -> PromptSplit | None:
 
 
 def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False,
-                              temperature: float = 1.0, prompt_padding: str = "auto", min_saving: float = 0.1):
+                              temperature: float = 1.0, prompt_padding: str = "auto", min_saving: float = 0.1,
+                              with_full: bool = False):
     """``response_logprobs`` with each distinct prompt of the micro-batch run once (a drop-in replacement).
 
     Args:
@@ -184,6 +185,8 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
         min_saving: use the shared forward only if it skips at least this fraction of the
             positions the plain forward computes (U·P + B·(C+1) against B·L); two model calls
             cost more than one on a micro-batch without repeated prompts. 0 or below: always.
+        with_full: also return the whole log-softmax ``[B, C, V]`` at the completion positions,
+            right-aligned like ``logp`` and with gradient (for an exact KL), as a third item.
 
     Returns:
         (logp, entropy): log π(y_t | prompt, y_<t) ``[B, C]`` float32 (log-softmax of float32
@@ -200,10 +203,10 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
         split = split_prompts(packed)
         if split is not None and (min_saving <= 0 or split.saving >= min_saving):
             out = _shared_forward(model, split, with_entropy=with_entropy, temperature=temperature,
-                                  prompt_padding=prompt_padding)
+                                  prompt_padding=prompt_padding, with_full=with_full)
             if out is not None:
                 return out
-    return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature)
+    return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature, with_full=with_full)
 
 
 def _is_plain_dynamic_cache(cache) -> bool:
@@ -213,7 +216,7 @@ def _is_plain_dynamic_cache(cache) -> bool:
 
 
 def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: bool, temperature: float,
-                    prompt_padding: str):
+                    prompt_padding: str, with_full: bool = False):
     """The two passes; None if the prompt pass's cache cannot be indexed (remembered for the model)."""
     m = _unwrap(model)
     U, P = s.prefix_ids.shape
@@ -260,8 +263,10 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     # right-align: output column j holds raw column j - (C - n_i); the columns before wrap onto filler
     src = (torch.arange(C, device=dev)[None] - (C - s.n)[:, None]) % C
     logp = raw.gather(1, src)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1).gather(1, src)
-    return logp, ent
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1).gather(1, src)
+    if not with_full:
+        return logp, ent
+    return logp, ent, logp_all.gather(1, src[..., None].expand(-1, -1, logp_all.shape[-1]))

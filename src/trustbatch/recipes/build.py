@@ -40,19 +40,33 @@ def task_key(cfg: Config) -> dict:
 
 
 def check_objective(cfg: Config) -> None:
-    """Fail before any work when the objective's options or ESS scope are invalid.
+    """Fail before any work when the objective's options or ESS scope are invalid, or need full behaviour
+    log-probs (kl="exact") that the rollout cannot give (vLLM engine, top-p < 1, async workers).
 
     Raises:
         UserError: one line naming the option and the fix.
     """
     try:
-        objectives.validate_options(cfg.objective.name, cfg.objective.options)
+        # the transformers engine returns full behaviour log-probs; where the rollout cannot, refused below
+        objectives.validate_options(cfg.objective.name, cfg.objective.options, supplied=("behavior_logprobs_full",))
         spec = objectives.spec(cfg.objective.name)
     except ValueError as e:
         raise UserError(f"invalid objective.options for {cfg.objective.name!r}: {e}") from None
     if spec.batch_stats and cfg.train.ess_scope not in spec.ess_scopes:
         raise UserError(f"objective {cfg.objective.name!r} supports train.ess_scope in {spec.ess_scopes}, "
                         f"not {cfg.train.ess_scope!r}")
+    cause = spec.full_logprobs_cause(cfg.objective.options)
+    if cause is not None:
+        ro = cfg.rollout
+        why = ("the vllm engine returns top-k log-probs only, not the whole distribution; use rollout.engine=transformers"
+               if ro.engine == "vllm" else
+               f"top-p sampling (rollout.top_p={ro.top_p:g}) gives π_b = 0 outside the nucleus, where KL(π_θ‖π_b) is "
+               "infinite; set rollout.top_p=1.0" if ro.top_p < 1.0 else
+               "the async rollout workers do not send full log-probs; use rollout.mode=sync"
+               if ro.mode == "async" else None)
+        if why is not None:
+            raise UserError(f"objective.options {cause} needs the behaviour policy's full log-probs: {why}, "
+                            f"or use kl='k3'")
 
 
 def preflight(cfg: Config) -> None:
@@ -136,6 +150,11 @@ def prepare_run(cfg: Config, console=None):
     return task, policy, pool, source
 
 
+def _full_logprobs(cfg: Config) -> bool:
+    """Whether the configured objective needs the engines to record full behaviour log-probs (kl="exact")."""
+    return objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options)
+
+
 def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
     """An engine on another model that shares the policy's tokenizer (``rollout.foreign_model``); never synced.
 
@@ -153,7 +172,8 @@ def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
         if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
             raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
         other = foreign_policy.model
-    return TransformersEngine(other, policy.eos_id, policy.pad_id, version=NOT_THE_POLICY)
+    return TransformersEngine(other, policy.eos_id, policy.pad_id, version=NOT_THE_POLICY,
+                              full_logprobs=_full_logprobs(cfg))
 
 
 @dataclass
@@ -185,7 +205,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         engine = vllm_engine(cfg, policy, version)
     else:
         engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
-                                    share=not shifted, version=version)
+                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg))
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)

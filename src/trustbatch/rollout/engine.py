@@ -54,6 +54,10 @@ class Rollout:
     per completion token: the log-prob under the distribution it was actually sampled from
     (temperature and top-p applied). ``policy_version`` is the learner's optimizer-step count of the
     weights that sampled it (``NOT_THE_POLICY`` for a foreign model).
+
+    ``behavior_logprobs_full`` ([len(completion_ids), V] float32, or None): the whole log-distribution
+    sampled from at each completion position, returned only by an engine asked for it (it is V
+    times the size of ``behavior_logprobs``); objectives with an exact behaviour KL need it.
     """
 
     prompt_index: int
@@ -62,6 +66,7 @@ class Rollout:
     behavior_logprobs: list[float]
     truncated: bool
     policy_version: int
+    behavior_logprobs_full: torch.Tensor | None = None
 
 
 class Engine(Protocol):

@@ -17,7 +17,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .engine import Rollout, SamplingParams
-from .shifts import behaviour_copy
+from .shifts import REQUANTIZED, behaviour_copy
 
 
 def row_seed(*parts: int) -> int:
@@ -50,10 +50,15 @@ class TransformersEngine:
     With ``share=True`` (the default in float32) the engine samples from ``model`` itself and
     ``load_weights`` with no tensors only moves the version; otherwise it keeps its own copy in
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
-    that precision (int8: re-quantized from a float copy).
+    that precision (int8 and FP8: re-quantized from a float copy).
+
+    ``full_logprobs=True`` also records each rollout's whole behaviour log-distribution
+    (``Rollout.behavior_logprobs_full``, [n_tokens, V]: the log-softmax of the processed scores,
+    whose values at the sampled tokens are the recorded ``behavior_logprobs``).
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
+                 full_logprobs: bool = False,
                  precision: str = "float32", share: bool | None = None, version: int = 0):
         self.precision = precision
         share = precision == "float32" if share is None else share
@@ -62,7 +67,8 @@ class TransformersEngine:
         self.shared = share
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
-        self._float_model = copy.deepcopy(model) if precision == "int8" else None
+        self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
+        self.full_logprobs = full_logprobs
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size = batch_size
@@ -82,7 +88,7 @@ class TransformersEngine:
                                  "policy; send the full named state")
         elif self._float_model is not None:
             self._float_model.load_state_dict(state)
-            self.model = behaviour_copy(self._float_model, "int8")
+            self.model = behaviour_copy(self._float_model, self.precision)
         else:
             self.model.load_state_dict(state)  # copy_ casts to bf16/fp16
         self.version = version
@@ -129,7 +135,8 @@ class TransformersEngine:
         )
         new = gen.sequences[:, P:]
         scores = torch.stack(noise.clean, dim=1).float()  # [N, steps, V], processed (T, top-p), no noise
-        logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        logp_all = torch.log_softmax(scores, dim=-1)
+        logp = logp_all.gather(-1, new[..., None]).squeeze(-1)
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -138,5 +145,6 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
+                behavior_logprobs_full=logp_all[j, :end].clone() if self.full_logprobs else None,
             ))
         return rows

@@ -9,6 +9,9 @@ What an objective needs comes from its registration (``objectives.spec``), never
 must cover the whole optimizer batch. When the batch is split into micro-batches or ranks, a
 no-grad pass accumulates them (Σρ, Σρ², n in float64) over every micro-batch and rank before the
 first backward; with one micro-batch on one rank the loss computes the same values itself.
+Options that need full distributions (``spec.needs_full_logprobs``, e.g. P3O's kl="exact") make the
+learner pass its [B, C, V] log-softmax and the batch's ``behavior_logprobs_full`` (and a [B, C, V]
+proximal snapshot) with every micro-batch.
 
 Data parallel (``trainer.parallel``): every rank receives the same global batch and trains on its
 shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
@@ -74,7 +77,10 @@ class Learner:
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True):
         self.model = model
         self.spec = objectives.spec(objective)
-        self.options = objectives.validate_options(objective, dict(options or {}))
+        # full behaviour log-probs come with the batch; step() refuses a batch without them
+        self.options = objectives.validate_options(objective, dict(options or {}),
+                                                   supplied=("behavior_logprobs_full",))
+        self.full = self.spec.needs_full_logprobs(self.options)
         if self.spec.batch_stats and ess_scope not in self.spec.ess_scopes:
             raise ValueError(f"objective {objective!r} supports ess_scope {self.spec.ess_scopes}, not {ess_scope!r}")
         self.ess_scope = ess_scope
@@ -150,7 +156,13 @@ class Learner:
         """
         local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
         self._pad = _empty_like(batch)
-        if self.spec.needs_proximal:
+        if self.spec.needs_proximal and self.full:
+            with torch.no_grad():
+                parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
+                         for c in self._chunks(len(local))]
+            local.proximal_logprobs = torch.cat([p[0] for p in parts])
+            local.proximal_logprobs_full = torch.cat([p[2] for p in parts])
+        elif self.spec.needs_proximal:
             local.proximal_logprobs = self.logprobs(local)
         step_metrics = []
         for _epoch in range(self.epochs):
@@ -175,6 +187,9 @@ class Learner:
         """
         if self.spec.needs_proximal and batch.proximal_logprobs is None:
             raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
+        if self.full and batch.behavior_logprobs_full is None:
+            raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs the "
+                             "behaviour's full log-probs, but the batch has none; build the engine with full_logprobs=True")
         self.model.train()
         world = self.world
         mask = batch.packed.response_mask
@@ -206,8 +221,15 @@ class Learner:
             mb = batch.select(chunks[i])
             m = mb.packed.response_mask
             with skip_sync:
-                logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
                 kw = dict(kw_all)
+                if self.full:
+                    logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
+                                                                     with_full=True)
+                    kw["behavior_logprobs_full"] = mb.behavior_logprobs_full
+                    if self.spec.needs_proximal:
+                        kw["proximal_logprobs_full"] = mb.proximal_logprobs_full
+                else:
+                    logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
                 if mb.proximal_logprobs is not None and self.spec.needs_proximal:
                     kw["proximal_logprobs"] = mb.proximal_logprobs
                 if per_micro_batch_stats:
