@@ -6,6 +6,13 @@ completion's own ``torch.Generator``. That draws exactly from softmax(s) (Gumbel
 Gumbel-max trick), and makes a completion depend only on its seed, prompt and weights, never on
 which other prompts share the batch or which process generates it: what lets an asynchronous
 pipeline reproduce a synchronous one.
+
+Prefill once (``prefill_once``; the default except at ``BATCH_SCALED`` precisions): the G samples
+of a prompt share its prefix, so each distinct prompt of a chunk is run once (all its tokens but
+the last) and its key/value cache is copied to the G rows (``Cache.batch_select_indices``) before
+``generate`` continues from it, feeding each row the last prompt token. The padding, positions and
+masks are those of the plain path, so the distribution sampled is the same; only float round-off
+between batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/test_prefill_once.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +21,15 @@ import copy
 import hashlib
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .engine import Rollout, SamplingParams
-from .shifts import REQUANTIZED, behaviour_copy
+from .shifts import behaviour_copy
+
+
+# Rollout precisions whose activation quantization scale is taken over the whole batch tensor
+# (rollout.shifts): their sampled distribution depends on which rows share a forward.
+BATCH_SCALED = ("int8", "fp8_e4m3")
 
 
 def row_seed(*parts: int) -> int:
@@ -50,16 +62,20 @@ class TransformersEngine:
     With ``share=True`` (the default in float32) the engine samples from ``model`` itself and
     ``load_weights`` with no tensors only moves the version; otherwise it keeps its own copy in
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
-    that precision (int8 and FP8: re-quantized from a float copy).
+    that precision (int8: re-quantized from a float copy).
 
-    ``full_logprobs=True`` also records each rollout's whole behaviour log-distribution
-    (``Rollout.behavior_logprobs_full``, [n_tokens, V]: the log-softmax of the processed scores,
-    whose values at the sampled tokens are the recorded ``behavior_logprobs``).
+    ``prefill_once`` prefills each distinct prompt of a chunk once and copies its key/value cache
+    to its samples (module docstring); False runs every row's prompt, as ``generate`` alone does.
+    None (the default) means True except at the precisions in ``BATCH_SCALED`` (int8, per-tensor
+    FP8): they scale activations per tensor over the whole batch, so which rows share a forward
+    changes the distribution itself (int8: by ~1e-2 in the log-probs, not round-off), and those
+    shifts keep the plain path's. A model whose forward returns no ``transformers.Cache`` falls
+    back to the plain path.
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
-                 full_logprobs: bool = False,
-                 precision: str = "float32", share: bool | None = None, version: int = 0):
+                 precision: str = "float32", share: bool | None = None, version: int = 0,
+                 prefill_once: bool | None = None):
         self.precision = precision
         share = precision == "float32" if share is None else share
         if share and precision != "float32":
@@ -67,12 +83,12 @@ class TransformersEngine:
         self.shared = share
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
-        self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
-        self.full_logprobs = full_logprobs
+        self._float_model = copy.deepcopy(model) if precision == "int8" else None
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size = batch_size
         self.version = version
+        self.prefill_once = precision not in BATCH_SCALED if prefill_once is None else prefill_once
 
     def load_weights(self, weights, version: int) -> None:
         """Load named float tensors (the full state) as policy ``version``; see ``Engine.load_weights``.
@@ -88,7 +104,7 @@ class TransformersEngine:
                                  "policy; send the full named state")
         elif self._float_model is not None:
             self._float_model.load_state_dict(state)
-            self.model = behaviour_copy(self._float_model, self.precision)
+            self.model = behaviour_copy(self._float_model, "int8")
         else:
             self.model.load_state_dict(state)  # copy_ casts to bf16/fp16
         self.version = version
@@ -128,15 +144,18 @@ class TransformersEngine:
         noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
         procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
             [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
+        cache = self._shared_prefill(ids, att, items) if self.prefill_once else None
         gen = self.model.generate(
             input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
             temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
+            **({} if cache is None else {"past_key_values": cache}),
         )
         new = gen.sequences[:, P:]
-        scores = torch.stack(noise.clean, dim=1).float()  # [N, steps, V], processed (T, top-p), no noise
-        logp_all = torch.log_softmax(scores, dim=-1)
-        logp = logp_all.gather(-1, new[..., None]).squeeze(-1)
+        scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
+        # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -145,6 +164,34 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
-                behavior_logprobs_full=logp_all[j, :end].clone() if self.full_logprobs else None,
             ))
         return rows
+
+    def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items):
+        """A key/value cache of ``ids[:, :P-1]`` [N, P-1] computed once per distinct prompt, or None.
+
+        The distinct rows keep the chunk's left padding (width P) and ``generate``'s positions
+        (attention-mask cumsum − 1, pads at 0), so each cached position is the plain path's; the
+        cache is then indexed out to the N rows. The last prompt token is left to ``generate``,
+        which needs at least one uncached input token. None (plain path) for one-token prompts, for
+        chunks without a repeated prompt, and for models whose forward returns no ``Cache``.
+        """
+        P = ids.shape[1]
+        slot: dict[tuple[int, ...], int] = {}
+        first: list[int] = []  # a row of each distinct prompt
+        row_slot = []
+        for j, (_, p, _) in enumerate(items):
+            if tuple(p) not in slot:
+                slot[tuple(p)] = len(first)
+                first.append(j)
+            row_slot.append(slot[tuple(p)])
+        if P < 2 or len(first) == len(items):
+            return None
+        u_ids, u_att = ids[first, :P - 1], att[first, :P - 1]
+        pos = (u_att.cumsum(-1) - 1).masked_fill(u_att == 0, 0)
+        out = self.model(input_ids=u_ids, attention_mask=u_att, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "past_key_values", None)
+        if not isinstance(cache, Cache):
+            return None
+        cache.batch_select_indices(torch.tensor(row_slot))
+        return cache
