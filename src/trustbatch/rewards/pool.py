@@ -2,6 +2,12 @@
 
 A scorer that raises, returns a non-finite value, kills its process or runs past ``timeout_s``
 gives reward 0; the pool counts each case, replaces a dead or hung worker, and goes on.
+
+Completions travel in chunks (one message each way per ``chunk_size`` completions, not per
+completion). The time limit stays per completion: a worker writes the position and start time of
+the completion it is scoring into a two-slot shared array, and the parent times that completion
+out. When a worker dies or hangs, that completion alone counts as failed and the rest of its chunk
+is scored again by a fresh worker (the finished part's results died with the process).
 Workers build the scorer from its name (``rewards.get``), so user functions need only be importable.
 
 Workers die with the process that made them, however it ends (kill -9 included): on Linux the
@@ -96,7 +102,7 @@ def _rewind_output(out_fd: int | None) -> str:
     return tail
 
 
-def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None) -> None:
+def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None, progress) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent around start()
@@ -119,13 +125,19 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None) ->
             return
         if msg is None:
             return
-        i, completion, reference = msg
-        if scorer is None:
-            v, status, cause = 0.0, "error", f"the scorer failed to load in the worker: {load_error}"
-        else:
-            v, status, cause = score_one(scorer, completion, reference)  # the same checks as in-process
-        output = _rewind_output(out_fd)
-        conn.send((i, v, status, _with_output(cause, output) if status == "error" else None))
+        results = []
+        for k, (completion, reference) in enumerate(msg):
+            # start time before position: the parent reads the position first, so it never pairs a
+            # new position with the previous completion's (earlier) start and times it out early
+            progress[1] = time.monotonic()
+            progress[0] = k
+            if scorer is None:
+                v, status, cause = 0.0, "error", f"the scorer failed to load in the worker: {load_error}"
+            else:
+                v, status, cause = score_one(scorer, completion, reference)  # the same checks as in-process
+            output = _rewind_output(out_fd)
+            results.append((v, status, _with_output(cause, output) if status == "error" else None))
+        conn.send(results)
 
 
 class _Worker:
@@ -135,7 +147,11 @@ class _Worker:
         # Only a forked child inherits this descriptor; a spawned one leaves its output on the terminal.
         self.out = tempfile.TemporaryFile() if forked else None
         out_fd = self.out.fileno() if self.out else None
-        self.proc = ctx.Process(target=_worker, args=(name, child, self.conn, os.getpid(), out_fd), daemon=True)
+        # [position in the chunk, monotonic start time] of the completion being scored; no lock: a
+        # worker killed while holding one would block the parent
+        self.progress = ctx.RawArray("d", 2)
+        self.proc = ctx.Process(target=_worker, args=(name, child, self.conn, os.getpid(), out_fd, self.progress),
+                                daemon=True)
         # SIGINT stays blocked from fork until the child ignores it, so a Ctrl-C in between cannot
         # print a KeyboardInterrupt traceback from the child. The mask is per thread and restored.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
@@ -146,7 +162,22 @@ class _Worker:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         _PARENT_ENDS.add(self.conn)
-        self.job: tuple[int, float] | None = None  # (completion index, deadline)
+        self.job: list[int] | None = None  # completion indices of the chunk in flight
+
+    def send(self, job: list[int], completions: list[str], references: list[str]) -> None:
+        """Send a chunk; its first completion's clock starts now (the worker restarts it per completion).
+
+        Raises:
+            OSError: the worker's pipe is closed (it died while idle).
+        """
+        self.progress[0], self.progress[1] = 0, time.monotonic()
+        self.conn.send([(completions[i], references[i]) for i in job])
+        self.job = job
+
+    def current(self, timeout_s: float) -> tuple[int, float]:
+        """(position in the chunk, deadline) of the completion this worker is scoring."""
+        k = int(self.progress[0])
+        return k, self.progress[1] + timeout_s
 
     def output(self) -> str:
         """The tail of what the scorer printed during the current completion (for a worker that died or hung)."""
@@ -174,6 +205,7 @@ class RewardPool:
     """Score completions with the scorer ``name`` in ``workers`` processes, each call limited to ``timeout_s`` seconds.
 
     ``workers=0`` scores in this process with the same parsing (``rewards.get``) and no time limit.
+    ``chunk_size`` completions go to a worker in one message (module docstring).
     Use as a context manager, or call ``close``. Workers start lazily, from the thread that calls
     ``score``; on Linux a worker is killed when that thread ends, so score from a thread that
     outlives the pool (the main thread, or a long-lived scoring thread).
@@ -183,10 +215,12 @@ class RewardPool:
             import (checked in this process first).
     """
 
-    def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0):
+    def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
         from . import get
 
-        self.name, self.workers, self.timeout_s = name, workers, timeout_s
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.name, self.workers, self.timeout_s, self.chunk_size = name, workers, timeout_s, chunk_size
         self._local = get(name)  # fails fast, in this process, with a one-line error
         # fork: a worker needs no re-import of __main__ (spawn would re-run an unguarded user script);
         # it never touches torch, so the parent's OpenMP threads do not matter.
@@ -211,47 +245,54 @@ class RewardPool:
             return score_local(self._local, completions, references)
         self._ensure_workers()
         res = ScoreResult([0.0] * len(completions), 0, 0)
+        # a chunk per worker at least, so that both share a small call
+        size = max(1, min(self.chunk_size, -(-len(completions) // self.workers)))
         todo = deque(range(len(completions)))
         while todo or any(w.job for w in self._pool):
             for k, w in enumerate(list(self._pool)):
                 if w.job is None and todo:
-                    i = todo[0]
+                    job = [todo[j] for j in range(min(size, len(todo)))]
                     try:
-                        w.conn.send((i, completions[i], references[i]))
+                        w.send(job, completions, references)
                     except OSError:  # the worker died while idle (e.g. the OOM killer): replace it, retry
                         w.close(kill=True)
                         self._pool[k] = _Worker(self._ctx, self.name)
                         continue
-                    todo.popleft()
-                    w.job = (i, time.monotonic() + self.timeout_s)
+                    for _ in job:
+                        todo.popleft()
             busy = [w for w in self._pool if w.job]
             if not busy:
                 continue
-            next_deadline = min(w.job[1] for w in busy)
+            next_deadline = min(w.current(self.timeout_s)[1] for w in busy)
             ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
             for k, w in enumerate(list(self._pool)):
                 if w.job is None:
                     continue
                 if w.conn in ready:
                     try:
-                        i, v, status, cause = w.conn.recv()
-                        res.rewards[i] = v
-                        res.errors += status == "error"
-                        res.clamped += status == "clamped"
-                        res.last_error = cause or res.last_error
-                        w.job = None
-                        continue
+                        results = w.conn.recv()
                     except (EOFError, OSError):  # the scorer took its process down
                         res.errors += 1
                         w.proc.join(1)
                         code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
                         res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
-                elif time.monotonic() < w.job[1]:
+                    else:
+                        for i, (v, status, cause) in zip(w.job, results):
+                            res.rewards[i] = v
+                            res.errors += status == "error"
+                            res.clamped += status == "clamped"
+                            res.last_error = cause or res.last_error
+                        w.job = None
+                        continue
+                elif time.monotonic() < w.current(self.timeout_s)[1]:
                     continue
                 else:
                     res.timeouts += 1
                     res.last_error = _with_output(f"the scorer ran past reward.timeout_s={self.timeout_s:g} s",
                                                   w.output())
+                # the failed completion keeps reward 0; the rest of the chunk goes back to the queue's front
+                failed = min(w.current(self.timeout_s)[0], len(w.job) - 1)
+                todo.extendleft(reversed(w.job[:failed] + w.job[failed + 1:]))
                 w.close(kill=True)
                 self._pool[k] = _Worker(self._ctx, self.name)
         return res

@@ -1,0 +1,60 @@
+"""The reward pool sends completions in chunks and keeps the per-completion rules.
+
+Expected rewards and counts are worked out from the scorer's definition, item by item; a failure in
+the middle of a chunk must cost that completion alone, and the time limit must stay per completion.
+"""
+
+import textwrap
+
+import pytest
+
+from trustbatch.rewards import RewardPool
+from trustbatch.rewards import pool as pool_mod
+
+ITEMS = ["ok", "a", "hang", "ok", "die", "ok", "raise", "nan", "ok", "no", "ok", "ok", "die", "ok"]
+
+
+def expected(items):
+    """misbehave: 1 when the completion equals the reference "ok"; hang, die, raise and nan give 0."""
+    return [1.0 if c == "ok" else 0.0 for c in items]
+
+
+@pytest.mark.parametrize("workers,chunk", [(1, 6), (2, 4), (2, 32)])
+def test_failures_inside_a_chunk_cost_one_completion_each(workers, chunk):
+    with RewardPool("scorers_for_tests:misbehave", workers=workers, timeout_s=0.5, chunk_size=chunk) as pool:
+        res = pool.score(ITEMS, ["ok"] * len(ITEMS))
+        assert res.rewards == expected(ITEMS)
+        assert res.timeouts == ITEMS.count("hang")
+        assert res.errors == sum(ITEMS.count(x) for x in ("die", "raise", "nan"))
+        again = pool.score(["ok", "no"] * 5, ["ok"] * 10)  # the replacement workers score
+        assert again.rewards == [1.0, 0.0] * 5 and again.errors == again.timeouts == 0
+
+
+def test_the_time_limit_is_per_completion_not_per_chunk(tmp_path, monkeypatch):
+    (tmp_path / "slow_scorer.py").write_text(textwrap.dedent('''
+        import time
+        def score(completion, reference):
+            time.sleep(0.3)
+            return 1.0
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # a chunk of 4 takes 1.2 s, each completion 0.3 s, the limit 0.8 s
+    with RewardPool("slow_scorer:score", workers=1, timeout_s=0.8, chunk_size=4) as pool:
+        res = pool.score(["x"] * 4, [""] * 4)
+    assert res.rewards == [1.0] * 4 and res.timeouts == 0 and res.errors == 0
+
+
+def test_one_message_per_chunk(monkeypatch):
+    sent = []
+    real = pool_mod._Worker.send
+    monkeypatch.setattr(pool_mod._Worker, "send", lambda self, job, c, r: (sent.append(list(job)), real(self, job, c, r)))
+    comps = [str(i) for i in range(10)]
+    with RewardPool("scorers_for_tests:misbehave", workers=1, chunk_size=4) as pool:
+        res = pool.score(comps, [str(i) if i % 3 else "x" for i in range(10)])
+    assert res.rewards == [0.0 if i % 3 == 0 else 1.0 for i in range(10)]
+    assert sent == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        RewardPool("scorers_for_tests:misbehave", chunk_size=0)
