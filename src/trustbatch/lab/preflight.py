@@ -249,7 +249,10 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
     from ..recipes.build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
     from ..trainer.loop import run_loop
 
+    label = shift_label(cfg)
     cfg = _as_sync(cfg)
+    if "async" in label:
+        label += f" (as lag {cfg.rollout.staleness})"
     preflight(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -283,7 +286,7 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         if parts is not None:
             parts.source.close()
         pool.close()
-    return Probe(arm=arm, seed=cfg.train.seed, shift=shift_label(cfg), age=age, ess=res["ess"],
+    return Probe(arm=arm, seed=cfg.train.seed, shift=label, age=age, ess=res["ess"],
                  zeroed=res["zeroed"], cosine=res["cosine"], norm_ratio=res["norm_ratio"],
                  informative=res["informative"], tokens=res["tokens"],
                  response_length=float(batch.metrics.get("response_length", float("nan"))))
@@ -354,17 +357,24 @@ def _fmt(x, spec: str) -> str:
 
 def preflight_table(result: dict):
     """A ``rich`` table of ``run_preflight``'s per-arm rows."""
+    from rich import box
     from rich.table import Table
 
     t = Table(title=f"pre-flight: {result['experiment']} at the base policy (seeds {result['seeds']})",
-              caption=f"zeroed: tokens GRPO(ε)'s clip zeroes; cos: ∇P3O vs ∇GRPO(ε); {result['control_rule']}")
-    for col in ("arm", "shift", "age", "ESS", *[f"zeroed {e}" for e in EPSILONS], *[f"cos {e}" for e in EPSILONS],
-                "verdict"):
-        t.add_column(col, justify="left" if col in ("arm", "shift", "verdict") else "right")
+              caption=f"zero.2: share of tokens GRPO(ε = 0.2)'s clip zeroes; cos.2: ∇P3O vs ∇GRPO(0.2); age: optimizer "
+                      f"steps since sampling. {result['control_rule']}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+              pad_edge=False)
+    for col in ("arm", "shift", "age", "ESS", *[f"zero{str(e)[1:]}" for e in EPSILONS],
+                *[f"cos{str(e)[1:]}" for e in EPSILONS], "verdict"):
+        # numbers and names stay whole; the shift wraps, but never below a readable width
+        t.add_column(col, justify="left" if col in ("arm", "shift", "verdict") else "right",
+                     no_wrap=col != "shift", min_width=8 if col == "shift" else len(col))
     for r in result["arms"]:
         t.add_row(r["arm"], r["shift"], str(r["age"]), _fmt(r["ess"], ".4f"),
                   *[_fmt(r[f"zeroed@{e}"], ".1%") for e in EPSILONS], *[_fmt(r[f"cos@{e}"], ".4f") for e in EPSILONS],
                   r["verdict"])
-    for arm, why in result["skipped"].items():
-        t.add_row(arm, "", "", "", *[""] * (2 * len(EPSILONS)), f"skipped: {why}")
+    for arm in result["skipped"]:
+        t.add_row(arm, "", "", "", *[""] * (2 * len(EPSILONS)), "skipped")
+    if result["skipped"]:
+        t.caption += "".join(f"\nskipped {arm}: {why}" for arm, why in result["skipped"].items())
     return t
