@@ -24,7 +24,7 @@ import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .engine import Rollout, SamplingParams
-from .shifts import behaviour_copy
+from .shifts import REQUANTIZED, behaviour_copy
 
 
 # Rollout precisions whose activation quantization scale is taken over the whole batch tensor
@@ -62,7 +62,11 @@ class TransformersEngine:
     With ``share=True`` (the default in float32) the engine samples from ``model`` itself and
     ``load_weights`` with no tensors only moves the version; otherwise it keeps its own copy in
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
-    that precision (int8: re-quantized from a float copy).
+    that precision (int8 and FP8: re-quantized from a float copy).
+
+    ``full_logprobs=True`` also records each rollout's whole behaviour log-distribution
+    (``Rollout.behavior_logprobs_full``, [n_tokens, V]: the log-softmax of the processed scores,
+    whose values at the sampled tokens are the recorded ``behavior_logprobs``).
 
     ``prefill_once`` prefills each distinct prompt of a chunk once and copies its key/value cache
     to its samples (module docstring); False runs every row's prompt, as ``generate`` alone does.
@@ -74,6 +78,7 @@ class TransformersEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
+                 full_logprobs: bool = False,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
                  prefill_once: bool | None = None):
         self.precision = precision
@@ -83,7 +88,8 @@ class TransformersEngine:
         self.shared = share
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
-        self._float_model = copy.deepcopy(model) if precision == "int8" else None
+        self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
+        self.full_logprobs = full_logprobs
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size = batch_size
@@ -104,7 +110,7 @@ class TransformersEngine:
                                  "policy; send the full named state")
         elif self._float_model is not None:
             self._float_model.load_state_dict(state)
-            self.model = behaviour_copy(self._float_model, "int8")
+            self.model = behaviour_copy(self._float_model, self.precision)
         else:
             self.model.load_state_dict(state)  # copy_ casts to bf16/fp16
         self.version = version
@@ -155,7 +161,8 @@ class TransformersEngine:
         scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
         # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        logp_all = torch.log_softmax(scores, dim=-1)
+        logp = logp_all.gather(-1, new[..., None]).squeeze(-1)
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -164,6 +171,7 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
+                behavior_logprobs_full=logp_all[j, :end].clone() if self.full_logprobs else None,
             ))
         return rows
 
