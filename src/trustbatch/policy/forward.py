@@ -72,3 +72,41 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
         with torch.no_grad():
             ent = -(logp_all.exp() * logp_all).sum(-1)
     return (logp, ent, logp_all) if with_full else (logp, ent)
+
+
+def trim(packed: Packed) -> Packed:
+    """``packed`` without its leading columns that no row uses: padding shared by every row.
+
+    A batch is padded to its longest row; a micro-batch of shorter rows keeps that width. Drops the
+    sequence columns before the first attended one (left padding) and the response columns before
+    the first valid one, keeping at least one response column and one position before it.
+    Positions, masks and tokens of the real rows are unchanged, so the log-probs are the same up to
+    float summation order.
+    """
+    ids, att, resp = packed.input_ids, packed.attention_mask, packed.response_mask
+    L, C = ids.shape[1], resp.shape[1]
+    used = resp.any(0)
+    c = C - int(used.int().argmax()) if bool(used.any()) else 1
+    seq = att.bool().any(0)
+    n = L - int(seq.int().argmax()) if bool(seq.any()) else 0
+    n = min(L, max(n, c + 1))
+    return Packed(ids[:, L - n:], att[:, L - n:], packed.position_ids[:, L - n:], resp[:, C - c:])
+
+
+def trimmed(forward_fn):
+    """``forward_fn`` (as ``response_logprobs``) run on ``trim(packed)``, its outputs left-padded back to C.
+
+    The outputs ([B, c] log-probs and entropy, [B, c, V] full log-softmax) get zero columns on the left
+    (outside ``response_mask``, where values are meaningless), so callers see the usual ``[B, C]``.
+    """
+    def fn(model, packed: Packed, **kw):
+        narrow = trim(packed)
+        pad = packed.response_mask.shape[1] - narrow.response_mask.shape[1]
+        out = forward_fn(model, narrow, **kw)
+        if pad == 0:
+            return out
+        return tuple(None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (pad, 0))
+                     for t in out)
+
+    fn.__wrapped__ = forward_fn
+    return fn

@@ -30,7 +30,7 @@ from .. import objectives
 from ..errors import UserError
 from ..objectives import RatioStats
 from ..pipeline.batch import TrainBatch
-from ..policy.forward import response_logprobs
+from ..policy.forward import response_logprobs, trimmed
 from ..policy.shared_prompt import grouped_response_logprobs
 from .parallel import World
 
@@ -66,6 +66,9 @@ class Learner:
         shared_prompt: run each distinct prompt of a micro-batch once and reuse its key/value cache
             for its completions (``policy.shared_prompt``; the same log-probs and gradient; falls
             back to the plain forward where a model cannot share a cache). False: the plain forward.
+        trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
+            than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
+            a saving only when micro-batches split a batch of unequal lengths).
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support.
@@ -74,7 +77,8 @@ class Learner:
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
-                 world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True):
+                 world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
+                 trim_micro_batches: bool = True):
         self.model = model
         self.spec = objectives.spec(objective)
         # full behaviour log-probs come with the batch; step() refuses a batch without them
@@ -94,6 +98,8 @@ class Learner:
         # (model, packed, with_entropy=) -> (logp [B, C], entropy or None); shared_prompt: each distinct
         # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
         self.forward_fn = grouped_response_logprobs if shared_prompt else response_logprobs
+        if trim_micro_batches:
+            self.forward_fn = trimmed(self.forward_fn)
         self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
