@@ -1,16 +1,22 @@
-"""Seconds per optimizer step of the default job, split into generation, scoring and learner, shared-prompt forward off vs on.
+"""Seconds per optimizer step of the default job, split into generation, scoring and learner, with each optimization off in turn.
 
-    python bench/e2e.py [--threads 2] [--repeats 5] [--warmup 1]          # the default job (make run's config)
+    python bench/e2e.py [--threads 2] [--repeats 5] [--warmup 1] [--arms all,none,...]   # the default job
+    python bench/e2e.py --tiny --repeats 1                                  # tests/tiny.py's config: a smoke run
     python bench/e2e.py --scale [--threads 2] [--repeats 3]                # ~50M-parameter random Llama,
                                                                             # prompt 128 / completion 512, learner only
 
 Default job: ``load_config(None, [])`` (64 prompts × 8 completions per optimizer step, the cached
 default base, built on first use in ~1 min under $TRUSTBATCH_CACHE or ~/.cache/trustbatch). One
-policy trains in place; rounds alternate between the learner's plain forward (off) and the
-shared-prompt forward (on), so machine noise and the policy's drift hit both alike. Each round is
-timed as generation (engine.generate), scoring (reward pool), learner (``train_on``) and the rest
-(batching, advantages, weight sync). Medians over ``--repeats`` rounds per variant; the 1-minute
-load average is printed next to each figure (other processes on the machine distort timings).
+policy trains in place; each round runs one arm, and the arms take turns (every round of arms
+starts at the next one), so machine noise and the policy's drift hit all alike. Arms (``ARMS``):
+``all`` (every optimization on, the default code), ``-shared`` (the learner's plain forward instead of
+the shared-prompt forward), ``-prefill`` (the engine prefills every row's prompt), ``-chunks`` (the
+reward pool sends one message per completion), ``-trim`` (learner micro-batches at the batch's
+widths; the default job has one micro-batch, so this arm measures nothing there) and ``none`` (all
+off: the code before issue 13). Each round is timed as generation (engine.generate), scoring
+(reward pool), learner (``train_on``) and the rest (batching, advantages, weight sync). Medians over
+``--repeats`` rounds per arm; the 1-minute load average is printed next to each figure (other
+processes on the machine distort timings), and process CPU time beside wall time.
 
 Useful FLOP/s: the FLOPs a step needs once each distinct prompt and each completion token is
 computed once (no padding, no prompt copies): per token 2·(linear weights) + 4·layers·hidden·context
@@ -33,7 +39,7 @@ import time
 
 import torch
 
-from trustbatch.policy.forward import pack, response_logprobs
+from trustbatch.policy.forward import pack, response_logprobs, trimmed
 from trustbatch.policy.shared_prompt import grouped_response_logprobs
 
 
@@ -97,26 +103,62 @@ class Timed:
         setattr(obj, name, wrapper)
 
 
+# Each optimization of issue 13 as a switch; an arm turns some off. "none" is the code before them.
+OPTIMIZATIONS = ("shared", "prefill", "chunks", "trim")
+ARMS = {
+    "all": (),
+    "-shared": ("shared",),  # learner: plain forward (each prompt once per completion)
+    "-prefill": ("prefill",),  # generation: every row's prompt prefilled
+    "-chunks": ("chunks",),  # reward pool: one message per completion
+    "-trim": ("trim",),  # learner: micro-batches at the batch's widths
+    "none": OPTIMIZATIONS,
+}
+
+
+def apply_arm(arm: str, source, learner, chunk_size: int) -> None:
+    """Switch the optimizations on the live parts; the arm's switches off, every other on."""
+    off = set(ARMS[arm])
+    fn = response_logprobs if "shared" in off else grouped_response_logprobs
+    learner.forward_fn = fn if "trim" in off else trimmed(fn)
+    source.engine.prefill_once = "prefill" not in off
+    source.pool.chunk_size = 1 if "chunks" in off else chunk_size
+
+
 def default_job(a) -> None:
     from trustbatch.config import load_config
     from trustbatch.recipes.build import build_parts, prepare_run
 
-    cfg = load_config(None, [])
+    overrides = []
+    if a.tiny:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tiny import TINY
+
+        overrides = TINY
+    cfg = load_config(None, overrides)
     task, policy, pool, src = prepare_run(cfg)
     built = build_parts(cfg, task, policy, pool)
     source, learner, sync = built.parts.source, built.parts.learner, built.parts.sync
     gen_t, score_t = Timed(source.engine, "generate"), Timed(source.pool, "score")
     shape = model_shape(policy.model)
     G = cfg.rollout.group_size
+    chunk_size = source.pool.chunk_size
+    arms = a.arms.split(",")
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     peak = matmul_peak()
-    print(f"default job: {cfg.rollout.prompts_per_step} prompts × {G} completions, base {src}, "
+    print(f"{'tiny' if a.tiny else 'default'} job: {cfg.rollout.prompts_per_step} prompts × {G} completions, base {src}, "
           f"{sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {a.threads} threads")
     print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({load()})")
-    variants = {"off": response_logprobs, "on": grouped_response_logprobs}
-    rows: dict[str, list[dict]] = {k: [] for k in variants}
+    print("arms: " + "; ".join(f"{k}: " + ("all on" if not v else "off " + ", ".join(v)) for k, v in ARMS.items()
+                              if k in arms))
+    rows: dict[str, list[dict]] = {k: [] for k in arms}
     for r in range(a.warmup + a.repeats):
-        for name, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
-            learner.forward_fn = fn
+        for name in arms[r % len(arms):] + arms[:r % len(arms)]:  # each round starts at another arm
+            apply_arm(name, source, learner, chunk_size)
             peak = max(peak, matmul_peak())  # the best seen: a busy machine only lowers it
             gen_t.s = score_t.s = 0.0
             c0, t0 = time.process_time(), time.perf_counter()
@@ -139,29 +181,32 @@ def default_job(a) -> None:
                        useful_learner=3 * learn_f, load=os.getloadavg()[0], step_cpu=c3 - c0, learner_cpu=c2 - c1)
             if r >= a.warmup:
                 rows[name].append(row)
-            print(f"  round {r:2d} {name:>3}: step {row['step']:.3f} s (process CPU {row['step_cpu']:.3f} s)  learner "
-                  f"{row['learner']:.3f} s (CPU {row['learner_cpu']:.3f} s)  ({load()})", flush=True)
+            print(f"  round {r:2d} {name:>8}: step {row['step']:.3f} s (process CPU {row['step_cpu']:.3f} s)  gen "
+                  f"{row['gen']:.3f} s  score {row['score']:.3f} s  learner {row['learner']:.3f} s  ({load()})", flush=True)
     pool.close()
     same = same_batch(learner.model, batch, a)
-    print(f"\nmedian of {a.repeats} rounds per variant, rounds interleaved off/on; "
+    print(f"\nmedian of {a.repeats} rounds per arm, arms interleaved (each round starts at the next arm); "
           f"best matmul peak seen {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'':>4}{'step s':>9}{'gen s':>8}{'score s':>9}{'learner s':>11}{'other s':>9}{'tok/s':>9}"
-          f"{'useful/peak':>13}{'learner useful/peak':>21}{'load':>7}")
+    print(f"{'arm':>8}{'step s':>9}{'gen s':>8}{'score s':>9}{'learner s':>11}{'other s':>9}{'tok/s':>9}"
+          f"{'useful/peak':>13}{'learner useful/peak':>21}{'load':>7}{'step CPU s':>12}{'learner CPU s':>15}")
     med = {}
     for name, rs in rows.items():
         md = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
         med[name] = md
         useful = statistics.median(x["useful"] / x["step"] for x in rs)
         useful_l = statistics.median(x["useful_learner"] / x["learner"] for x in rs)
-        print(f"{name:>4}{md['step']:>9.3f}{md['gen']:>8.3f}{md['score']:>9.3f}{md['learner']:>11.3f}"
+        print(f"{name:>8}{md['step']:>9.3f}{md['gen']:>8.3f}{md['score']:>9.3f}{md['learner']:>11.3f}"
               f"{md['other']:>9.3f}{md['tokens'] / md['step']:>9.0f}{useful / peak:>13.1%}{useful_l / peak:>21.1%}"
-              f"{md['load']:>7.2f}")
-    print(f"{'':>4}{'step CPU s':>11}{'learner CPU s':>15}   (process CPU time: less sensitive to a busy machine)")
-    for name in rows:
-        print(f"{name:>4}{med[name]['step_cpu']:>11.3f}{med[name]['learner_cpu']:>15.3f}")
-    print(f"on/off: step {med['on']['step'] / med['off']['step']:.2f}× (CPU {med['on']['step_cpu'] / med['off']['step_cpu']:.2f}×), "
-          f"learner {med['on']['learner'] / med['off']['learner']:.2f}× (CPU {med['on']['learner_cpu'] / med['off']['learner_cpu']:.2f}×)")
-    print(f"learner forward+backward on one batch ({len(batch)} rows), median of {a.repeats}, interleaved:")
+              f"{md['load']:>7.2f}{md['step_cpu']:>12.3f}{md['learner_cpu']:>15.3f}")
+    base = "none" if "none" in med else arms[0]
+    for name in arms:
+        if name != base:
+            print(f"{name}/{base}: step {med[name]['step'] / med[base]['step']:.2f}× (CPU "
+                  f"{med[name]['step_cpu'] / med[base]['step_cpu']:.2f}×), gen {med[name]['gen'] / med[base]['gen']:.2f}×, "
+                  f"score {med[name]['score'] / max(med[base]['score'], 1e-9):.2f}×, "
+                  f"learner {med[name]['learner'] / med[base]['learner']:.2f}×")
+    print(f"learner forward+backward on one batch ({len(batch)} rows), median of {a.repeats}, interleaved, "
+          "shared-prompt forward off vs on:")
     for name, (wall, cpu, ld) in same.items():
         print(f"{name:>4}: {wall:.3f} s (CPU {cpu:.3f} s)  load {ld:.2f}")
     print(f"on/off: {same['on'][0] / same['off'][0]:.2f}× (CPU {same['on'][1] / same['off'][1]:.2f}×)")
@@ -231,6 +276,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="measured rounds per variant (default 5; --scale 3)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--scale", action="store_true", help="the ~50M-parameter prompt 128 / completion 512 case")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"comma-separated arms of the default job, from {', '.join(ARMS)} (default: all of them)")
+    ap.add_argument("--tiny", action="store_true", help="tests/tiny.py's config: checks the script runs, times nothing useful")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--completion", type=int, default=512)
     ap.add_argument("--group", type=int, default=8)
