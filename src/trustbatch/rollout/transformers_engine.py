@@ -183,6 +183,7 @@ class TransformersEngine:
         cache is then indexed out to the N rows. The last prompt token is left to ``generate``,
         which needs at least one uncached input token. None (plain path) for one-token prompts, for
         chunks without a repeated prompt, and for models whose forward returns no ``Cache``.
+        Run on CPU only (tests/test_prefill_once.py); untested on a GPU (none was available).
         """
         P = ids.shape[1]
         slot: dict[tuple[int, ...], int] = {}
@@ -201,5 +202,5 @@ class TransformersEngine:
         cache = getattr(out, "past_key_values", None)
         if not isinstance(cache, Cache):
             return None
-        cache.batch_select_indices(torch.tensor(row_slot))
+        cache.batch_select_indices(torch.tensor(row_slot, device=u_ids.device))
         return cache
