@@ -26,3 +26,28 @@ def hang_on_odd_answer(completion: str, reference: str) -> float:
 def digit_fraction(completion: str, reference: str) -> float:
     """The fraction of characters that are digits: a reward with spread even for an untrained policy."""
     return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
+
+
+_hang_calls = 0
+
+
+def hang_once(completion: str, reference: str) -> float:
+    """``digit_fraction``, except that one process hangs for good, once, for the hung-worker test.
+
+    Armed by the file ``$TRUSTBATCH_TEST_HANG_MARKER``: the first process past its
+    ``$TRUSTBATCH_TEST_HANG_AFTER``-th call (never ``$TRUSTBATCH_TEST_HANG_SPARE_PID``) that renames
+    the file to ``MARKER.<its pid>`` (atomic: one process wins) sleeps forever; the rest score normally.
+    """
+    global _hang_calls
+    _hang_calls += 1
+    marker = os.environ.get("TRUSTBATCH_TEST_HANG_MARKER")
+    if (marker and _hang_calls > int(os.environ.get("TRUSTBATCH_TEST_HANG_AFTER", "0"))
+            and str(os.getpid()) != os.environ.get("TRUSTBATCH_TEST_HANG_SPARE_PID")):
+        try:
+            os.rename(marker, f"{marker}.{os.getpid()}")
+        except FileNotFoundError:  # already claimed
+            pass
+        else:
+            while True:
+                time.sleep(3600)
+    return digit_fraction(completion, reference)

@@ -149,3 +149,52 @@ def test_a_killed_rollout_worker_is_restarted_and_nothing_survives(tmp_path, cac
     assert recs[-1]["worker_restarts"] >= 1
     time.sleep(3)
     assert not [c for c in seen if _alive(c)], "processes outlived the run"
+
+
+def test_a_hung_rollout_worker_is_killed_after_the_timeout_restarted_and_nothing_survives(tmp_path, cache, monkeypatch):
+    import threading
+
+    run, timeout_s, after = tmp_path / "run", 2.0, 1
+    marker = tmp_path / "hang"
+    marker.touch()
+    monkeypatch.setenv("TRUSTBATCH_TEST_HANG_MARKER", str(marker))
+    # 4 prompts × 4 completions a batch: the first worker hangs while scoring its second batch
+    monkeypatch.setenv("TRUSTBATCH_TEST_HANG_AFTER", str(after * 16))
+    monkeypatch.setenv("TRUSTBATCH_TEST_HANG_SPARE_PID", str(os.getpid()))  # evaluation scores in this process
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch():  # every descendant of this process while the run goes on
+        while not stop.is_set():
+            seen.update(_descendants(os.getpid()))
+            time.sleep(0.05)
+
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # the test process's own helper for its whole life, not the run's
+    before = _descendants(os.getpid())
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        train(load_config(None, TINY + ["reward.name=scorers_for_tests:hang_once", "reward.workers=0", "threads=1",
+                                        "train.steps=4", "eval.every=100", f"run_dir={run}", "rollout.mode=async",
+                                        "rollout.max_staleness=1", f"rollout.worker_timeout_s={timeout_s}"]))
+    finally:
+        stop.set()
+        watcher.join()
+    claimed = list(tmp_path.glob("hang.*"))
+    assert len(claimed) == 1, "no worker hung: the test did not test anything"
+    hung = int(claimed[0].suffix[1:])
+    assert hung in seen, "the process that hung was not a rollout worker of this run"
+    recs = _records(run)
+    assert [r["step"] for r in recs] == list(range(5))
+    restarts = [r["worker_restarts"] for r in recs[1:]]
+    first = next(i for i, n in enumerate(restarts) if n > 0)
+    # one restart, in the round that waited for the hung batch, and only after the timeout had passed
+    assert restarts == [0] * first + [1] * (len(restarts) - first), restarts
+    assert first >= after, restarts  # the batches before the hang came from the first worker
+    # the hung worker stayed alive, so only the timeout can have replaced it
+    assert recs[1 + first]["learner_wait_s"] >= timeout_s
+    time.sleep(1)
+    assert not _alive(hung), "the hung worker was not killed"
+    assert not [p for p in seen - before if _alive(p)], "processes outlived the run"

@@ -1,4 +1,5 @@
-"""Ray rollout actors (``orchestrator=ray``): real Ray, a local cluster on this machine, real actor processes.
+"""Ray rollout actors and learner ranks (``orchestrator=ray``): real Ray, a local cluster on this machine, real
+actor processes.
 
 Run with ``make test-ray`` (its own environment with ``trustbatch[ray]``). Without Ray the Ray tests are
 skipped; the test that ``orchestrator=ray`` names the extra runs everywhere (it hides Ray if present).
@@ -89,7 +90,7 @@ def _assert_ray_gone(ray, watch: _Watch) -> None:
 def test_ray_actors_train_three_rounds_within_the_bound_and_shut_down(tmp_path, cache):
     ray = pytest.importorskip("ray", reason=SKIP_REASON)
     run, k = tmp_path / "run", 1
-    with _Watch() as watch:
+    with _Watch() as watch:  # 2 rollout actors and 1 learner actor (ray_learners defaults to 1)
         train(load_config(None, TINY + SIGNAL + RAY + ["train.steps=3", f"run_dir={run}", "rollout.workers=2",
                                                        f"rollout.max_staleness={k}"]))
     recs = records(run)
@@ -101,24 +102,77 @@ def test_ray_actors_train_three_rounds_within_the_bound_and_shut_down(tmp_path, 
     # the actors loaded pushed weights: the last batch was sampled by a policy newer than the first
     assert recs[-1]["behaviour_version"] >= 1
     assert any(c.startswith(b"ray::RolloutWorker") for c in watch.seen.values()), "no Ray actor ran the rollouts"
+    assert sum(c.startswith(b"ray::LearnerRank") for c in watch.seen.values()) == 1, "no Ray actor was the learner"
     _assert_ray_gone(ray, watch)
 
 
 @pytest.mark.ray
-def test_ray_actors_at_k0_write_the_sync_metrics(tmp_path, cache):
+def test_ray_actors_at_k0_write_the_sync_metrics_through_a_resume(tmp_path, cache):
     ray = pytest.importorskip("ray", reason=SKIP_REASON)
-    base = TINY + SIGNAL + ["train.steps=3", "eval.every=100"]
-    train(load_config(None, base + [f"run_dir={tmp_path / 'sync'}"]))
-    with _Watch() as watch:
-        train(load_config(None, base + RAY + [f"run_dir={tmp_path / 'ray'}", "rollout.max_staleness=0",
-                                              "rollout.workers=2"]))
+    base = TINY + SIGNAL + ["eval.every=100"]
+    train(load_config(None, base + ["train.steps=3", f"run_dir={tmp_path / 'sync'}"]))
+    with _Watch() as watch:  # two segments: the learner actor's checkpoint (optimizer, version, stream) resumes
+        train(load_config(None, base + RAY + ["train.steps=2", f"run_dir={tmp_path / 'ray'}",
+                                              "rollout.max_staleness=0", "rollout.workers=2"]))
+        train(resume=str(tmp_path / "ray"), overrides=["train.steps=3"])
     sync, viaray = records(tmp_path / "sync"), records(tmp_path / "ray")
     assert [r["step"] for r in sync] == [r["step"] for r in viaray] == [0, 1, 2, 3]
     assert any(abs(r.get("loss", 0.0)) > 1e-6 for r in sync)  # the comparison covers real updates
-    for a, b in zip(sync, viaray):  # weights through the object store, batches from actors: bit for bit
+    assert "heldout_accuracy" in viaray[2] and "heldout_accuracy" not in sync[2]  # the first segment's last round
+    viaray[2] = {k: v for k, v in viaray[2].items() if not k.startswith("heldout_")}  # (its own random stream)
+    # weights from the learner actor through the object store, batches from rollout actors: bit for bit
+    for a, b in zip(sync, viaray):
         assert {k: v for k, v in a.items() if k not in TIMING} == \
                {k: v for k, v in b.items() if k not in TIMING | ASYNC_ONLY}
+    assert sum(c.startswith(b"ray::LearnerRank") for c in watch.seen.values()) == 2  # one per segment
     _assert_ray_gone(ray, watch)
+
+
+def _swap_in_recording_sgd(learner):
+    from grad_probe import sgd_recording_grads
+
+    learner.recorded_grads = sgd_recording_grads(learner, learner.model)
+
+
+def _grads_and_weights(learner):
+    return learner.recorded_grads, {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("objective", ["p3o", "p3o_two_anchor"])
+def test_two_ray_learner_ranks_equal_one_process_on_the_whole_batch(cache, objective):
+    ray = pytest.importorskip("ray", reason=SKIP_REASON)
+    from test_parallel import _batch, _close, _model
+
+    from trustbatch.orchestration.ray_learner import RayLearnerGroup
+    from trustbatch.trainer.learner import Learner
+
+    from grad_probe import sgd_recording_grads
+
+    kw = dict(lr=1e-2, grad_clip=1e9)
+    want_model = _model()  # float64
+    want = Learner(want_model, objective, {}, micro_batch_size=64, **kw)
+    want_grads = sgd_recording_grads(want, want_model)
+    want_metrics = want.train_on(_batch())
+    # 5 rows: rank 0 trains on 3 and rank 1 on 2, with unequal token counts; micro-batches of 2 rows
+    group = RayLearnerGroup(_model(), objective, {}, ranks=2, micro_batch_size=2, **kw)
+    try:
+        group.execute(_swap_in_recording_sgd)
+        metrics = group.train_on(_batch())
+        ranks = group.execute(_grads_and_weights)
+        assert group.version == want.version == 1
+    finally:
+        group.close()
+    assert not ray.is_initialized()
+    assert max(g.abs().max() for g in want_grads.values()) > 1e-3  # a 1/world-size slip would show
+    for rank, (grads, weights) in enumerate(ranks):
+        for n, p in want_model.named_parameters():
+            _close(grads[n], want_grads[n], f"{objective} grad {n} rank {rank}")
+            _close(weights[n], p.detach(), f"{objective} weight {n} rank {rank}")
+    for n, p in want_model.named_parameters():  # the driver's copy is rank 0's
+        _close(dict(group.model.named_parameters())[n].detach(), p.detach(), f"{objective} driver weight {n}")
+    for k in ("ess", "loss", "num_tokens"):  # whole-batch statistics, all-reduced over the ranks (float32 ratios)
+        assert abs(metrics[k] - want_metrics[k]) <= 1e-6 * max(1.0, abs(want_metrics[k])), (k, metrics[k], want_metrics[k])
 
 
 @pytest.mark.ray
@@ -137,9 +191,9 @@ def test_a_killed_ray_actor_is_restarted_and_nothing_survives(tmp_path, cache):
                 os.kill(actors[0], 9)
                 killed.append(actors[0])
 
-    with KillOne() as watch:
+    with KillOne() as watch:  # the learner in the driver (ray_learners=0), as before learner actors existed
         train(load_config(None, TINY + SIGNAL + RAY + ["train.steps=8", f"run_dir={run}", "rollout.workers=2",
-                                                       "rollout.max_staleness=1"]))
+                                                       "rollout.max_staleness=1", "ray_learners=0"]))
     assert killed, "the run ended before an actor could be killed"
     recs = records(run)
     assert [r["step"] for r in recs] == list(range(9))

@@ -1,12 +1,14 @@
 """Rollout workers as Ray actors: the transport of ``BoundedSource`` for one machine or a cluster.
 
-``orchestrator=ray rollout.mode=async``: the driver (the trainer's process) runs the same loop and the
-learner; each rollout worker is the plain ``RolloutWorker`` class wrapped with ``ray.remote`` (one CPU
+``orchestrator=ray rollout.mode=async``: the driver (the trainer's process) runs the same loop; the
+learner runs as Ray actors too (``orchestration.ray_learner``, ``ray_learners`` ranks) or, with
+``ray_learners=0``, in the driver. Each rollout worker is the plain ``RolloutWorker`` class wrapped with ``ray.remote`` (one CPU
 each). The rules (batch order, capacity bound, drop rule, restarts, metrics) are ``BoundedSource``'s,
 as for spawned processes; only the transport differs:
 
 - Weights: ``push`` puts the learner's named tensors into Ray's object store once per version
-  (``ray.put``); an actor whose version is behind gets a ``load_weights`` call with that reference
+  (``ray.put``), or takes the object learner rank 0 already returned for that version
+  (``weights_from``); an actor whose version is behind gets a ``load_weights`` call with that reference
   before its next batch, so it fetches the tensors from the object store itself (from another node
   if it runs there), and only when it needs them.
 - Batches: the driver hands batch ``j`` to an idle actor when the capacity rule allows it
@@ -17,17 +19,21 @@ as for spawned processes; only the transport differs:
   costs nothing.
 - Faults: an actor whose call fails with ``RayActorError`` is dead; ``BoundedSource`` restarts it (a
   new actor) on the batch it held and counts it. A hung one is killed with ``ray.kill``.
-- Shutdown: ``close`` kills the actors and calls ``ray.shutdown()`` if this process started Ray
-  (``ray.init()`` with no address and no ``RAY_ADDRESS`` starts a local cluster; an address joins one).
+- Shutdown: ``close`` kills the actors and calls ``ray.shutdown()`` if this transport started Ray
+  (``connect``: ``ray.init()`` with no address and no ``RAY_ADDRESS`` starts a local cluster; an
+  address joins one).
 
-``ray`` is imported here only, inside functions, so the package works without it.
+``ray`` is imported here (and in ``ray_learner``) only, inside functions, so the package works without it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import time
+
+from typing import Callable
 
 import torch
 
@@ -67,6 +73,36 @@ def import_ray():
     return ray
 
 
+def connect(address: str | None, cpus: int) -> bool:
+    """Initialise Ray in this process unless it is already: join ``address`` (or ``RAY_ADDRESS``, or a
+    cluster started on this machine with ``ray start``), else start a local cluster. Returns whether this
+    call initialised Ray (the caller then shuts it down).
+
+    A local cluster started here gets ``cpus`` logical CPUs when the machine has fewer cores: Ray places
+    an actor only on a free logical CPU, and a run's actors (rollout workers and learner ranks, one CPU
+    each) would otherwise wait forever on a small machine; they share its cores instead. A cluster
+    that is joined keeps its own CPUs.
+
+    Raises:
+        UserError: Ray is not installed.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    # no dashboard: it is a web server (and an extra) a training run does not need
+    kw: dict = dict(address=address, include_dashboard=False)
+    if cpus > (os.cpu_count() or 1):
+        kw["num_cpus"] = cpus
+    try:
+        ray.init(**kw)
+    except ValueError:  # "When connecting to an existing cluster, num_cpus ... must not be provided"
+        if "num_cpus" not in kw:
+            raise
+        del kw["num_cpus"]
+        ray.init(**kw)
+    return True
+
+
 class RayTransport:
     """Rollout workers as Ray actors (``RolloutWorker`` with ``ray.remote``, ``num_cpus=1``); see the module docstring.
 
@@ -90,11 +126,9 @@ class RayTransport:
         ray = import_ray()
         self.ray = ray
         self.spec, self.n, self.m = spec, workers, steps_per_round
-        self.started_ray = False
-        if not ray.is_initialized():
-            # no dashboard: it is a web server (and an extra) a training run does not need
-            ray.init(address=address, include_dashboard=False)
-            self.started_ray = True
+        # version -> the learner's own object of named tensors for it, or None (then ``push`` puts them)
+        self.weights_from: Callable[[int], object] | None = None
+        self.started_ray = connect(address, cpus=workers)
         self.actors: list = [None] * workers
         try:
             cpus = ray.cluster_resources().get("CPU", 0.0)
@@ -108,6 +142,8 @@ class RayTransport:
             self.calls: list = [None] * workers  # (make_batch ref, load_weights ref or None) in flight
             self.actor_version: list = [None] * workers  # None: a new actor, which loads before its first batch
             self.dead = [False] * workers
+            self.ready: list = [None] * workers  # each actor's construction, then the time it was seen done
+            self.submitted = [0.0] * workers
             self.version = version
             self.weights_ref = ray.put(list(named_weights(model)))
         except BaseException:
@@ -117,6 +153,7 @@ class RayTransport:
     # ---- actors ------------------------------------------------------------------------------------
     def _new_actor(self, wid: int) -> None:
         self.actors[wid] = self._remote.remote(self.spec)
+        self.ready[wid] = self.actors[wid].__ray_ready__.remote()
         self.actor_version[wid] = None
         self.calls[wid] = None
         self.dead[wid] = False
@@ -130,6 +167,7 @@ class RayTransport:
             self.actor_version[wid] = self.version
         self.calls[wid] = (actor.make_batch.remote(j), load)  # an actor runs its calls in order
         self.held_batch[wid] = j
+        self.submitted[wid] = time.time()
 
     def _dispatch(self) -> None:
         """Give each idle live actor its held batch, or else the next batch the capacity rule allows."""
@@ -189,6 +227,17 @@ class RayTransport:
     def alive(self, wid: int) -> bool:
         return not self.dead[wid]
 
+    def busy_since(self, wid: int) -> float | None:
+        """When the actor's batch call was handed over, or when the actor was seen constructed if later."""
+        if self.calls[wid] is None or self.dead[wid]:
+            return None
+        if not isinstance(self.ready[wid], float):
+            done, _ = self.ray.wait([self.ready[wid]], timeout=0)
+            if not done:
+                return None  # still starting up: not hung
+            self.ready[wid] = time.time()
+        return max(self.submitted[wid], self.ready[wid])
+
     def restart(self, wid: int, first: int) -> str:
         how = "died" if self.dead[wid] else "was killed after holding the awaited batch too long"
         try:
@@ -201,8 +250,11 @@ class RayTransport:
         return how
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        """Put the named tensors in the object store once; actors behind ``version`` fetch them before their next batch."""
-        self.weights_ref = self.ray.put(list(named_weights(model)))  # the old reference is freed when unused
+        """Put the named tensors in the object store once (or take the learner's object for ``version``,
+        ``weights_from``); actors behind ``version`` fetch them before their next batch."""
+        ref = self.weights_from(version) if self.weights_from is not None else None
+        # the old reference is freed when unused
+        self.weights_ref = ref if ref is not None else self.ray.put(list(named_weights(model)))
         self.version = version
 
     def close(self) -> None:

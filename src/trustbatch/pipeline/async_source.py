@@ -21,8 +21,10 @@ engine's ``load_weights`` before each batch when the version moved. Workers clai
 shared counter and evaluate the capacity rule themselves, so one that finishes while the learner
 trains starts the next allowed batch at once.
 
-Faults: a worker that dies, or holds the batch the learner waits for longer than ``worker_timeout_s``,
-is killed and restarted on the batch it held (counted in ``worker_restarts``). Process workers ignore
+Faults: a worker that dies, or has been making the batch the learner waits for longer than
+``worker_timeout_s``, is killed and restarted on the batch it held (counted in ``worker_restarts``).
+The time counts from when the worker began the batch, so a restarted worker's start-up (seconds: torch,
+the model) is never taken for a hang. Process workers ignore
 Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close`` stops and reaps them.
 """
 
@@ -83,6 +85,11 @@ class Transport(Protocol):
     def alive(self, wid: int) -> bool:
         ...
 
+    def busy_since(self, wid: int) -> float | None:
+        """When (``time.time()``) worker ``wid`` began making the batch it holds; None while it starts
+        up or waits for the capacity rule."""
+        ...
+
     def restart(self, wid: int, first: int) -> str:
         """Kill worker ``wid`` (if alive) and start a new one whose first batch is ``first`` (−1: the
         next unclaimed one). Returns how the old one ended, for error messages."""
@@ -113,7 +120,7 @@ class BoundedSource:
     Args:
         transport: the workers (constructed, not yet started; ``start`` runs on the first ``next_batch``).
         max_staleness: k in policy versions, or "auto" (``StalenessController``, starting at 1).
-        worker_timeout_s: a worker that holds the awaited batch this long is restarted.
+        worker_timeout_s: a worker that has been making the awaited batch this long is restarted.
         model_dir: the workers' model directory (``save_worker_model``), removed by ``close``.
 
     Raises:
@@ -142,6 +149,8 @@ class BoundedSource:
         self._wait_s = 0.0
         self._round_t0: float | None = None
         self._last_ess: float | None = None
+        # run by ``close`` after the transport's: parts that share its workers' lifetime (Ray learner ranks)
+        self.on_close: list = []
 
     # ---- worker health ----------------------------------------------------------------------------
     def _restart(self, wid: int) -> None:
@@ -153,15 +162,13 @@ class BoundedSource:
             raise RuntimeError(f"rollout workers keep dying before making a batch (worker {wid} {ended}); "
                                "their stderr above says why")
 
-    def _check_workers(self, waiting_for: int, since: float) -> bool:
-        """Restart dead workers, and the one hung on the awaited batch. True if any was restarted."""
-        restarted = False
+    def _check_workers(self, waiting_for: int) -> None:
+        """Restart dead workers, and the one hung on the awaited batch."""
         for wid in range(self.n):
-            hung = self.transport.held(wid) == waiting_for and time.time() - since > self.timeout
+            since = self.transport.busy_since(wid)
+            hung = self.transport.held(wid) == waiting_for and since is not None and time.time() - since > self.timeout
             if hung or not self.transport.alive(wid):
                 self._restart(wid)
-                restarted = True
-        return restarted
 
     # ---- the protocol -----------------------------------------------------------------------------
     def next_batch(self, learner_version: int) -> TrainBatch | None:
@@ -181,8 +188,7 @@ class BoundedSource:
             while b not in self.buffer:
                 msg = self.transport.poll(_POLL_S)
                 if msg is None:
-                    if self._check_workers(b, t0):
-                        t0 = time.time()  # the restarted worker gets the full timeout again
+                    self._check_workers(b)
                     continue
                 kind, wid, j, payload = msg
                 if kind == "error":
@@ -220,8 +226,13 @@ class BoundedSource:
         try:
             self.transport.close()
         finally:
-            if self.model_dir is not None:
-                shutil.rmtree(self.model_dir, ignore_errors=True)
+            closers, self.on_close = self.on_close, []
+            try:
+                for fn in closers:
+                    fn()
+            finally:
+                if self.model_dir is not None:
+                    shutil.rmtree(self.model_dir, ignore_errors=True)
 
 
 def save_worker_model(spec: WorkerSpec, policy) -> str:
@@ -247,6 +258,7 @@ class _Shared:
         self.next_index = ctx.Value("q", 0, lock=False)
         self.claim_lock = ctx.Lock()
         self.claimed = ctx.Array("q", [-1] * n_workers, lock=False)
+        self.started = ctx.Array("d", [0.0] * n_workers, lock=False)  # when each began its batch; 0: not making one
         self.out = ctx.Queue()
         self.stop = ctx.Event()
 
@@ -276,10 +288,12 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
             with shared.weights_lock:
                 if shared.version.value != worker.version:
                     worker.load_weights(shared.weights.items(), shared.version.value)
+            shared.started[wid] = time.time()
             batch, metrics = worker.make_batch(j)
             # plain pickle copies the tensors into the message: torch's queue pickler would pass them as
             # file descriptors fetched from this process later, lost if it is killed in between
             shared.out.put(("batch", wid, j, pickle.dumps((batch, metrics))))
+            shared.started[wid] = 0.0
             j = -1
     except BaseException as e:
         shared.out.put(("error", wid, j, describe_error(e)))
@@ -306,6 +320,7 @@ class ProcessTransport:
         self.spec, self.n, self.m = spec, workers, steps_per_round
         self.shared = _Shared(self.ctx, model, version, workers, 0)
         self.procs: list = [None] * workers
+        self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
 
     def _start(self, wid: int, first: int = -1) -> None:
         p = self.ctx.Process(target=_worker_main, args=(wid, self.spec, self.shared, self.m, first, os.getpid()),
@@ -330,16 +345,24 @@ class ProcessTransport:
         return kind, wid, j, pickle.loads(payload) if kind == "batch" else payload
 
     def held(self, wid: int) -> int:
-        return self.shared.claimed[wid]
+        claimed = self.shared.claimed[wid]
+        return claimed if claimed >= 0 else self.first[wid]
 
     def alive(self, wid: int) -> bool:
         return self.procs[wid].is_alive()
+
+    def busy_since(self, wid: int) -> float | None:
+        return self.shared.started[wid] or None
 
     def restart(self, wid: int, first: int) -> str:
         p = self.procs[wid]
         if p.is_alive():
             p.kill()
         p.join(5)
+        # the new process claims ``first`` once it has started; until then it holds nothing
+        self.shared.claimed[wid] = -1
+        self.shared.started[wid] = 0.0
+        self.first[wid] = first
         self._start(wid, first)
         return f"exited with code {p.exitcode}"
 
@@ -370,7 +393,7 @@ class AsyncSource(BoundedSource):
         workers: rollout processes (one torch thread each).
         max_staleness: k in policy versions, or "auto" (``StalenessController``, starting at 1).
         steps_per_round: optimizer steps the learner takes per batch (epochs × minibatches).
-        worker_timeout_s: a worker that holds the awaited batch this long is restarted.
+        worker_timeout_s: a worker that has been making the awaited batch this long is restarted.
 
     Raises:
         UserError: from ``next_batch``, when a worker fails for a reason the user must fix (a scorer

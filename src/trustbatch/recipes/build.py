@@ -191,14 +191,27 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     """
     world = world or World()
     ro, tr = cfg.rollout, cfg.train
-    learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, lr=tr.lr,
-                      weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
-                      ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs,
-                      minibatches=tr.minibatches, world=world, version=version, max_bad_steps=tr.max_bad_steps)
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     check_orchestrator(cfg)
+    learner_kw = dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
+                      micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
+                      epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps)
+    if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
+        from ..orchestration.ray_learner import RayLearnerGroup
+
+        learner = RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
+                                  seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
+    else:
+        learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     if ro.mode == "async":
-        source = async_source(cfg, task, policy, version, world)
+        try:
+            source = async_source(cfg, task, policy, version, world)
+        except BaseException:
+            getattr(learner, "close", lambda: None)()
+            raise
+        if hasattr(learner, "weights_at"):  # the rollout actors read learner rank 0's weights; they end together
+            source.transport.weights_from = learner.weights_at
+            source.on_close.append(learner.close)
         return Built(Parts(source, learner, source.sync), eval_engine)
     shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
     if ro.engine == "vllm":
