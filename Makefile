@@ -63,3 +63,24 @@ $(RAY_VENV)/.installed: pyproject.toml
 .PHONY: test-ray
 test-ray: $(RAY_VENV)/.installed
 	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray.py
+
+# The TRL and verl adapters get their own environment. verl 0.9.1 pins transformers <5.11 (the default
+# install takes the newest), and its full dependency list (ray[default], wandb, torchdata, hydra, ...)
+# is a cluster trainer's; the adapter needs only verl's policy-loss registry. So verl is installed
+# without dependencies, plus what `verl.trainer.ppo.core_algos` imports (tensordict, ray, omegaconf,
+# codetiming): `pip check` complains here by design. TRL 1.16 shares the same transformers.
+ADAPTERS_VENV := .venv-adapters
+ADAPTERS_BIN := $(ADAPTERS_VENV)/bin
+VERL_IMPORT_DEPS := 'tensordict>=0.8.0,<=0.10.0,!=0.9.0' ray==2.60.0 omegaconf codetiming
+
+$(ADAPTERS_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(ADAPTERS_VENV)
+	$(ADAPTERS_BIN)/pip install -q --upgrade pip
+	$(ADAPTERS_BIN)/pip install -q $(TORCH)
+	$(ADAPTERS_BIN)/pip install -q $(TORCH) -e '.[test,trl]' 'transformers>=5.5.3,<5.11,!=5.6.0' $(VERL_IMPORT_DEPS)
+	$(ADAPTERS_BIN)/pip install -q --no-deps verl==0.9.1
+	touch $@
+
+.PHONY: test-adapters
+test-adapters: $(ADAPTERS_VENV)/.installed
+	$(ADAPTERS_BIN)/python -m pytest -q -m adapters tests/test_adapters_trl.py tests/test_adapters_verl.py

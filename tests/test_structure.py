@@ -56,3 +56,11 @@ def test_progress_prints_plain_lines_when_not_a_terminal():
     assert lines and all(l.startswith("round ") for l in lines)
     assert lines[-1].startswith("round 40/40  reward 1.000")
     assert 2 <= len(lines) <= 25  # a line every few rounds, not one per round, and not none
+
+
+def test_only_the_adapters_import_trl_and_verl():
+    stacks = ("trl", "verl")
+    importers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                       if any(n.split(".")[0] in stacks for n in _imports(p))
+                       or any(f'import_stack("{s}' in p.read_text() for s in stacks))
+    assert all(r.startswith("adapters/") and r != "adapters/__init__.py" for r in importers), importers
