@@ -79,3 +79,17 @@ def test_verdicts_match_behind_cannot_tell():
     assert paired_interval("a", "b", noisy, same, 3).verdict() == "cannot tell"
     with pytest.raises(ValueError, match="two common seeds"):
         paired_interval("a", "b", {0: 0.1}, {0: 0.2}, 1)
+
+
+def test_grpo_zeroed_share_by_hand():
+    import torch
+
+    from trustbatch.objectives.clipped import grpo_zeroed_shares
+
+    # ratios 1.3, 0.7, 1.5, 0.5 | 1.1, 0.9, 1.0, (masked 0.1); advantages +, - per row
+    r = torch.tensor([[1.3, 0.7, 1.5, 0.5], [1.1, 0.9, 1.0, 0.1]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)
+    for adv, want in ((torch.tensor([1.0, -1.0]), {0.2: 2 / 7, 0.4: 1 / 7}),  # A>0: 1.3, 1.5 > 1.2; 1.5 > 1.4
+                      (torch.tensor([-1.0, 1.0]), {0.2: 2 / 7, 0.4: 1 / 7})):  # A<0: 0.7, 0.5 < 0.8; 0.5 < 0.6
+        got = grpo_zeroed_shares(r.log(), torch.zeros_like(r), adv, mask)
+        assert got["grpo_zeroed_0.2"] == pytest.approx(want[0.2]) and got["grpo_zeroed_0.4"] == pytest.approx(want[0.4])

@@ -72,7 +72,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     panels = [
         ("curves", [("reward_mean", "training reward (5-step mean)", True), ("heldout_accuracy", "held-out pass@1", False)]),
         ("traces", [("ess", "normalized ESS of π/μ", False), ("cap_fraction", "P3O cap share", False),
-                    ("kl_weight", "P3O KL weight", False), ("clip_fraction", "clip share (own objective)", False),
+                    ("kl_weight", "P3O KL weight", False), ("grpo_zeroed_0.2", "share GRPO(ε=0.2) would zero", False),
                     ("grad_norm", "gradient norm", False)]),
     ]
     for tag, keys in panels:
@@ -259,12 +259,13 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         n_col = sum(1 for v in col.values() if v)
         min_ess = _mean_se([min((r["ess"] for r in run["metrics"] if "ess" in r), default=float("nan")) for run in runs])[0]
         lines.append(f"| {arm} | {_mean_se(list(bases.values()))[0]:.3f} | {m:.3f} ± {se:.3f} | {n_col}/{len(col)} "
-                     f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'clip_fraction'):.3f} "
+                     f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'grpo_zeroed_0.2'):.3f} "
                      f"| {_over_steps(runs, 'cap_fraction'):.3f} | {_over_steps(runs, 'grad_norm'):.3f} |")
         collapse_lines += [f"- {arm} seed {s}: {why}" for s, why in sorted(col.items()) if why]
     lines += ["", "Primary score: mean held-out pass@1 (T = 1) of the last two evaluations, ± one standard error over seeds. "
               "Collapsed: seeds meeting the collapse rule fixed before the runs (`trustbatch.lab.stats`). "
-              "Clip share: the objective's own clip/cap statistic per optimizer step (0 for objectives without one).", ""]
+              "Clip share: the share of tokens GRPO's clip at ε = 0.2 would zero on the arm's own data, per optimizer step, whatever the arm's objective. "
+              "Cap share: P3O's capped-token share.", ""]
     lines += (["**Collapses:**", ""] + collapse_lines + [""]) if collapse_lines else ["**Collapses:** none.", ""]
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scores and b in scores]

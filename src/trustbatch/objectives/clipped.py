@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare, ratio_metrics
+from ._common import (DEFAULT_LOG_RATIO_CLIP, ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare,
+                      ratio_metrics)
 from .corrections import REJECTING, correction_weights
 from .registry import CORRECTION_OPTIONS, FLAG, NONNEG, number, register
 
@@ -96,6 +97,33 @@ def ppo_clip_per_token(
         loss = torch.where(neg, torch.minimum(loss, cap), loss)
         clipped = clipped | (neg & (ratio > dual_clip))
     return loss, clipped
+
+
+def grpo_zeroed_shares(
+    logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    eps: tuple[float, ...] = (0.2, 0.4),
+) -> dict[str, float]:
+    """Share of valid tokens whose gradient GRPO's symmetric clip at each ε would zero, for any objective.
+
+    A diagnostic logged at every optimizer step, so the lab can see how far a P3O run's data sits
+    from where a clipped objective would have stopped learning: token t counts when A > 0 and
+    ρ > 1 + ε, or A < 0 and ρ < 1 − ε, with ρ = π_θ/π_b (``ppo_clip_per_token``'s zero-gradient mask;
+    arXiv 1707.06347 Eq. 7).
+
+    Args:
+        logprobs, behavior_logprobs: [B, T] log-probs of the sampled tokens under π_θ and π_b.
+        advantages: [B] or [B, T].
+        mask: [B, T], 1 on valid completion tokens.
+
+    Returns:
+        {"grpo_zeroed_<ε>": share in [0, 1]} (0 for a micro-batch without valid tokens).
+    """
+    with torch.no_grad():
+        adv = advantages if advantages.dim() == 2 else advantages[:, None]
+        ratio = (logprobs.detach() - behavior_logprobs).clamp(-DEFAULT_LOG_RATIO_CLIP, DEFAULT_LOG_RATIO_CLIP).exp()
+        valid = mask.bool()
+        n = max(float(valid.sum()), 1.0)
+        return {f"grpo_zeroed_{e}": float((ppo_clip_per_token(ratio, adv, e, e, None)[1] & valid).sum()) / n for e in eps}
 
 
 def _clipped_objective(

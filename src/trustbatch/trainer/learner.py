@@ -29,6 +29,7 @@ import torch
 from .. import objectives
 from ..errors import UserError
 from ..objectives import RatioStats
+from ..objectives.clipped import grpo_zeroed_shares
 from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.shared_prompt import grouped_response_logprobs
@@ -253,6 +254,7 @@ class Learner:
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
+            metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
             for k, v in metrics.items():
                 if k.endswith("_max"):
                     maxes[k] = max(maxes.get(k, float("-inf")), v)
