@@ -6,6 +6,8 @@
 
 ``--data`` is a JSONL file with a "prompt" field per line; without it a few story openings are used.
 The toy reward prefers completions near 12 words that avoid the letter "z": swap in your own.
+Each generation batch is trained on twice (num_iterations=2), so the second pass is off-policy and
+the logged ESS drops below 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     out = a.out or tempfile.mkdtemp(prefix="trl_p3o_")
     args = GRPOConfig(output_dir=out, max_steps=a.steps, per_device_train_batch_size=4, num_generations=4,
                       gradient_accumulation_steps=2, max_completion_length=24, learning_rate=1e-3,
+                      num_iterations=2,  # each generation trains twice: the second pass is off-policy
                       logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, beta=0.0)
     trainer = TrustbatchGRPOTrainer(model=model, processing_class=tok, reward_funcs=length_reward, args=args,
                                     train_dataset=Dataset.from_list(rows), objective=a.objective,
@@ -59,8 +62,9 @@ def main() -> None:
     trainer.train()
     for rec in trainer.state.log_history:
         if "trustbatch/ess" in rec:
-            print(f"step {rec['step']}: reward {rec.get('reward', float('nan')):.3f}  "
-                  f"ess {rec['trustbatch/ess']:.4f}  kl_weight {rec.get('trustbatch/kl_weight', 0.0):.4f}")
+            reward = f"{rec['reward']:.3f}" if "reward" in rec else "(reused batch)"
+            print(f"step {rec['step']}: reward {reward}  ess {rec['trustbatch/ess']:.4f}  "
+                  f"kl_weight {rec.get('trustbatch/kl_weight', 0.0):.4f}")
     print("outputs in", os.path.abspath(out))
 
 
