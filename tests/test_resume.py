@@ -13,6 +13,7 @@ import pytest
 
 from trustbatch.cli import main
 from trustbatch.config import load_config
+from trustbatch.errors import UserError
 from trustbatch.recipes import train
 
 from runproc import (cache, n_records, one_line, records, resume_args, run, snapshot, start, tmp_checkpoints,  # noqa: F401
@@ -157,3 +158,15 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cach
     # round 2's checkpoint of a 3-round run is round 2's of a 4-round run: the rest is the uninterrupted run
     assert_same_weights(four_rounds / "checkpoints" / "step_000004", run_dir / "checkpoints" / "step_000004")
     assert records(run_dir) == records(four_rounds)
+
+
+def test_resume_of_a_run_older_than_a_config_key():
+    from trustbatch.recipes.rundir import check_resume_changes
+
+    defaults = {"train": {"steps": 10, "lr": 3e-4}, "ray_learners": 1}
+    saved = {"train": {"steps": 10, "lr": 3e-4}}  # written before ray_learners existed
+    assert check_resume_changes(saved, {"train": {"steps": 20, "lr": 3e-4}, "ray_learners": 1}, defaults) == ["train.steps"]
+    with pytest.raises(UserError, match="ray_learners"):  # not the default: the run would compute something else
+        check_resume_changes(saved, {"train": {"steps": 10, "lr": 3e-4}, "ray_learners": 2}, defaults)
+    with pytest.raises(UserError, match="ray_learners"):  # without defaults the old strict rule holds
+        check_resume_changes(saved, {"train": {"steps": 10, "lr": 3e-4}, "ray_learners": 1})

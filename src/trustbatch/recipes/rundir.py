@@ -63,14 +63,18 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resume_changes(saved: dict, new: dict) -> list[str]:
+def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """The dotted keys whose value differs between the saved and the resumed config (all allowed).
+
+    A key the saved config lacks (added to trustbatch after the run started) is no change when the
+    resumed value is that key's default: new keys default to what the code did before they existed.
 
     Raises:
         UserError: a key outside ``RESUMABLE_KEYS`` changes (the message names it and what may change).
     """
-    a, b = _flat(saved), _flat(new)
-    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    a, b, d = _flat(saved), _flat(new), _flat(defaults or {})
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                     and not (k not in a and k in d and b.get(k) == d[k]))
     refused = [k for k in changed if k not in RESUMABLE_KEYS]
     if refused:
         raise UserError(f"--resume cannot change {refused[0]} ({a.get(refused[0])!r} -> {b.get(refused[0])!r}): it "

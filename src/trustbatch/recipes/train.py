@@ -124,7 +124,8 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
-        changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"))
+        changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
+                                       defaults=load_config().model_dump(mode="json"))
         return cfg, run_dir, changed
     cfg = cfg or load_config()
     run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
