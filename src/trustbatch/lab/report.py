@@ -203,21 +203,34 @@ def _dose_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | Non
     return f
 
 
+PREFLIGHT_COLUMNS = [("shift", "shift", "{}"), ("age", "age", "{}"), ("ess", "ESS", "{:.4f}"),
+                     ("zeroed@0.2", "zeroed ε=0.2", "{:.1%}"), ("zeroed@0.4", "zeroed ε=0.4", "{:.1%}"),
+                     ("cos@0.2", "cos ε=0.2", "{:.3f}"), ("cos@0.4", "cos ε=0.4", "{:.3f}"), ("verdict", "verdict", "{}")]
+
+
 def _preflight_table(exp_dir: Path) -> list[str]:
     """The pre-flight table (``trustbatch lab preflight``), if it was run into this experiment's folder."""
     path = exp_dir / "preflight.json"
     if not path.exists():
         return ["No pre-flight was recorded for this experiment (`trustbatch lab preflight` writes `preflight.json`).", ""]
-    rows = json.loads(path.read_text())
-    rows = rows.get("arms", rows) if isinstance(rows, dict) else rows
+    data = json.loads(path.read_text())
+    rows = data.get("arms", []) if isinstance(data, dict) else data
     if not rows:
         return []
-    keys = [k for k in rows[0] if k != "arm"]
-    lines = ["**Pre-flight at the base policy** (one batch per arm, before any training):", "",
-             "| arm | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    seeds = data.get("seeds") if isinstance(data, dict) else None
+    lines = [f"**Pre-flight at the base policy** (one batch per arm and seed{f', seeds {seeds}' if seeds else ''}, "
+             "means over seeds; zeroed: share of tokens GRPO's clip zeroes; cos: P3O's gradient against GRPO(ε)'s on "
+             "the same batch; "
+             f"{data.get('control_rule', '') if isinstance(data, dict) else ''}):", "",
+             "| arm | " + " | ".join(h for _, h, _ in PREFLIGHT_COLUMNS) + " |", "|---" * (len(PREFLIGHT_COLUMNS) + 1) + "|"]
     for r in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k) for k in keys)]
+        cells = []
+        for k, _, fmt in PREFLIGHT_COLUMNS:
+            v = r.get(k)
+            cells.append("n/a" if v is None else fmt.format(v))
         lines.append(f"| {r.get('arm')} | " + " | ".join(cells) + " |")
+    for sk in (data.get("skipped") or []) if isinstance(data, dict) else []:
+        lines.append(f"\nSkipped: {sk}")
     return lines + [""]
 
 
@@ -233,7 +246,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``)."""
     arms = load_runs(exp_dir)
     if not arms:
-        return f"## {name}\n\nNo finished runs in `{exp_dir}`.\n", []
+        return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + _preflight_table(exp_dir)), []
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     figs = _figures(name, arms, out)
     dose_fig = _dose_figure(name, arms, out)
