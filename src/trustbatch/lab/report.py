@@ -62,6 +62,16 @@ def _smooth(xs: list[float], w: int = 5) -> list[float]:
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
 
 
+def _save(fig, out: Path, fname: str) -> str:
+    """Lay out, write ``out/fname`` and free ``fig``; returns ``fname`` for the Markdown link."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / fname)
+    plt.close(fig)
+    return fname
+
+
 def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     import matplotlib
 
@@ -94,11 +104,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"{name}: mean ± s.e. over seeds", fontsize=9)
-        fig.tight_layout()
-        f = f"{name}_{tag}.png"
-        fig.savefig(out / f)
-        plt.close(fig)
-        files.append(f)
+        files.append(_save(fig, out, f"{name}_{tag}.png"))
     # token log-ratio histograms at the first and the last recorded round, summed over seeds
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.0), dpi=80)
     for ax, pick, title in ((axes[0], min, "first round"), (axes[1], max, "last round")):
@@ -118,11 +124,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    f = f"{name}_ratios.png"
-    fig.savefig(out / f)
-    plt.close(fig)
-    files.append(f)
+    files.append(_save(fig, out, f"{name}_ratios.png"))
     return files
 
 
@@ -153,14 +155,13 @@ def arm_scores(runs: list[dict]) -> tuple[dict[int, float], dict[int, str | None
     return scores, collapses, bases
 
 
-def _dose_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+def _dose_figure(name: str, scored: dict[str, tuple[dict, dict, dict]], out: Path) -> str | None:
     """Primary score and collapses against shift strength, one line per objective family."""
     doses: list[str] = []
     fams: dict[str, dict[str, tuple[float, float, int, int]]] = {}
     ref = None
-    for arm, runs in arms.items():
+    for arm, (sc, col, _) in scored.items():
         fam, dose = family_and_dose(arm)
-        sc, col, _ = arm_scores(runs)
         m, se = _mean_se(list(sc.values()))
         n_col = sum(1 for v in col.values() if v)
         if dose is None:
@@ -196,11 +197,7 @@ def _dose_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | Non
     axes[1].set_ylim(-0.05, 1.05)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{name}: dose–response", fontsize=9)
-    fig.tight_layout()
-    f = f"{name}_dose.png"
-    fig.savefig(out / f)
-    plt.close(fig)
-    return f
+    return _save(fig, out, f"{name}_dose.png")
 
 
 PREFLIGHT_COLUMNS = [("shift", "shift", "{}"), ("age", "age", "{}"), ("ess", "ESS", "{:.4f}"),
@@ -249,7 +246,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + _preflight_table(exp_dir)), []
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     figs = _figures(name, arms, out)
-    dose_fig = _dose_figure(name, arms, out)
+    scored = {arm: arm_scores(runs) for arm, runs in arms.items()}
+    dose_fig = _dose_figure(name, scored, out)
     lines = [f"## {name}", "", spec.get("description", ""), ""]
     if spec.get("command"):
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
@@ -266,7 +264,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     scores: dict[str, dict[int, float]] = {}
     collapse_lines = []
     for arm, runs in arms.items():
-        sc, col, bases = arm_scores(runs)
+        sc, col, bases = scored[arm]
         scores[arm] = sc
         m, se = _mean_se(list(sc.values()))
         n_col = sum(1 for v in col.values() if v)
