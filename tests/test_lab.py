@@ -78,3 +78,32 @@ def test_standard_error_and_arm_names():
     arms = ["onpolicy", "p3o@bf16", "grpo_eps0.2@bf16", "grpo_eps0.4@bf16", "p3o@int8", "grpo_eps0.2@int8", "p3o_exact@int8"]
     assert default_comparisons(arms) == [("p3o@bf16", "grpo_eps0.2@bf16"), ("p3o@bf16", "grpo_eps0.4@bf16"),
                                          ("p3o@int8", "grpo_eps0.2@int8"), ("p3o_exact@int8", "grpo_eps0.2@int8")]
+
+
+def test_shared_base_build_dedups_foreign_model_mappings(monkeypatch):
+    """The bundled foreign experiment gives ``rollout.foreign_model`` as a mapping (unhashable as is): each seed
+    builds its own base once and the foreign base once, whatever the number of arms sharing them."""
+    import trustbatch.recipes.build as build
+    from trustbatch.lab.runner import build_shared_base
+
+    calls = []
+
+    class _Pool:
+        def close(self):
+            pass
+
+    def prepare_run(cfg):
+        calls.append(("base", cfg.model.seed))
+        return None, None, _Pool(), None
+
+    monkeypatch.setattr(build, "prepare_run", prepare_run)
+    monkeypatch.setattr(build, "foreign_engine", lambda cfg, task, policy: calls.append(("foreign", cfg.model.seed)))
+    exp = load_experiment("foreign", seeds=[0, 1])
+
+    class _Quiet:
+        def print(self, *a, **k):
+            pass
+
+    build_shared_base(exp, _Quiet())
+    # per seed: the plain base (onpolicy / own_only share it) and one foreign-arm build (4 arms share it)
+    assert sorted(calls) == [("base", 0), ("base", 0), ("base", 1), ("base", 1), ("foreign", 0), ("foreign", 1)]

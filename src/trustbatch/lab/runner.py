@@ -6,6 +6,8 @@ Layout: ``OUT/<experiment>/<arm>/seed<k>/`` is an ordinary run directory. A run 
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import subprocess
@@ -44,7 +46,9 @@ def build_shared_base(exp: Experiment, console) -> None:
     for seed in (exp.seeds if exp.per_seed_base else exp.seeds[:1]):
         for arm in exp.arms:
             cfg = load_config(None, exp.overrides(arm, seed))
-            key = (repr(task_key(cfg)), cfg.model.model_dump_json(), cfg.rollout.foreign_fraction > 0 and cfg.rollout.foreign_model)
+            # foreign_model is a name or a mapping of model settings: as JSON text either one can be a key
+            foreign = json.dumps(cfg.rollout.foreign_model, sort_keys=True, default=str) if cfg.rollout.foreign_fraction > 0 else None
+            key = (repr(task_key(cfg)), cfg.model.model_dump_json(), foreign)
             if key in seen or not (cfg.model.path is None or cfg.rollout.foreign_fraction > 0):
                 continue
             seen.add(key)
