@@ -83,7 +83,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
         ("curves", [("reward_mean", "training reward (5-step mean)", True), ("heldout_accuracy", "held-out pass@1", False)]),
         ("traces", [("ess", "normalized ESS of π/μ", False), ("cap_fraction", "P3O cap share", False),
                     ("kl_weight", "P3O KL weight", False), ("grpo_zeroed_0.2", "share GRPO(ε=0.2) would zero", False),
-                    ("grad_norm", "gradient norm", False)]),
+                    ("grad_norm", "gradient norm", False), ("staleness_mean", "mean sample age (versions)", False)]),
     ]
     for tag, keys in panels:
         fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * min(len(keys), 3), 3.0) if len(keys) < 4 else (15, 3.0), dpi=80)
@@ -109,7 +109,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.0), dpi=80)
     for ax, pick, title in ((axes[0], min, "first round"), (axes[1], max, "last round")):
         for i, (arm, runs) in enumerate(arms.items()):
-            recs = [r for run in runs for r in run["ratios"]]
+            recs = [r for run in runs for r in run["ratios"] if "opt_step" not in r]
             if not recs:
                 continue
             step = pick(r["step"] for r in recs)
@@ -125,7 +125,54 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     files.append(_save(fig, out, f"{name}_ratios.png"))
-    return files
+    step_fig = _step_ratio_figure(name, arms, out)
+    return files + ([step_fig] if step_fig else [])
+
+
+def histogram_quantile(edges: list[float], counts: list[int], q: float) -> float:
+    """The q-quantile (0 ≤ q ≤ 1) of a histogram, interpolated linearly inside the bin where it falls."""
+    total = sum(counts)
+    if total == 0:
+        return float("nan")
+    target, acc = q * total, 0.0
+    for lo, hi, c in zip(edges[:-1], edges[1:], counts):
+        if c and acc + c >= target:
+            return lo + (hi - lo) * (target - acc) / c
+        acc += c
+    return edges[-1]
+
+
+def _step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+    """Replayed rounds: the spread of log π_θ/μ over each optimizer step's mini-batch, against the step's index
+    within its round (records of every recorded round and seed pooled), one line per arm; None when no arm
+    takes more than one optimizer step per round."""
+    import matplotlib.pyplot as plt
+
+    per_arm = {}
+    for arm, runs in arms.items():
+        recs = [r for run in runs for r in run["ratios"] if "opt_step" in r]
+        if recs:
+            by_step: dict[int, list[int]] = {}
+            for r in recs:
+                acc = by_step.setdefault(r["opt_step"], [0] * len(r["counts"]))
+                by_step[r["opt_step"]] = [a + c for a, c in zip(acc, r["counts"])]
+            per_arm[arm] = (recs[0]["edges"], dict(sorted(by_step.items())))
+    if not per_arm:
+        return None
+    fig, ax = plt.subplots(1, 1, figsize=(6.5, 3.2), dpi=80)
+    for i, (arm, (edges, by_step)) in enumerate(per_arm.items()):
+        xs = list(by_step)
+        q = {p: [histogram_quantile(edges, by_step[x], p) for x in xs] for p in (0.05, 0.5, 0.95)}
+        c = COLORS[list(arms).index(arm) % len(COLORS)]
+        ax.plot(xs, q[0.5], color=c, marker="o", ms=3, lw=1.2, label=arm)
+        ax.fill_between(xs, q[0.05], q[0.95], color=c, alpha=0.15)
+    ax.set_xlabel("optimizer step within the round (0 = on the fresh batch)")
+    ax.set_ylabel("log π_θ/μ per token")
+    ax.set_title(f"{name}: median and 5–95% of the ratios each optimizer step trains on", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out, f"{name}_step_ratios.png")
 
 
 def _over_steps(runs: list[dict], key: str) -> float:

@@ -67,6 +67,7 @@ class TrainHooks:
                  world: World):
         self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
         self.log, self.progress, self.world = log, progress, world
+        self._ratio_round: int | None = None
 
     def is_eval(self, round_: int) -> bool:
         return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
@@ -89,9 +90,23 @@ class TrainHooks:
         save_checkpoint(self.run_dir, round_, self.policy, state)
 
     def before_train(self, round_: int, batch) -> None:
-        if self.world.is_main and (self.is_eval(round_) or round_ == 1):
-            current = self.built.parts.learner.logprobs(batch)
+        learner = self.built.parts.learner
+        record = self.world.is_main and (self.is_eval(round_) or round_ == 1)
+        if record:
+            current = learner.logprobs(batch)
             log_ratio_histogram(self.run_dir, round_, current - batch.behavior_logprobs, batch.packed.response_mask)
+        # a replayed round (several optimizer steps per batch) also records each step's mini-batch
+        self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
+        # learner ranks in Ray actors have no such hook: their replayed rounds keep the one record
+        hooks = getattr(learner, "on_step_ratios", None)
+        if self._ratio_round is not None and hooks is not None and self._record_step_ratios not in hooks:
+            hooks.append(self._record_step_ratios)
+
+    def _record_step_ratios(self, opt_step: int, epoch: int, minibatch: int, log_ratio) -> None:
+        """Rank 0's share of each optimizer step's mini-batch (other ranks' tokens are not gathered)."""
+        if self._ratio_round is not None:
+            log_ratio_histogram(self.run_dir, self._ratio_round, log_ratio, opt_step=opt_step, epoch=epoch,
+                                minibatch=minibatch)
 
     def after_round(self, round_: int, m: dict) -> None:
         if not self.world.is_main:

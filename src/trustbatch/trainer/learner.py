@@ -104,6 +104,11 @@ class Learner:
         self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
+        # called as fn(opt_step, epoch, minibatch, log_ratio) before every optimizer step of train_on, with
+        # log π_θ/μ over this rank's valid tokens of that step's mini-batch ([N], float32, π_θ before the step),
+        # taken from the log-probs the loss already computed (no extra forward): how a replayed batch drifts
+        self.on_step_ratios: list[Callable[[int, int, int, torch.Tensor], None]] = []
+        self._step_tag: tuple[int, int, int] | None = None
         self._pad: TrainBatch | None = None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
@@ -177,8 +182,12 @@ class Learner:
             pieces = list(perm.chunk(self.minibatches))
             # every rank takes the same number of optimizer steps, even with fewer rows than minibatches
             pieces += [perm[:0]] * (self.minibatches - len(pieces))
-            for mb in pieces:
-                step_metrics.append(self.step(local.select(mb)))
+            for mb_index, mb in enumerate(pieces):
+                self._step_tag = (len(step_metrics), _epoch, mb_index)
+                try:
+                    step_metrics.append(self.step(local.select(mb)))
+                finally:
+                    self._step_tag = None
         return _mean_over_steps(step_metrics)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -216,6 +225,8 @@ class Learner:
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         failure = ""
+        record_ratios = bool(self.on_step_ratios) and self._step_tag is not None
+        step_log_ratios: list[torch.Tensor] = []
         for i in range(n_chunks):
             skip_sync = World.no_sync(self.wrapped, skip=i < n_chunks - 1)
             if i >= len(chunks) or failure:
@@ -251,6 +262,8 @@ class Learner:
                 except ValueError as e:  # non-finite loss or gradient (objectives never return NaN silently)
                     failure = str(e).splitlines()[0]
                     continue
+            if record_ratios:
+                step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float())
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
@@ -262,6 +275,10 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
                 else:
                     sums[k] = sums.get(k, 0.0) + v * w
+        if record_ratios:
+            flat = torch.cat(step_log_ratios) if step_log_ratios else torch.zeros(0)
+            for fn in self.on_step_ratios:
+                fn(*self._step_tag, flat)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         if world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")

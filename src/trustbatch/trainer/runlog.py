@@ -128,17 +128,22 @@ def plot_run(records: list[dict], path: Path, title: str = "") -> None:
     atomic_write(path, buf.getvalue())
 
 
-def log_ratio_histogram(run_dir: Path, step: int, log_ratio, mask) -> None:
-    """Append the histogram of token log-ratios log π_θ/μ (before the round's update) to ``ratios.jsonl``.
+def log_ratio_histogram(run_dir: Path, step: int, log_ratio, mask=None, **fields) -> None:
+    """Append a histogram of token log-ratios log π_θ/μ to ``ratios.jsonl``.
 
-    log_ratio, mask: ``[B, C]`` tensors; 80 bins on [−2, 2] (values beyond are put in the end bins).
+    A record without ``opt_step`` is the round's batch before its update; one with ``opt_step``, ``epoch``
+    and ``minibatch`` (``fields``) is the mini-batch of that optimizer step of a replayed round, before it.
+
+    log_ratio: ``[B, C]`` with ``mask`` ``[B, C]`` (bool), or ``[N]`` valid tokens when ``mask`` is None;
+    80 bins on [−2, 2] (values beyond are put in the end bins).
     """
     import torch
 
     edges = torch.linspace(-2.0, 2.0, 81)
-    x = log_ratio[mask].detach().float().clamp(-2.0, 2.0)
+    x = (log_ratio if mask is None else log_ratio[mask]).detach().float().clamp(-2.0, 2.0)
     counts = torch.histc(x, bins=80, min=-2.0, max=2.0)
-    rec = {"step": step, "edges": [round(e, 4) for e in edges.tolist()], "counts": [int(c) for c in counts.tolist()]}
+    rec = {"step": step, **fields, "edges": [round(e, 4) for e in edges.tolist()],
+           "counts": [int(c) for c in counts.tolist()]}
     with open(Path(run_dir) / "ratios.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 

@@ -1,0 +1,112 @@
+"""Ratio histograms at every optimizer step of a replayed batch (issue 14, item 8).
+
+References: a plain forward (``response_logprobs``) of a copy of the model taken just before each optimizer
+step, on the rows that step trains on, independently of the learner's own log-probs; token counts of the
+batch; and a real ``trustbatch train`` run's ratios.jsonl.
+"""
+
+import copy
+import json
+
+import torch
+
+from trustbatch.pipeline.batch import TrainBatch
+from trustbatch.policy.forward import pack, response_logprobs
+from trustbatch.trainer.learner import Learner
+
+from test_shared_prompt import _llama, _rows
+from tiny import TINY
+
+
+def _batch():
+    prompts, comps = _rows()
+    packed = pack(prompts, comps, pad_id=0)
+    B, C = packed.response_mask.shape
+    g = torch.Generator().manual_seed(5)
+    blp = -3.0 + 0.5 * torch.randn(B, C, generator=g, dtype=torch.float64)
+    return TrainBatch(packed, blp, torch.randn(B, generator=g, dtype=torch.float64), torch.zeros(B, dtype=torch.long))
+
+
+def test_each_optimizer_step_records_its_minibatch_before_the_step():
+    model = _llama(torch.float64)
+    learner = Learner(model, "grpo", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=3, epochs=2, minibatches=2)
+    got, want = [], []
+    learner.on_step_ratios.append(lambda j, e, mb, lr: got.append((j, e, mb, lr.clone())))
+    inner_step = learner.step
+
+    def step(mb_batch):  # the reference: the policy before this step, on this step's rows, by a plain forward
+        frozen = copy.deepcopy(model).eval()
+        with torch.no_grad():
+            lp, _ = response_logprobs(frozen, mb_batch.packed)
+        m = mb_batch.packed.response_mask
+        want.append((lp - mb_batch.behavior_logprobs)[m])
+        return inner_step(mb_batch)
+
+    learner.step = step
+    batch = _batch()
+    learner.train_on(batch)
+
+    assert [(j, e, mb) for j, e, mb, _ in got] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    for (j, _, _, lr), w in zip(got, want):
+        # the learner may order tokens by micro-batch; compare as multisets
+        assert lr.shape == w.shape, j
+        assert torch.allclose(lr.sort().values.double(), w.sort().values, atol=1e-5), j
+    # each epoch's two mini-batches cover the batch's tokens once
+    n = int(batch.packed.response_mask.sum())
+    assert got[0][3].numel() + got[1][3].numel() == n == got[2][3].numel() + got[3][3].numel()
+    # the ratios move between steps (the record is not a stale pre-round copy)
+    first_epoch = torch.cat([got[0][3], got[1][3]]).sort().values
+    second_epoch = torch.cat([got[2][3], got[3][3]]).sort().values
+    assert (first_epoch - second_epoch).abs().max() > 1e-4
+
+
+def test_no_record_without_a_hook_or_outside_train_on():
+    model = _llama(torch.float64)
+    learner = Learner(model, "grpo", {}, lr=1e-2, micro_batch_size=4)
+    calls = []
+    learner.step(_batch())  # a bare step has no optimizer-step tag: nothing to record
+    learner.on_step_ratios.append(lambda *a: calls.append(a))
+    learner.step(_batch())
+    assert calls == []
+
+
+def test_train_writes_per_step_records_for_replayed_rounds(tmp_path):
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", *TINY, "train.steps=2", "train.epochs=2", "train.minibatches=2",
+                                   f"run_dir={run}", "threads=1"])
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(x) for x in (run / "ratios.jsonl").read_text().splitlines()]
+    for round_ in (1, 2):
+        pre = [r for r in recs if r["step"] == round_ and "opt_step" not in r]
+        steps = [r for r in recs if r["step"] == round_ and "opt_step" in r]
+        assert len(pre) == 1
+        assert [(r["opt_step"], r["epoch"], r["minibatch"]) for r in steps] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+        n = sum(pre[0]["counts"])  # the round's valid tokens
+        assert sum(steps[0]["counts"]) + sum(steps[1]["counts"]) == n == sum(steps[2]["counts"]) + sum(steps[3]["counts"])
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m.get("optimizer_steps", 4) == 4 for m in metrics if m["step"] > 0)
+
+
+def test_histogram_quantile_hand_worked():
+    from trustbatch.lab.report import histogram_quantile
+
+    edges, counts = [0.0, 1.0, 2.0, 3.0, 4.0], [0, 10, 0, 30]
+    assert histogram_quantile(edges, counts, 0.25) == 2.0  # the 10th of 40 tokens: the end of bin [1, 2)
+    assert abs(histogram_quantile(edges, counts, 0.5) - (3.0 + 10 / 30)) < 1e-12  # 20th: 10 into the 30 of [3, 4)
+    assert histogram_quantile(edges, counts, 0.0) == 1.0
+    assert histogram_quantile(edges, [0, 0, 0, 0], 0.5) != histogram_quantile(edges, [0, 0, 0, 0], 0.5)  # nan
+
+
+def test_report_draws_the_step_figure_only_for_replayed_arms(tmp_path):
+    from trustbatch.lab.report import _step_ratio_figure
+
+    edges = [-2.0 + 0.05 * i for i in range(81)]
+    one = {"step": 1, "edges": edges, "counts": [1] * 80}
+    replayed = [{**one, "opt_step": j, "epoch": j // 2, "minibatch": j % 2} for j in range(4)]
+    assert _step_ratio_figure("x", {"a": [{"ratios": [one]}]}, tmp_path) is None
+    f = _step_ratio_figure("x", {"a": [{"ratios": [one]}], "b": [{"ratios": [one, *replayed]}]}, tmp_path)
+    assert f == "x_step_ratios.png" and (tmp_path / f).stat().st_size > 1000
