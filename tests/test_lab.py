@@ -66,6 +66,7 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     # one comparison (p3o vs grpo at the same dose; the reference is not a contestant), over the two seeds
     assert "## tiny_exp" in text and "p3o@T1.2 − grpo@T1.2" in text and "over 2 seeds" in text
     assert "1 paired comparisons" in text and "| onpolicy |" in text
+    assert "6 runs of 2 rounds × 4 prompts;" in text  # read from the runs' own configs (TINY: 4 per round)
     for fig in ("tiny_exp_dose.png", "tiny_exp_curves.png", "tiny_exp_traces.png", "tiny_exp_ratios.png"):
         assert (tmp_path / "report" / fig).stat().st_size > 1000 and f"]({fig})" in text
 

@@ -286,6 +286,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
+    """' × N prompts' from the runs' own configs (an experiment run before LAB_COMMON changed keeps its own)."""
+    sizes = set()
+    for arm, runs in arms.items():
+        for run in runs:
+            f = exp_dir / arm / f"seed{run['seed']}.yaml"
+            if f.exists():
+                sizes.add((yaml.safe_load(f.read_text()) or {}).get("rollout", {}).get("prompts_per_step"))
+    sizes.discard(None)
+    return f" × {'/'.join(str(x) for x in sorted(sizes))} prompts" if sizes else ""
+
+
 def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[str]]:
     """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``)."""
     arms = load_runs(exp_dir)
@@ -301,7 +313,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
     lines.append(f"Seeds {seeds} ({'each with its own SFT base' if spec.get('per_seed_base', True) else 'one shared base'}); "
-                 f"{len(wall)} runs of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds; "
+                 f"{len(wall)} runs of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
+                 f"{_prompts_per_round(exp_dir, arms)}; "
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
                  + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
                     if (exp_dir / "wall_s.txt").exists() else "."))
@@ -364,6 +377,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         f"`trustbatch lab report --runs {runs} --out {out}`.", "",
         "Every run is `trustbatch train` with the lab's common settings (`LAB_COMMON` in "
         f"`src/trustbatch/lab/experiment.py`: {LAB_COMMON['train.steps']} rounds × {LAB_COMMON['rollout.prompts_per_step']} prompts × 8 samples, "
+        "(an experiment run before a change of these says its own prompts per round), "
         f"one optimizer step per round unless the arm says otherwise, held-out pass@1 from 256 prompts × "
         f"{LAB_COMMON['eval.samples_per_prompt']} samples every {LAB_COMMON['eval.every']} rounds), each seed with its own SFT base. "
         "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
