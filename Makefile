@@ -47,7 +47,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py tests/test_vllm_train.py
+	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py tests/test_vllm_train.py tests/test_vllm_lab.py
 
 # Ray gets its own environment too: `trustbatch[ray]` is an extra the default install does not carry.
 RAY_VENV := .venv-ray

@@ -10,7 +10,15 @@ are measured on the batch that one optimizer step of the arm would train on:
   ρ > 1 + ε, or A < 0 and ρ < 1 − ε (PPO's clip, arXiv 1707.06347 Eq. 7; GRPO arXiv 2402.03300 Eq. 3),
   at ε = 0.2 and at the paper's ε = 0.4;
 - ``cos@ε``: the cosine between the flattened parameter gradients the learner computes for P3O
-  (Eq. 12) and for GRPO(ε) on that same batch.
+  (Eq. 12) and for GRPO(ε) on that same batch;
+- ``abs_log_ratio``: the mismatch itself, mean |log π_θ(y_t) − log π_b(y_t)| over valid tokens (0 when
+  π_θ = π_b), the scale the clip's ε is set against (|log ρ| > log(1 + ε) can be zeroed).
+
+The behaviour log-probs are the ones the arm's engine recorded while sampling. With ``rollout.engine:
+vllm`` they are vLLM's own sampling log-probs (its processed log-probs: log_softmax in float32 of the
+logits of vLLM's forward in ``rollout.precision``, e.g. bfloat16, with ``rollout.quantization``'s
+weights), and π_θ is the float32 learner's recomputation: the real training-inference mismatch, where
+``rollout.precision`` with the transformers engine emulates it.
 
 With no shift (ρ ≡ 1): e_B = 1, so P3O's weight is min(1, 1) = 1 and its KL weight 1 − e_B = 0; GRPO's
 clip is inactive at r = 1 and ∇(r·A) = A·∇log π_θ. Both are then −(1/N) Σ A_t ∇log π_θ(y_t): cosine 1.
@@ -69,6 +77,7 @@ class Probe:
     informative: float  # share of valid tokens with A ≠ 0 (the others carry no gradient in either)
     tokens: int
     response_length: float
+    abs_log_ratio: float = math.nan  # mean |log π_θ − log π_b| over valid tokens (nats)
 
     @property
     def control(self) -> bool:
@@ -80,7 +89,7 @@ class Probe:
                 **{f"cos@{e}": _finite(v) for e, v in self.cosine.items()},
                 **{f"grad_norm_ratio@{e}": _finite(v) for e, v in self.norm_ratio.items()},
                 "informative": self.informative, "tokens": self.tokens, "response_length": self.response_length,
-                "verdict": CONTROL_LABEL if self.control else TEST_LABEL}
+                "abs_log_ratio": _finite(self.abs_log_ratio), "verdict": CONTROL_LABEL if self.control else TEST_LABEL}
 
 
 def is_control(cosine: dict[float, float], zeroed: dict[float, float]) -> bool:
@@ -142,8 +151,8 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
 
     Returns:
         ``{"ess", "zeroed": {ε: share}, "cosine": {ε: cos}, "norm_ratio": {ε: |∇P3O|/|∇GRPO|},
-        "informative", "tokens"}``; ``ess`` is the batch ESS (Eq. 11) whatever the scope, shares are of
-        valid tokens.
+        "informative", "tokens", "abs_log_ratio"}``; ``ess`` is the batch ESS (Eq. 11) whatever the scope,
+        shares are of valid tokens, ``abs_log_ratio`` the mean |log π_θ − log π_b| over them (nats).
 
     Raises:
         ValueError: an objective rejected the batch.
@@ -155,6 +164,8 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
     with torch.no_grad():
         logp, _ = response_logprobs(model, batch.packed)
         ess = RatioStats.from_logprobs(logp, batch.behavior_logprobs, mask).ess()[0]
+        valid = mask.bool()
+        gap = (logp.double() - batch.behavior_logprobs.double())[valid].abs()
     g_p3o, _ = learner_gradient(model, batch, "p3o", p3o_options, micro_batch_size=micro_batch_size,
                                 ess_scope=ess_scope)
     zeroed, cos, ratio = {}, {}, {}
@@ -168,7 +179,7 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
     adv = batch.advantages.reshape(-1, 1).expand_as(mask)
     informative = float(((adv != 0) & mask.bool()).sum()) / max(n, 1.0)
     return {"ess": float(ess), "zeroed": zeroed, "cosine": cos, "norm_ratio": ratio, "informative": informative,
-            "tokens": int(n)}
+            "tokens": int(n), "abs_log_ratio": float(gap.mean()) if gap.numel() else math.nan}
 
 
 def shift_label(cfg: Config) -> str:
@@ -289,7 +300,8 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
     return Probe(arm=arm, seed=cfg.train.seed, shift=label, age=age, ess=res["ess"],
                  zeroed=res["zeroed"], cosine=res["cosine"], norm_ratio=res["norm_ratio"],
                  informative=res["informative"], tokens=res["tokens"],
-                 response_length=float(batch.metrics.get("response_length", float("nan"))))
+                 response_length=float(batch.metrics.get("response_length", float("nan"))),
+                 abs_log_ratio=res["abs_log_ratio"])
 
 
 def summarize(probes: list[Probe]) -> list[dict]:
@@ -308,6 +320,7 @@ def summarize(probes: list[Probe]) -> list[dict]:
                      **{f"grad_norm_ratio@{e}": mean(lambda p, e=e: p.norm_ratio[e]) for e in EPSILONS},
                      "informative": mean(lambda p: p.informative),
                      "response_length": mean(lambda p: p.response_length),
+                     "abs_log_ratio": mean(lambda p: p.abs_log_ratio),
                      "verdict": CONTROL_LABEL if all(p.control for p in ps) else TEST_LABEL})
     return rows
 
@@ -361,20 +374,21 @@ def preflight_table(result: dict):
     from rich.table import Table
 
     t = Table(title=f"pre-flight: {result['experiment']} at the base policy (seeds {result['seeds']})",
-              caption=f"zero.2: share of tokens GRPO(ε = 0.2)'s clip zeroes; cos.2: ∇P3O vs ∇GRPO(0.2); age: optimizer "
-                      f"steps since sampling. {result['control_rule']}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+              caption=f"|logρ|: mean |log π_θ − log π_b| per token; zero.2: share of tokens GRPO(ε = 0.2)'s clip "
+                      f"zeroes; cos.2: ∇P3O vs ∇GRPO(0.2); age: optimizer steps since sampling. "
+                      f"{result['control_rule']}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
               pad_edge=False)
-    for col in ("arm", "shift", "age", "ESS", *[f"zero{str(e)[1:]}" for e in EPSILONS],
+    for col in ("arm", "shift", "age", "ESS", "|logρ|", *[f"zero{str(e)[1:]}" for e in EPSILONS],
                 *[f"cos{str(e)[1:]}" for e in EPSILONS], "verdict"):
         # numbers and names stay whole; the shift wraps, but never below a readable width
         t.add_column(col, justify="left" if col in ("arm", "shift", "verdict") else "right",
                      no_wrap=col != "shift", min_width=8 if col == "shift" else len(col))
     for r in result["arms"]:
-        t.add_row(r["arm"], r["shift"], str(r["age"]), _fmt(r["ess"], ".4f"),
+        t.add_row(r["arm"], r["shift"], str(r["age"]), _fmt(r["ess"], ".4f"), _fmt(r.get("abs_log_ratio"), ".2e"),
                   *[_fmt(r[f"zeroed@{e}"], ".1%") for e in EPSILONS], *[_fmt(r[f"cos@{e}"], ".4f") for e in EPSILONS],
                   r["verdict"])
     for arm in result["skipped"]:
-        t.add_row(arm, "", "", "", *[""] * (2 * len(EPSILONS)), "skipped")
+        t.add_row(arm, "", "", "", "", *[""] * (2 * len(EPSILONS)), "skipped")
     if result["skipped"]:
         t.caption += "".join(f"\nskipped {arm}: {why}" for arm, why in result["skipped"].items())
     return t
