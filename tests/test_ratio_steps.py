@@ -2,11 +2,13 @@
 
 References: a plain forward (``response_logprobs``) of a copy of the model taken just before each optimizer
 step, on the rows that step trains on, independently of the learner's own log-probs; token counts of the
-batch; and a real ``trustbatch train`` run's ratios.jsonl.
+batch; a real ``trustbatch train`` run's ratios.jsonl, and the same run never interrupted for a resumed one;
+hand-worked histogram quantiles for the report's figure and line.
 """
 
 import copy
 import json
+import re
 
 import torch
 
@@ -110,3 +112,49 @@ def test_report_draws_the_step_figure_only_for_replayed_arms(tmp_path):
     assert _step_ratio_figure("x", {"a": [{"ratios": [one]}]}, tmp_path) is None
     f = _step_ratio_figure("x", {"a": [{"ratios": [one]}], "b": [{"ratios": [one, *replayed]}]}, tmp_path)
     assert f == "x_step_ratios.png" and (tmp_path / f).stat().st_size > 1000
+
+
+def test_resume_redoes_a_rounds_per_step_records_once(tmp_path):
+    """A crash after round 3's records but before its checkpoint: the resume redoes round 3, and its
+    per-step records must be replaced, not doubled (reference: the same run never interrupted)."""
+    import shutil
+
+    from trustbatch.config import load_config
+    from trustbatch.recipes import train
+
+    args = TINY + ["train.steps=3", "train.epochs=2", "train.minibatches=2", "eval.every=1", "checkpoint_every=1",
+                   "threads=1", "reward.workers=0"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(load_config(None, args + [f"run_dir={ref}"]))
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    (run / "summary.json").unlink()
+    train(resume=str(run), overrides=[])
+
+    def recs(d):
+        return [json.loads(x) for x in (d / "ratios.jsonl").read_text().splitlines()]
+
+    assert recs(run) == recs(ref)
+    assert sum(1 for r in recs(run) if r["step"] == 3 and "opt_step" in r) == 4
+
+
+def test_report_line_quotes_the_first_and_last_steps_spread():
+    from trustbatch.lab.report import _step_ratio_line
+
+    edges = [-2.0 + 0.05 * i for i in range(81)]
+    one = {"step": 1, "edges": edges, "counts": [1] * 80}
+
+    def at(bin_, j, n=10):  # n tokens, all in bin ``bin_``, at optimizer step j
+        counts = [0] * 80
+        counts[bin_] = n
+        return {"step": 1, "edges": edges, "counts": counts, "opt_step": j, "epoch": j // 2, "minibatch": j % 2}
+
+    assert _step_ratio_line({"a": [{"ratios": [one]}]}) == ""
+    # two seeds pooled: step 0 in bin [0, 0.05) (bin 40), step 3 in bin [0.5, 0.55) (bin 50)
+    runs = [{"ratios": [one, at(40, 0), at(45, 1), at(40, 2), at(50, 3)]}, {"ratios": [at(40, 0), at(50, 3)]}]
+    line = _step_ratio_line({"a": [{"ratios": [one]}], "b": runs})
+    # uniform inside one bin: quantile q sits at lo + q·0.05
+    m = re.search(r"b: (\S+) \[(\S+), (\S+)\] at step 0 → (\S+) \[(\S+), (\S+)\] at step 3", line)
+    want = [0.025, 0.0025, 0.0475, 0.525, 0.5025, 0.5475]
+    assert m and all(abs(float(g) - w) <= 6e-4 for g, w in zip(m.groups(), want)), line
+    assert "a:" not in line

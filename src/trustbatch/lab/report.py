@@ -142,12 +142,9 @@ def histogram_quantile(edges: list[float], counts: list[int], q: float) -> float
     return edges[-1]
 
 
-def _step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
-    """Replayed rounds: the spread of log π_θ/μ over each optimizer step's mini-batch, against the step's index
-    within its round (records of every recorded round and seed pooled), one line per arm; None when no arm
-    takes more than one optimizer step per round."""
-    import matplotlib.pyplot as plt
-
+def _step_histograms(arms: dict[str, list[dict]]) -> dict[str, tuple[list[float], dict[int, list[int]]]]:
+    """{arm: (bin edges, {optimizer step within the round: token counts summed over rounds and seeds})} for
+    the arms whose ratios.jsonl has per-optimizer-step records (more than one optimizer step per round)."""
     per_arm = {}
     for arm, runs in arms.items():
         recs = [r for run in runs for r in run["ratios"] if "opt_step" in r]
@@ -157,6 +154,34 @@ def _step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str
                 acc = by_step.setdefault(r["opt_step"], [0] * len(r["counts"]))
                 by_step[r["opt_step"]] = [a + c for a, c in zip(acc, r["counts"])]
             per_arm[arm] = (recs[0]["edges"], dict(sorted(by_step.items())))
+    return per_arm
+
+
+def _step_ratio_line(arms: dict[str, list[dict]]) -> str:
+    """One sentence per replayed arm: median and 5–95% spread of log π_θ/μ at the round's first and last
+    optimizer step; empty when no arm takes more than one optimizer step per round."""
+    parts = []
+    for arm, (edges, by_step) in _step_histograms(arms).items():
+        first, last = min(by_step), max(by_step)
+
+        def spread(j: int) -> str:
+            lo, med, hi = (histogram_quantile(edges, by_step[j], q) for q in (0.05, 0.5, 0.95))
+            return f"{med:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+        parts.append(f"{arm}: {spread(first)} at step {first} → {spread(last)} at step {last}")
+    if not parts:
+        return ""
+    return ("Ratios of a replayed round (median [5%, 95%] of log π_θ/μ over the tokens each optimizer step trains on, "
+            "before that step; recorded rounds and seeds pooled): " + "; ".join(parts) + ".")
+
+
+def _step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+    """Replayed rounds: the spread of log π_θ/μ over each optimizer step's mini-batch, against the step's index
+    within its round (records of every recorded round and seed pooled), one line per arm; None when no arm
+    takes more than one optimizer step per round."""
+    import matplotlib.pyplot as plt
+
+    per_arm = _step_histograms(arms)
     if not per_arm:
         return None
     fig, ax = plt.subplots(1, 1, figsize=(6.5, 3.2), dpi=80)
@@ -348,7 +373,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
             findings.append(f"{a} vs {b}: not compared ({e}).")
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
-    lines += [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
+    step_line = _step_ratio_line(arms)
+    lines += ([step_line, ""] if step_line else []) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
 
 
