@@ -108,3 +108,31 @@ def test_shared_base_build_dedups_foreign_model_mappings(monkeypatch):
     build_shared_base(exp, _Quiet())
     # per seed: the plain base (onpolicy / own_only share it) and one foreign-arm build (4 arms share it)
     assert sorted(calls) == [("base", 0), ("base", 0), ("base", 1), ("base", 1), ("foreign", 0), ("foreign", 1)]
+
+
+def test_preflight_only_arms_are_probed_but_not_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    common = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in TINY)}
+    common.update({"train.steps": 1, "eval.every": 1, "checkpoint_every": 1})
+    spec = {"description": "tiny", "common": common, "seeds": [0], "preflight_only": ["grpo@T1.2"],
+            "compare": [["p3o@T1.2", "grpo@T1.2"]],
+            "arms": {"p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2},
+                     "grpo@T1.2": {"objective.name": "grpo", "rollout.temperature": 1.2}}}
+    f = tmp_path / "tiny_only.yaml"
+    f.write_text(yaml.safe_dump(spec, sort_keys=False))
+    exp = load_experiment(str(f))
+    assert list(exp.arms) == ["p3o@T1.2", "grpo@T1.2"] and exp.run_arms == ["p3o@T1.2"] and exp.compare == []
+    res = run_experiment(exp, tmp_path / "runs", jobs=1)
+    assert res["done"] == 1 and res["failed"] == []
+    assert (tmp_path / "runs" / "tiny_only" / "p3o@T1.2" / "seed0" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "tiny_only" / "grpo@T1.2").exists()
+    from trustbatch.lab.report import _preflight_table
+
+    exp_dir = tmp_path / "runs" / "tiny_only"
+    (exp_dir / "preflight.json").write_text(json.dumps({"seeds": [0], "arms": [{"arm": "p3o@T1.2"}, {"arm": "grpo@T1.2"}]}))
+    marked = [ln for ln in _preflight_table(exp_dir) if "pre-flight only" in ln]
+    assert len(marked) == 1 and marked[0].startswith("| grpo@T1.2 (pre-flight only")
+    spec["preflight_only"] = ["nope"]
+    f.write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match="'preflight_only' must be a list naming arms"):
+        load_experiment(str(f))

@@ -11,6 +11,7 @@ YAML form (see examples/lab/)::
       p3o@T0.6: {objective.name: p3o, rollout.temperature: 0.6}
       grpo_eps0.2@T0.6: {objective.name: grpo, objective.options: {clip_eps: 0.2}, rollout.temperature: 0.6}
     compare: [[p3o@T0.6, grpo_eps0.2@T0.6]]  # optional; default: p3o* arms vs the other arms of the same dose
+    preflight_only: [grpo_eps0.2@T0.6]        # optional: probed by ``lab preflight``, not run by ``lab run``
 
 An arm is named ``family@dose``: the family is the objective setting (compared across doses), the
 dose the strength of the shift (in the order the arms list them). An arm without ``@`` has no dose.
@@ -54,6 +55,13 @@ class Experiment:
     notes: list[str] = field(default_factory=list)
     per_seed_base: bool = True
     compare: list[tuple[str, str]] = field(default_factory=list)
+    preflight_only: list[str] = field(default_factory=list)
+
+    @property
+    def run_arms(self) -> list[str]:
+        """The arms ``lab run`` trains: every arm but the pre-flight-only ones (doses the pre-flight measured
+        and the full run leaves out, to fit its time budget or because the pre-flight found a control)."""
+        return [a for a in self.arms if a not in self.preflight_only]
 
     def overrides(self, arm: str, seed: int) -> list[str]:
         """``key=value`` overrides for one run (values as YAML flow text)."""
@@ -92,9 +100,14 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     if not isinstance(compare, list) or any(not isinstance(c, list) or len(c) != 2 or any(x not in arms for x in c)
                                             for c in compare):
         raise UserError(f"experiment {str(path)!r}: 'compare' must be a list of [arm, arm] pairs naming arms of the experiment")
+    only = spec.get("preflight_only") or []
+    if not isinstance(only, list) or any(a not in arms for a in only):
+        raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
+    compare = [c for c in compare if not set(c) & set(only)]
     exp = Experiment(name=path.stem, description=str(spec.get("description", "")),
                      seeds=list(seeds or spec.get("seeds") or LAB_SEEDS), arms=arms, source=path,
-                     per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare])
+                     per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare],
+                     preflight_only=[str(a) for a in only])
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))

@@ -287,6 +287,8 @@ def _preflight_table(exp_dir: Path) -> list[str]:
     if not rows:
         return []
     seeds = data.get("seeds") if isinstance(data, dict) else None
+    spec_file = exp_dir / "experiment.yaml"
+    only = set((yaml.safe_load(spec_file.read_text()) or {}).get("preflight_only") or []) if spec_file.exists() else set()
     lines = [f"**Pre-flight at the base policy** (one batch per arm and seed{f', seeds {seeds}' if seeds else ''}, "
              "means over seeds; zeroed: share of tokens GRPO's clip zeroes; cos: P3O's gradient against GRPO(ε)'s on "
              "the same batch; "
@@ -297,7 +299,8 @@ def _preflight_table(exp_dir: Path) -> list[str]:
         for k, _, fmt in PREFLIGHT_COLUMNS:
             v = r.get(k)
             cells.append("n/a" if v is None else fmt.format(v))
-        lines.append(f"| {r.get('arm')} | " + " | ".join(cells) + " |")
+        mark = " (pre-flight only: not in the full run)" if r.get("arm") in only else ""
+        lines.append(f"| {r.get('arm')}{mark} | " + " | ".join(cells) + " |")
     for sk in (data.get("skipped") or []) if isinstance(data, dict) else []:
         lines.append(f"\nSkipped: {sk}")
     return lines + [""]
