@@ -9,6 +9,7 @@ from trustbatch.errors import UserError
 from trustbatch.lab import load_experiment, run_experiment
 from trustbatch.lab.experiment import EXPERIMENTS_DIR
 from trustbatch.lab.experiment import default_comparisons, family_and_dose
+from trustbatch.lab.archive import archive_runs
 from trustbatch.lab.report import _mean_se, write_report
 
 from tiny import TINY
@@ -69,6 +70,37 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     assert "6 runs of 2 rounds × 4 prompts;" in text  # read from the runs' own configs (TINY: 4 per round)
     for fig in ("tiny_exp_dose.png", "tiny_exp_curves.png", "tiny_exp_traces.png", "tiny_exp_ratios.png"):
         assert (tmp_path / "report" / fig).stat().st_size > 1000 and f"]({fig})" in text
+    # the archive (no checkpoints) rebuilds the same report once the run folders are gone
+    archive_runs(out, tmp_path / "archive")
+    assert not list((tmp_path / "archive").rglob("checkpoints")) and list((out / "tiny_exp").rglob("checkpoints"))
+    again = write_report(tmp_path / "archive", tmp_path / "report2").read_text()
+    assert again.replace(str(tmp_path / "archive"), str(out)).replace("report2", "report") == text
+
+
+def test_archive_follows_linked_arms_skips_unfinished_runs_and_replaces_whole(tmp_path):
+    ref = tmp_path / "runs" / "reference" / "onpolicy"
+    (ref / "seed0").mkdir(parents=True)
+    (ref / "seed0" / "summary.json").write_text('{"steps": 1}')
+    (ref / "seed0" / "metrics.jsonl").write_text('{"step": 0}\n')
+    (ref / "seed0.yaml").write_text("train: {seed: 0}\n")
+    exp = tmp_path / "runs" / "shift"
+    (exp / "p3o@x" / "seed0" / "checkpoints" / "step_1").mkdir(parents=True)
+    (exp / "p3o@x" / "seed0" / "checkpoints" / "step_1" / "model.bin").write_bytes(b"\0" * 4096)
+    (exp / "p3o@x" / "seed0" / "metrics.jsonl").write_text('{"step": 0}\n')  # unfinished: no summary.json
+    (exp / "experiment.yaml").write_text("arms: {onpolicy: {}, p3o@x: {}}\n")
+    (exp / "onpolicy").symlink_to(ref)
+    dest = tmp_path / "archive"
+    (dest / "shift").mkdir(parents=True)
+    (dest / "shift" / "stale.txt").write_text("from an older archive")
+    sizes = archive_runs(tmp_path / "runs", dest, ["shift"])
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["shift/experiment.yaml", "shift/onpolicy/seed0.yaml", "shift/onpolicy/seed0/metrics.jsonl",
+                   "shift/onpolicy/seed0/summary.json"]
+    assert not (dest / "shift" / "onpolicy").is_symlink() and (dest / "shift" / "onpolicy" / "seed0" / "summary.json").read_text() == '{"steps": 1}'
+    assert sizes == {"shift": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())}
+    assert not [p for p in dest.iterdir() if p.name.startswith(".")]  # no temporary folders left behind
+    with pytest.raises(UserError, match="no experiment folder nope"):
+        archive_runs(tmp_path / "runs", dest, ["nope"])
 
 
 def test_standard_error_and_arm_names():

@@ -231,6 +231,24 @@ def lab_report(
     Console().print(f"report: {path}")
 
 
+@lab_app.command("archive")
+def lab_archive(
+    experiments: Optional[List[str]] = typer.Argument(None, help="experiments to archive (default: all under --runs)"),
+    runs: str = typer.Option("lab_runs", "--runs", help="the --out of lab run"),
+    out: str = typer.Option(..., "--out", help="archive folder: OUT/EXPERIMENT gets what the report reads"),
+):
+    """Copy what `lab report` reads (configs, metrics, summaries, pre-flights), without checkpoints, to a folder you can commit."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .lab.archive import archive_runs
+
+    sizes = archive_runs(Path(runs), Path(out), experiments or None)
+    for name, n in sizes.items():
+        Console().print(f"{name}: {n / 1e6:.2f} MB -> {Path(out) / name}")
+
+
 def _finite_or_null(x):
     """NaN (a standard error from one prompt) is not JSON; write null."""
     if isinstance(x, float) and x != x:
