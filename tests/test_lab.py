@@ -16,8 +16,8 @@ from tiny import TINY
 
 BUNDLED = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
-FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "temperature_steps": 3, "precision_steps": 3}
-ONE_ARM = {"reference"}  # the shared on-policy reference: one arm by design
+FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "temperature_steps": 3, "precision_steps": 3, "reference_steps": 3}
+ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -25,7 +25,7 @@ def test_bundled_experiments_load_with_their_seeds(name):
     exp = load_experiment(name)
     assert len(exp.seeds) >= FEW_SEEDS.get(name, 6) and len(exp.arms) >= (1 if name in ONE_ARM else 2)
     assert all(len(a.split("@")) <= 2 for a in exp.arms)  # family@dose
-    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "clip", "reference"):
+    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "clip", "reference", "reference_steps"):
         assert "onpolicy" in exp.arms  # every shift experiment has the on-policy reference
 
 
