@@ -273,6 +273,7 @@ def _dose_figure(name: str, scored: dict[str, tuple[dict, dict, dict]], out: Pat
 
 
 PREFLIGHT_COLUMNS = [("shift", "shift", "{}"), ("age", "age", "{}"), ("ess", "ESS", "{:.4f}"),
+                     ("abs_log_ratio", "mean abs log ρ", "{:.1e}"),
                      ("zeroed@0.2", "zeroed ε=0.2", "{:.1%}"), ("zeroed@0.4", "zeroed ε=0.4", "{:.1%}"),
                      ("cos@0.2", "cos ε=0.2", "{:.3f}"), ("cos@0.4", "cos ε=0.4", "{:.3f}"), ("verdict", "verdict", "{}")]
 
