@@ -81,6 +81,15 @@ def test_verdicts_match_behind_cannot_tell():
         paired_interval("a", "b", {0: 0.1}, {0: 0.2}, 1)
 
 
+def test_two_arms_collapsed_in_every_seed_are_not_a_match():
+    floor = {s: 0.0 for s in range(3)}
+    assert paired_interval("a", "b", floor, floor, 2).verdict() == "match"  # the interval alone: [0, 0]
+    p = paired_interval("a", "b", floor, floor, 2, collapsed_both={0, 1, 2})
+    assert p.verdict() == "both collapse" and "not a match" in p.sentence()
+    # one seed where either arm survived: the interval decides again
+    assert paired_interval("a", "b", floor, floor, 2, collapsed_both={0, 2}).verdict() == "match"
+
+
 def test_grpo_zeroed_share_by_hand():
     import torch
 

@@ -372,7 +372,9 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     findings = []
     for a, b in pairs:
         try:
-            findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs)).sentence())
+            both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
+            findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs),
+                                            collapsed_both=both).sentence())
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).")
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "

@@ -14,6 +14,9 @@ Every rule here was written down before the Lab II runs and is not tuned afterwa
   m comparisons of one experiment (α = 0.05).
 - **Verdicts**: A ahead when the whole interval is above 0, behind when below; "matches" only when the
   whole interval lies inside ±``margin`` (0.02 by default); otherwise the test could not tell.
+  Two arms that both collapse in every common seed are "both collapse", never "match": scores at
+  the floor agree without saying anything about the objectives (added after the first Lab II run in
+  which every arm collapsed; it changes no other verdict).
 """
 
 from __future__ import annotations
@@ -90,9 +93,12 @@ class Paired:
     lo: float
     hi: float
     level: float  # this interval's own level, 1 − α/m, so the m intervals hold together at 1 − α
+    both_collapsed: bool = False  # both arms collapsed in every one of the n seeds
 
     def verdict(self, margin: float = MARGIN) -> str:
-        """'a ahead' | 'b ahead' | 'match' | 'cannot tell' (module docstring)."""
+        """'a ahead' | 'b ahead' | 'match' | 'cannot tell' | 'both collapse' (module docstring)."""
+        if self.both_collapsed:
+            return "both collapse"
         if self.lo > 0:
             return f"{self.a} ahead"
         if self.hi < 0:
@@ -103,18 +109,22 @@ class Paired:
 
     def sentence(self, margin: float = MARGIN) -> str:
         v = self.verdict(margin)
-        text = {"match": f"match within ±{margin}", "cannot tell": "the test cannot tell"}.get(v, f"**{v}**")
+        text = {"match": f"match within ±{margin}", "cannot tell": "the test cannot tell",
+                "both collapse": f"**both collapse** in all {self.n} seeds (a tie at the floor, not a match)"
+                }.get(v, f"**{v}**")
         return (f"{self.a} − {self.b} = {self.mean:+.3f}, paired {100 * self.level:.2f}% interval "
                 f"[{self.lo:+.3f}, {self.hi:+.3f}] over {self.n} seeds: {text}.")
 
 
 def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,
-                    alpha: float = ALPHA) -> Paired:
+                    alpha: float = ALPHA, collapsed_both: set[int] | frozenset[int] = frozenset()) -> Paired:
     """Paired t-interval for mean(score_a − score_b) over the seeds both arms have, Bonferroni over ``comparisons``.
 
     Args:
         scores_a, scores_b: {seed: primary score}.
         comparisons: m, the number of comparisons in the family (each interval gets level 1 − α/m).
+        collapsed_both: seeds in which both arms met the collapse rule; when it holds every common seed
+            the verdict is 'both collapse' (module docstring).
 
     Raises:
         ValueError: fewer than two common seeds, or comparisons < 1.
@@ -129,4 +139,5 @@ def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[i
     m = sum(d) / n
     sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
     half = t_quantile(1 - alpha / (2 * comparisons), n - 1) * sd / math.sqrt(n)
-    return Paired(a, b, n, m, m - half, m + half, 1 - alpha / comparisons)
+    return Paired(a, b, n, m, m - half, m + half, 1 - alpha / comparisons,
+                  both_collapsed=set(seeds) <= set(collapsed_both))
