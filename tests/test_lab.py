@@ -16,7 +16,7 @@ from tiny import TINY
 
 BUNDLED = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
-FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "temperature_steps": 3, "precision_steps": 3, "reference_steps": 3, "temperature_steps_control": 3}
+FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "temperature_steps": 3, "precision_steps": 3, "reference_steps": 3, "temperature_steps_control": 3, "vllm_mismatch_steps": 3}
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
 
 
