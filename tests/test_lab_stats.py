@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from trustbatch.lab.stats import collapse_reason, paired_interval, primary_score, t_quantile
+from trustbatch.lab.stats import collapse_reason, paired_interval, pick_tuned, primary_score, t_quantile
 
 
 def _t_cdf(x: float, df: int, n: int = 200_000) -> float:
@@ -88,6 +88,25 @@ def test_two_arms_collapsed_in_every_seed_are_not_a_match():
     assert p.verdict() == "both collapse" and "not a match" in p.sentence()
     # one seed where either arm survived: the interval decides again
     assert paired_interval("a", "b", floor, floor, 2, collapsed_both={0, 2}).verdict() == "match"
+
+
+def test_tuned_baseline_is_picked_on_its_own_seeds_only():
+    grid = ["eps0.2", "eps0.4", "eps0.6"]
+    # on tuning seeds 6-8: eps0.4 mean 0.30, eps0.6 0.29, eps0.2 0.20; on seeds 0-1 eps0.6 would win by far
+    scores = {"eps0.2": {6: 0.2, 7: 0.2, 8: 0.2, 0: 0.1, 1: 0.1},
+              "eps0.4": {6: 0.25, 7: 0.35, 8: 0.30, 0: 0.1, 1: 0.1},
+              "eps0.6": {6: 0.29, 7: 0.29, 8: 0.29, 0: 0.9, 1: 0.9}}
+    pick, means = pick_tuned(grid, scores, [6, 7, 8])
+    assert pick == "eps0.4" and means == pytest.approx({"eps0.2": 0.2, "eps0.4": 0.3, "eps0.6": 0.29})
+    assert pick_tuned(grid, scores, [0, 1])[0] == "eps0.6"
+    # a tie goes to the first listed, whatever the grid's order
+    tie = {"a": {6: 0.3}, "b": {6: 0.3}}
+    assert pick_tuned(["a", "b"], tie, [6])[0] == "a" and pick_tuned(["b", "a"], tie, [6])[0] == "b"
+    with pytest.raises(ValueError, match="no primary score for eps0.6 seed 9"):
+        pick_tuned(grid, {**scores, "eps0.2": {**scores["eps0.2"], 9: 0.5}, "eps0.4": {**scores["eps0.4"], 9: 0.5}},
+                   [6, 9])
+    with pytest.raises(ValueError, match="non-empty grid"):
+        pick_tuned([], scores, [6])
 
 
 def test_grpo_zeroed_share_by_hand():

@@ -12,6 +12,9 @@ YAML form (see examples/lab/)::
       grpo_eps0.2@T0.6: {objective.name: grpo, objective.options: {clip_eps: 0.2}, rollout.temperature: 0.6}
     compare: [[p3o@T0.6, grpo_eps0.2@T0.6]]  # optional; default: p3o* arms vs the other arms of the same dose
     preflight_only: [grpo_eps0.2@T0.6]        # optional: probed by ``lab preflight``, not run by ``lab run``
+    tune: {arms: [grpo_eps0.2@T0.6, grpo_eps0.4@T0.6], seeds: [6, 7, 8]}
+                                              # optional: a grid whose best arm (on its own seeds) is the
+                                              # tuned baseline; see ``trustbatch.lab.stats.pick_tuned``
 
 An arm is named ``family@dose``: the family is the objective setting (compared across doses), the
 dose the strength of the shift (in the order the arms list them). An arm without ``@`` has no dose.
@@ -56,12 +59,20 @@ class Experiment:
     per_seed_base: bool = True
     compare: list[tuple[str, str]] = field(default_factory=list)
     preflight_only: list[str] = field(default_factory=list)
+    tune_arms: list[str] = field(default_factory=list)  # the grid a tuned baseline is picked from
+    tune_seeds: list[int] = field(default_factory=list)  # the seeds it is picked on, disjoint from ``seeds``
 
     @property
     def run_arms(self) -> list[str]:
         """The arms ``lab run`` trains: every arm but the pre-flight-only ones (doses the pre-flight measured
         and the full run leaves out, to fit its time budget or because the pre-flight found a control)."""
         return [a for a in self.arms if a not in self.preflight_only]
+
+    @property
+    def runs(self) -> list[tuple[str, int]]:
+        """Every (arm, seed) ``lab run`` trains: the run arms on the experiment's seeds, then the tuning grid on
+        its own seeds (picked there, compared on ``seeds``, so the pick never sees the seeds it is judged on)."""
+        return [(a, s) for a in self.run_arms for s in self.seeds] + [(a, s) for a in self.tune_arms for s in self.tune_seeds]
 
     def overrides(self, arm: str, seed: int) -> list[str]:
         """``key=value`` overrides for one run (values as YAML flow text)."""
@@ -104,10 +115,21 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     if not isinstance(only, list) or any(a not in arms for a in only):
         raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
     compare = [c for c in compare if not set(c) & set(only)]
+    tune = spec.get("tune") or {}
+    t_arms, t_seeds = tune.get("arms") or [], tune.get("seeds") or []
+    main_seeds = list(seeds or spec.get("seeds") or LAB_SEEDS)
+    if tune and (not isinstance(tune, dict) or not isinstance(t_arms, list) or not t_arms or not isinstance(t_seeds, list)
+                 or len(t_seeds) < 1 or any(a not in arms or a in only for a in t_arms)
+                 or any(not isinstance(x, int) for x in t_seeds)):
+        raise UserError(f"experiment {str(path)!r}: 'tune' must be {{arms: [arm, ...], seeds: [int, ...]}} naming run arms "
+                        "of the experiment and at least one seed")
+    if set(t_seeds) & set(main_seeds):
+        raise UserError(f"experiment {str(path)!r}: tuning seeds {sorted(set(t_seeds) & set(main_seeds))} are also "
+                        "comparison seeds; a tuned baseline must be picked on seeds it is not judged on")
     exp = Experiment(name=path.stem, description=str(spec.get("description", "")),
-                     seeds=list(seeds or spec.get("seeds") or LAB_SEEDS), arms=arms, source=path,
+                     seeds=main_seeds, arms=arms, source=path,
                      per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare],
-                     preflight_only=[str(a) for a in only])
+                     preflight_only=[str(a) for a in only], tune_arms=[str(a) for a in t_arms], tune_seeds=list(t_seeds))
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))

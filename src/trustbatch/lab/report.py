@@ -17,7 +17,7 @@ import yaml
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
-from .stats import MARGIN, collapse_reason, paired_interval, primary_score
+from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -329,10 +329,17 @@ def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
 
 def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[str]]:
     """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``)."""
-    arms = load_runs(exp_dir)
+    spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
+    tune = (spec or {}).get("tune") or {}
+    tune_seeds = [int(x) for x in tune.get("seeds") or []]
+    # runs on the tuning seeds only pick the tuned baseline; every table, figure and comparison uses the others
+    tuning: dict[str, list[dict]] = {}
+    arms: dict[str, list[dict]] = {}
+    for arm, runs in load_runs(exp_dir).items():
+        for run in runs:
+            (tuning if run["seed"] in tune_seeds else arms).setdefault(arm, []).append(run)
     if not arms:
         return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + _preflight_table(exp_dir)), []
-    spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     figs = _figures(name, arms, out)
     scored = {arm: arm_scores(runs) for arm, runs in arms.items()}
     dose_fig = _dose_figure(name, scored, out)
@@ -341,8 +348,9 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
+    n_tuning = sum(len(r) for r in tuning.values())
     lines.append(f"Seeds {seeds} ({'each with its own SFT base' if spec.get('per_seed_base', True) else 'one shared base'}); "
-                 f"{len(wall)} runs of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
+                 f"{len(wall)} runs{f' (and {n_tuning} tuning runs on seeds {tune_seeds})' if n_tuning else ''} of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
                  f"{_prompts_per_round(exp_dir, arms)}; "
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
                  + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
@@ -369,19 +377,36 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     lines += (["**Collapses:**", ""] + collapse_lines + [""]) if collapse_lines else ["**Collapses:** none.", ""]
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scores and b in scores]
+    tuned, tuned_lines = _tuned_baseline(tune, tuning)
     findings = []
     for a, b in pairs:
+        mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
             findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs),
-                                            collapsed_both=both).sentence())
+                                            collapsed_both=both).sentence() + mark)
         except ValueError as e:
-            findings.append(f"{a} vs {b}: not compared ({e}).")
+            findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
+    lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
     step_line = _step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
+
+
+def _tuned_baseline(tune: dict, tuning: dict[str, list[dict]]) -> tuple[str | None, list[str]]:
+    """(the tuned baseline's arm or None, report lines) from the runs on the tuning seeds (``stats.pick_tuned``)."""
+    if not tune:
+        return None, []
+    grid, seeds = list(tune.get("arms") or []), [int(x) for x in tune.get("seeds") or []]
+    try:
+        pick, means = pick_tuned(grid, {a: arm_scores(runs)[0] for a, runs in tuning.items()}, seeds)
+    except ValueError as e:
+        return None, [f"**Tuned baseline:** not picked: {e}", ""]
+    grid_text = ", ".join(f"{a} {m:.3f}" for a, m in means.items())
+    return pick, [f"**Tuned baseline:** {pick}, the best of the grid by mean primary score on the tuning seeds {seeds} "
+                  f"({grid_text}); those seeds take no part in the comparisons below.", ""]
 
 
 def write_report(runs: Path, out: Path, experiments: list[str] | None = None) -> Path:
@@ -406,7 +431,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
     head = [
         "# Off-policy lab report", "",
         f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by "
-        f"`trustbatch lab report --runs {runs} --out {out}`.", "",
+        f"`trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}`.", "",
         "Every run is `trustbatch train` with the lab's common settings (`LAB_COMMON` in "
         f"`src/trustbatch/lab/experiment.py`: {LAB_COMMON['train.steps']} rounds × {LAB_COMMON['rollout.prompts_per_step']} prompts × 8 samples, "
         "(an experiment run before a change of these says its own prompts per round), "

@@ -43,7 +43,7 @@ def build_shared_base(exp: Experiment, console) -> None:
     from ..recipes.build import foreign_engine, prepare_run, task_key
 
     seen = set()
-    for seed in (exp.seeds if exp.per_seed_base else exp.seeds[:1]):
+    for seed in (exp.seeds + exp.tune_seeds if exp.per_seed_base else exp.seeds[:1]):
         for arm in exp.run_arms:
             cfg = load_config(None, exp.overrides(arm, seed))
             # foreign_model is a name or a mapping of model settings: as JSON text either one can be a key
@@ -74,9 +74,10 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
 
     (root / "experiment.yaml").write_text(yaml.safe_dump(
         {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
-         "compare": [list(c) for c in exp.compare], "preflight_only": exp.preflight_only, "commit": git_commit(),
+         "compare": [list(c) for c in exp.compare], "preflight_only": exp.preflight_only,
+         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), "commit": git_commit(),
          "command": f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"}, sort_keys=False))
-    todo = [(a, s) for a in exp.run_arms for s in exp.seeds]
+    todo = exp.runs
     build_shared_base(exp, console)
     t0 = time.time()
     running: list[tuple[subprocess.Popen, str, int, object]] = []

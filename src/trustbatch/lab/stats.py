@@ -17,6 +17,9 @@ Every rule here was written down before the Lab II runs and is not tuned afterwa
   Two arms that both collapse in every common seed are "both collapse", never "match": scores at
   the floor agree without saying anything about the objectives (added after the first Lab II run in
   which every arm collapsed; it changes no other verdict).
+- **Tuned baseline** (where the claim is "matches tuned baselines"): among a grid of arms, the one with the
+  highest mean primary score over tuning seeds that the comparison never uses (the first listed on a tie).
+  It is then compared on the experiment's own seeds like any other arm, inside the same Bonferroni family.
 """
 
 from __future__ import annotations
@@ -141,3 +144,29 @@ def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[i
     half = t_quantile(1 - alpha / (2 * comparisons), n - 1) * sd / math.sqrt(n)
     return Paired(a, b, n, m, m - half, m + half, 1 - alpha / comparisons,
                   both_collapsed=set(seeds) <= set(collapsed_both))
+
+
+def pick_tuned(grid: list[str], scores: dict[str, dict[int, float]], seeds: list[int]) -> tuple[str, dict[str, float]]:
+    """The tuned baseline of ``grid``: the arm with the highest mean primary score over ``seeds`` (module docstring).
+
+    Args:
+        grid: candidate arms, in the experiment's order (the first wins a tie).
+        scores: {arm: {seed: primary score}}; seeds outside ``seeds`` are ignored, so the comparison seeds
+            cannot leak into the pick.
+        seeds: the tuning seeds.
+
+    Returns:
+        (the picked arm, {arm: its mean over ``seeds``}).
+
+    Raises:
+        ValueError: an empty grid or no tuning seeds, or an arm lacking a score on some tuning seed (a failed or
+            unfinished run: rerun ``trustbatch lab run``), so that no arm is picked on fewer seeds than another.
+    """
+    if not grid or not seeds:
+        raise ValueError("a tuned baseline needs a non-empty grid of arms and at least one tuning seed")
+    missing = [f"{a} seed {s}" for a in grid for s in seeds if s not in scores.get(a, {})]
+    if missing:
+        raise ValueError(f"no primary score for {', '.join(missing)}; finish those runs (rerun `trustbatch lab run`)")
+    means = {a: sum(scores[a][s] for s in seeds) / len(seeds) for a in grid}
+    best = max(grid, key=lambda a: (means[a], -grid.index(a)))
+    return best, means
