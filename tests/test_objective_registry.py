@@ -269,3 +269,21 @@ def test_cap_fraction_hand_count():
     out = objectives.get("p3o")(rho.log().requires_grad_(True), torch.zeros(1, 6, dtype=torch.float64),
                                 torch.ones(1, 6, dtype=torch.float64), torch.ones(1, 6, dtype=torch.bool), ess=0.9)
     assert out.metrics["cap_fraction"] == pytest.approx(3 / 6)
+
+
+def test_cap_weight_removed_hand_worked():
+    # e = 0.9; ρ = [1.0, 0.5, 2.0, 3.0], |A| = [1, 2, 0.5, 0] (the last token has no advantage: it weighs nothing)
+    # removed: 1·(1.0 − 0.9) + 2·0 + 0.5·(2.0 − 0.9) + 0 = 0.1 + 0.55 = 0.65
+    # total:   1·1.0 + 2·0.5 + 0.5·2.0 + 0 = 3.0
+    rho = torch.tensor([[1.0, 0.5, 2.0, 3.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 0.5, 0.0]], dtype=torch.float64)
+    m = torch.ones(1, 4, dtype=torch.bool)
+    p3o = objectives.get("p3o")
+    out = p3o(rho.log().requires_grad_(True), torch.zeros(1, 4, dtype=torch.float64), adv, m, ess=0.9)
+    assert float(out.metrics["cap_weight_removed"]) == pytest.approx(0.65 / 3.0, rel=1e-12)
+    # a masked token counts for nothing, and all-zero advantages give 0, not NaN
+    m2 = torch.tensor([[True, True, False, True]])
+    out = p3o(rho.log().requires_grad_(True), torch.zeros(1, 4, dtype=torch.float64), adv, m2, ess=0.9)
+    assert float(out.metrics["cap_weight_removed"]) == pytest.approx(0.1 / 2.0, rel=1e-12)
+    out = p3o(rho.log().requires_grad_(True), torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64), m, ess=0.9)
+    assert float(out.metrics["cap_weight_removed"]) == 0.0

@@ -32,6 +32,11 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
+def _fmt(x: float, spec: str) -> str:
+    """``spec`` applied to a finite number; 'n/a' for NaN (a metric the runs never logged)."""
+    return spec.format(x) if math.isfinite(x) else "n/a"
+
+
 def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
     """{arm: [run, ...]} for the finished runs; a run is {"seed", "metrics", "ratios", "summary"}."""
     arms: dict[str, list[dict]] = {}
@@ -81,12 +86,13 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     files = []
     panels = [
         ("curves", [("reward_mean", "training reward (5-step mean)", True), ("heldout_accuracy", "held-out pass@1", False)]),
-        ("traces", [("ess", "normalized ESS of π/μ", False), ("cap_fraction", "P3O cap share", False),
+        ("traces", [("ess", "normalized ESS of π/μ", False), ("cap_fraction", "P3O cap share (tokens)", False),
+                    ("cap_weight_removed", "P3O cap: share of |A|·ρ removed", False),
                     ("kl_weight", "P3O KL weight", False), ("grpo_zeroed_0.2", "share GRPO(ε=0.2) would zero", False),
                     ("grad_norm", "gradient norm", False), ("staleness_mean", "mean sample age (versions)", False)]),
     ]
     for tag, keys in panels:
-        fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * min(len(keys), 3), 3.0) if len(keys) < 4 else (15, 3.0), dpi=80)
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * min(len(keys), 3), 3.0) if len(keys) < 4 else (2.4 * len(keys), 3.0), dpi=80)
         for ax, (key, label, smooth) in zip(axes, keys):
             for i, (arm, runs) in enumerate(arms.items()):
                 steps, mean, se = _series(runs, key)
@@ -356,8 +362,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
                     if (exp_dir / "wall_s.txt").exists() else "."))
     lines += [""] + _preflight_table(exp_dir)
-    lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | mean grad norm |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     scores: dict[str, dict[int, float]] = {}
     collapse_lines = []
     for arm, runs in arms.items():
@@ -368,12 +374,14 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         min_ess = _mean_se([min((r["ess"] for r in run["metrics"] if "ess" in r), default=float("nan")) for run in runs])[0]
         lines.append(f"| {arm} | {_mean_se(list(bases.values()))[0]:.3f} | {m:.3f} ± {se:.3f} | {n_col}/{len(col)} "
                      f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'grpo_zeroed_0.2'):.3f} "
-                     f"| {_over_steps(runs, 'cap_fraction'):.3f} | {_over_steps(runs, 'grad_norm'):.3f} |")
+                     f"| {_over_steps(runs, 'cap_fraction'):.3f} | {_fmt(_over_steps(runs, 'cap_weight_removed'), '{:.2%}')} "
+                     f"| {_over_steps(runs, 'grad_norm'):.3f} |")
         collapse_lines += [f"- {arm} seed {s}: {why}" for s, why in sorted(col.items()) if why]
     lines += ["", "Primary score: mean held-out pass@1 (T = 1) of the last two evaluations, ± one standard error over seeds. "
               "Collapsed: seeds meeting the collapse rule fixed before the runs (`trustbatch.lab.stats`). "
               "Clip share: the share of tokens GRPO's clip at ε = 0.2 would zero on the arm's own data, per optimizer step, whatever the arm's objective. "
-              "Cap share: P3O's capped-token share.", ""]
+              "Cap share: P3O's capped-token share. Cap removes: the share of P3O's score-function weight Σ|A|·ρ that "
+              "its cap takes away (n/a for runs from before the metric existed, and for arms that are not P3O).", ""]
     lines += (["**Collapses:**", ""] + collapse_lines + [""]) if collapse_lines else ["**Collapses:** none.", ""]
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scores and b in scores]

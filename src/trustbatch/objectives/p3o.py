@@ -166,7 +166,8 @@ def p3o(
     Returns:
         ObjectiveOutput; metrics add ``ess``, ``ess_fallback`` (count), ``cap_fraction`` (fraction
         of valid tokens the cap changes: ρ > e_B·(1 + CAP_RTOL), so float32 recomputation noise on
-        on-policy data counts as 0), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
+        on-policy data counts as 0), ``cap_weight_removed`` (the share of the score-function weight the cap
+        removes, Σ|A_t|·(ρ_t − min(ρ_t, e_B)) / Σ|A_t|·ρ_t over valid tokens; 0 when every A_t = 0), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
         ``policy_loss`` and ``kl_loss`` (the two terms, aggregated), and the shared ratio metrics.
 
     Raises:
@@ -200,9 +201,16 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
     loss = aggregate(per_token, prep)
     n = prep.count.clamp_min(1.0)
     e_mean = _mean_ess(e, prep)
+    # cap_fraction counts tokens, which says little at high ESS: at e = 0.996 the cap "binds" on every
+    # token with ρ > 0.996 while removing well under 1 % of the weight. The removed share of |A|·ρ says how
+    # much of the score-function term the cap actually takes away.
+    abs_adv = torch.where(prep.mask, prep.advantages.abs(), zero)
+    full_sf = (ratio * abs_adv).sum()
+    removed = ((ratio - weight) * abs_adv).sum()
     metrics.update(
         ess=e_mean,
         cap_fraction=((ratio > e * (1.0 + CAP_RTOL)) & prep.mask).sum() / n,
+        cap_weight_removed=torch.where(full_sf > 0, removed / full_sf.clamp_min(torch.finfo(ratio.dtype).tiny), zero),
         kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
         kl_weight=1.0 - e_mean,
         policy_loss=aggregate(policy_t.detach(), prep),
