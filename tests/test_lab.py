@@ -216,7 +216,8 @@ def test_tuned_baseline_is_picked_on_tuning_seeds_and_judged_on_the_others(tmp_p
     f.write_text(yaml.safe_dump(spec))
     with pytest.raises(UserError, match=r"tuning seeds \[1\] are also comparison seeds"):
         load_experiment(str(f))
-    spec["tune"] = {"arms": ["nope"], "seeds": [6]}
-    f.write_text(yaml.safe_dump(spec))
-    with pytest.raises(UserError, match="'tune' must be"):
-        load_experiment(str(f))
+    for bad in ({"arms": ["nope"], "seeds": [6]}, ["g2@x"], {"arms": ["g2@x"]}):
+        spec["tune"] = bad
+        f.write_text(yaml.safe_dump(spec))
+        with pytest.raises(UserError, match="'tune' must be"):
+            load_experiment(str(f))

@@ -116,11 +116,10 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
         raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
     compare = [c for c in compare if not set(c) & set(only)]
     tune = spec.get("tune") or {}
-    t_arms, t_seeds = tune.get("arms") or [], tune.get("seeds") or []
+    t_arms, t_seeds = (tune.get("arms") or [], tune.get("seeds") or []) if isinstance(tune, dict) else (None, None)
     main_seeds = list(seeds or spec.get("seeds") or LAB_SEEDS)
-    if tune and (not isinstance(tune, dict) or not isinstance(t_arms, list) or not t_arms or not isinstance(t_seeds, list)
-                 or len(t_seeds) < 1 or any(a not in arms or a in only for a in t_arms)
-                 or any(not isinstance(x, int) for x in t_seeds)):
+    if tune and (not isinstance(t_arms, list) or not t_arms or not isinstance(t_seeds, list) or not t_seeds
+                 or any(a not in arms or a in only for a in t_arms) or any(not isinstance(x, int) for x in t_seeds)):
         raise UserError(f"experiment {str(path)!r}: 'tune' must be {{arms: [arm, ...], seeds: [int, ...]}} naming run arms "
                         "of the experiment and at least one seed")
     if set(t_seeds) & set(main_seeds):
