@@ -221,3 +221,36 @@ def test_tuned_baseline_is_picked_on_tuning_seeds_and_judged_on_the_others(tmp_p
         f.write_text(yaml.safe_dump(spec))
         with pytest.raises(UserError, match="'tune' must be"):
             load_experiment(str(f))
+
+
+def test_bases_build_in_worker_processes_once_per_distinct_base(tmp_path, monkeypatch):
+    """jobs=2: the distinct bases (one per seed here; the two arms share it) are built by worker processes into
+    the cache, whole, and a second call finds them all cached."""
+    from trustbatch.lab.runner import build_shared_base
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))  # the spawned workers inherit it
+    common = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in TINY)}
+    spec = {"description": "tiny", "common": common, "seeds": [0, 1],
+            "arms": {"onpolicy": {}, "p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2}}}
+    f = tmp_path / "tiny_bases.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    exp = load_experiment(str(f))
+
+    class _Quiet:
+        def print(self, *a, **k):
+            pass
+
+    build_shared_base(exp, _Quiet(), jobs=2)
+    root = tmp_path / "cache" / "base"
+    built = sorted(p for p in root.iterdir())
+    assert len(built) == 2 and all((p / "config.json").is_file() and (p / "model.safetensors").is_file() for p in built)
+    mtimes = [(p / "model.safetensors").stat().st_mtime_ns for p in built]
+    build_shared_base(exp, _Quiet(), jobs=2)  # all cached: nothing is written again
+    assert sorted(root.iterdir()) == built and [(p / "model.safetensors").stat().st_mtime_ns for p in built] == mtimes
+    # a run's own lookup finds the same folder as the workers wrote (the cache key does not depend on the builder)
+    from trustbatch.config import load_config
+    from trustbatch.recipes.build import prepare_run
+
+    _, _, pool, source = prepare_run(load_config(None, exp.overrides("p3o@T1.2", 1)))
+    pool.close()
+    assert source.endswith("(cached)") and any(str(p) in source for p in built)

@@ -35,14 +35,35 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
     return base + ["--config", str(run_dir.parent / f"seed{seed}.yaml")]
 
 
-def build_shared_base(exp: Experiment, console) -> None:
+def _build_base(overrides: list[str], threads: int | None = None) -> None:
+    """Build (or load from the cache) one run's base and, for a foreign arm, its foreign base.
+
+    ``threads`` sets torch's intra-op threads first (a worker process of ``build_shared_base``)."""
+    from ..recipes.build import foreign_engine, prepare_run
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    cfg = load_config(None, overrides)
+    task, policy, pool, _ = prepare_run(cfg)
+    pool.close()
+    if cfg.rollout.foreign_fraction > 0:
+        foreign_engine(cfg, task, policy)
+
+
+def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
     """Build (or find cached) each seed's base and foreign base once, before parallel runs would each build them.
 
     Arms that differ only in shift or objective share a base; the cache key is the task and model settings.
+    With ``jobs`` > 1 the distinct bases are built ``jobs`` at a time, each in a process of one thread, as the
+    runs themselves are: an SFT of these small models gains little from a second thread, so two one-thread builds
+    use the two cores better than one two-thread build. Two builds that meet on one cache entry are safe: each
+    writes a temporary folder and renames it (``policy.base.default_base``).
     """
-    from ..recipes.build import foreign_engine, prepare_run, task_key
+    from ..recipes.build import task_key
 
-    seen = set()
+    seen, todo = set(), []
     for seed in (exp.seeds + exp.tune_seeds if exp.per_seed_base else exp.seeds[:1]):
         for arm in exp.run_arms:
             cfg = load_config(None, exp.overrides(arm, seed))
@@ -52,11 +73,20 @@ def build_shared_base(exp: Experiment, console) -> None:
             if key in seen or not (cfg.model.path is None or cfg.rollout.foreign_fraction > 0):
                 continue
             seen.add(key)
+            todo.append((seed, arm, exp.overrides(arm, seed)))
+    if jobs <= 1 or len(todo) <= 1:
+        for seed, arm, overrides in todo:
             console.print(f"[dim]seed {seed}, {arm}: building or loading the cached base models…[/dim]")
-            task, policy, pool, _ = prepare_run(cfg)
-            pool.close()
-            if cfg.rollout.foreign_fraction > 0:
-                foreign_engine(cfg, task, policy)
+            _build_base(overrides)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    console.print(f"[dim]building or loading {len(todo)} cached base models, {jobs} at a time…[/dim]")
+    # spawn: a fork of a process that already ran torch can deadlock in its thread pools
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for f in [ex.submit(_build_base, overrides, 1) for _, _, overrides in todo]:
+            f.result()  # a failed build raises here, before any run starts
 
 
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
@@ -78,7 +108,7 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
          **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), "commit": git_commit(),
          "command": f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"}, sort_keys=False))
     todo = exp.runs
-    build_shared_base(exp, console)
+    build_shared_base(exp, console, jobs=jobs)
     t0 = time.time()
     running: list[tuple[subprocess.Popen, str, int, object]] = []
     failed: list[str] = []
