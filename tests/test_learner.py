@@ -48,3 +48,26 @@ def test_micro_batches_give_the_single_batch_gradient(tiny):
         assert m_full["ess"] < 0.9  # off-policy enough for the ESS to matter
         for n in g_full:
             torch.testing.assert_close(g[n], g_full[n], rtol=1e-6, atol=1e-9)
+
+
+def test_cap_weight_removed_is_the_batch_ratio_over_micro_batches(tiny):
+    """Σ|A|·(ρ − min(ρ, e_B)) / Σ|A|·ρ over the whole batch, whatever the micro-batching, including a micro-batch
+    whose advantages are all 0 (it adds nothing to either sum), against the sums written out from a plain forward."""
+    from trustbatch.policy.forward import response_logprobs
+
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    b.advantages = b.advantages.double()
+    b.advantages[:2] = 0.0  # with micro=2 the first micro-batch has no advantage at all
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, b.packed)
+    m = b.packed.response_mask
+    rho = (logp - b.behavior_logprobs).exp()[m]
+    e = float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum()))  # Eq. 11, normalized ESS
+    a = b.advantages[:, None].expand_as(logp)[m].abs()
+    want = float(((rho - rho.clamp(max=e)) * a).sum() / (rho * a).sum())
+    assert 0.01 < want < 0.99  # the cap does something, and not everything
+    for micro in (6, 2, 1):
+        _, metrics = _grads(model, b, micro=micro)
+        assert metrics["cap_weight_removed"] == pytest.approx(want, rel=1e-6), micro  # ρ is float32 in the objective

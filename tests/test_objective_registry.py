@@ -287,3 +287,12 @@ def test_cap_weight_removed_hand_worked():
     assert float(out.metrics["cap_weight_removed"]) == pytest.approx(0.1 / 2.0, rel=1e-12)
     out = p3o(rho.log().requires_grad_(True), torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64), m, ess=0.9)
     assert float(out.metrics["cap_weight_removed"]) == 0.0
+
+
+def test_cap_weight_removed_stays_finite_where_float32_sums_overflow():
+    # log ρ = 80 on 100 tokens with |A| = 1e3: Σ|A|·ρ ≈ 5.5e39 is beyond float32's 3.4e38
+    lp = torch.full((1, 100), 80.0).requires_grad_(True)
+    out = objectives.get("p3o")(lp, torch.zeros(1, 100), torch.full((1, 100), 1e3), torch.ones(1, 100, dtype=torch.bool),
+                                ess=0.5, log_ratio_clip=80.0)
+    # every token is capped at e = 0.5: removed share (ρ − 0.5)/ρ, 1 − 0.5·e^−80 in float64
+    assert float(out.metrics["cap_weight_removed"]) == pytest.approx(1.0, abs=1e-12)

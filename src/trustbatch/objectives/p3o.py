@@ -167,7 +167,8 @@ def p3o(
         ObjectiveOutput; metrics add ``ess``, ``ess_fallback`` (count), ``cap_fraction`` (fraction
         of valid tokens the cap changes: ρ > e_B·(1 + CAP_RTOL), so float32 recomputation noise on
         on-policy data counts as 0), ``cap_weight_removed`` (the share of the score-function weight the cap
-        removes, Σ|A_t|·(ρ_t − min(ρ_t, e_B)) / Σ|A_t|·ρ_t over valid tokens; 0 when every A_t = 0), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
+        removes, Σ|A_t|·(ρ_t − min(ρ_t, e_B)) / Σ|A_t|·ρ_t over valid tokens; 0 when every A_t = 0; its
+        numerator and denominator per valid token are ``cap_removed_weight`` and ``score_weight``), ``kl_behavior`` (token mean of the chosen estimator), ``kl_weight`` (1 − e_B),
         ``policy_loss`` and ``kl_loss`` (the two terms, aggregated), and the shared ratio metrics.
 
     Raises:
@@ -204,13 +205,17 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
     # cap_fraction counts tokens, which says little at high ESS: at e = 0.996 the cap "binds" on every
     # token with ρ > 0.996 while removing well under 1 % of the weight. The removed share of |A|·ρ says how
     # much of the score-function term the cap actually takes away.
-    abs_adv = torch.where(prep.mask, prep.advantages.abs(), zero)
-    full_sf = (ratio * abs_adv).sum()
-    removed = ((ratio - weight) * abs_adv).sum()
+    # float64: with a wide log_ratio_clip ρ reaches e^80, whose float32 sum overflows
+    abs_adv = torch.where(prep.mask, prep.advantages.abs(), zero).double()
+    full_sf = (ratio.double() * abs_adv).sum()
+    removed = ((ratio - weight).double() * abs_adv).sum()
     metrics.update(
         ess=e_mean,
         cap_fraction=((ratio > e * (1.0 + CAP_RTOL)) & prep.mask).sum() / n,
-        cap_weight_removed=torch.where(full_sf > 0, removed / full_sf.clamp_min(torch.finfo(ratio.dtype).tiny), zero),
+        cap_weight_removed=removed / full_sf if full_sf > 0 else torch.zeros((), dtype=torch.float64),
+        # the two parts as token means, so that a learner can reduce them over micro-batches and ranks
+        # exactly and divide once (``trainer.learner._RATIO_METRICS``)
+        cap_removed_weight=removed / n, score_weight=full_sf / n,
         kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
         kl_weight=1.0 - e_mean,
         policy_loss=aggregate(policy_t.detach(), prep),

@@ -38,6 +38,9 @@ from .parallel import World
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.
 _ADDITIVE = ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens")
+# Ratios of sums: a token-weighted mean of per-micro-batch ratios is not the batch's ratio, so they are
+# recomputed from their parts (token means, which do reduce exactly) after the reduction.
+_RATIO_METRICS = {"cap_weight_removed": ("cap_removed_weight", "score_weight")}
 
 
 class NonFiniteTraining(UserError):
@@ -317,6 +320,9 @@ class Learner:
         if self.world.size == 1:  # keep the one-process path's exact float arithmetic
             out = {k: (v if k in _ADDITIVE else v / max(local_tokens, 1.0)) for k, v in sums.items()}
         out.update(zip(mk, self.world.max([maxes.get(k, float("-inf")) for k in mk])))
+        for k, (num, den) in _RATIO_METRICS.items():
+            if k in out and num in out and den in out:
+                out[k] = out[num] / out[den] if out[den] > 0 else 0.0
         out["grad_norm"] = grad_norm
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
