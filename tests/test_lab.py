@@ -140,8 +140,9 @@ def test_shared_base_build_dedups_foreign_model_mappings(monkeypatch):
             pass
 
     build_shared_base(exp, _Quiet())
-    # per seed: the plain base (onpolicy / own_only share it) and one foreign-arm build (4 arms share it)
-    assert sorted(calls) == [("base", 0), ("base", 0), ("base", 1), ("base", 1), ("foreign", 0), ("foreign", 1)]
+    # each seed's base once (onpolicy, own_only and the foreign arms share it), then the foreign base once: its
+    # mapping sets its own seed, so it is one model for every seed (its build loads seed 0's cached base first)
+    assert calls == [("base", 0), ("base", 1), ("base", 0), ("foreign", 0)]
 
 
 def test_preflight_only_arms_are_probed_but_not_run(tmp_path, monkeypatch):
@@ -216,22 +217,28 @@ def test_tuned_baseline_is_picked_on_tuning_seeds_and_judged_on_the_others(tmp_p
     f.write_text(yaml.safe_dump(spec))
     with pytest.raises(UserError, match=r"tuning seeds \[1\] are also comparison seeds"):
         load_experiment(str(f))
-    for bad in ({"arms": ["nope"], "seeds": [6]}, ["g2@x"], {"arms": ["g2@x"]}):
+    for bad, why in (({"arms": ["nope"], "seeds": [6]}, r"run arms of the experiment \(nope\)"), (["g2@x"], "'tune' must be"),
+                     ({"arms": ["g2@x"]}, "'tune' must be"), ({"arms": ["g2@x"], "seeds": [6, 6]}, r"distinct integers, got \[6, 6\]"),
+                     ({"arms": ["g2@x", "g2@x"], "seeds": [6]}, "lists an arm twice")):
         spec["tune"] = bad
         f.write_text(yaml.safe_dump(spec))
-        with pytest.raises(UserError, match="'tune' must be"):
+        with pytest.raises(UserError, match=why):
             load_experiment(str(f))
 
 
 def test_bases_build_in_worker_processes_once_per_distinct_base(tmp_path, monkeypatch):
-    """jobs=2: the distinct bases (one per seed here; the two arms share it) are built by worker processes into
-    the cache, whole, and a second call finds them all cached."""
+    """jobs=2: the distinct bases (one per seed, shared by three arms, and one foreign base) are built by worker
+    processes into the cache, whole, and a second call finds them all cached."""
     from trustbatch.lab.runner import build_shared_base
+
+    import trustbatch.policy.base as base_mod
 
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))  # the spawned workers inherit it
     common = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in TINY)}
     spec = {"description": "tiny", "common": common, "seeds": [0, 1],
-            "arms": {"onpolicy": {}, "p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2}}}
+            "arms": {"onpolicy": {}, "p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2},
+                     "p3o@foreign": {"objective.name": "p3o", "rollout.foreign_fraction": 0.5,
+                                     "rollout.foreign_model": {"hidden": 48, "seed": 5}}}}
     f = tmp_path / "tiny_bases.yaml"
     f.write_text(yaml.safe_dump(spec))
     exp = load_experiment(str(f))
@@ -240,10 +247,17 @@ def test_bases_build_in_worker_processes_once_per_distinct_base(tmp_path, monkey
         def print(self, *a, **k):
             pass
 
+    def _not_here(*a, **k):
+        raise AssertionError("jobs=2 builds in worker processes, not in the caller")
+
+    monkeypatch.setattr(base_mod, "sft", _not_here)  # the spawned workers import their own, unpatched
     build_shared_base(exp, _Quiet(), jobs=2)
+    monkeypatch.undo()
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "cache" / "base"
     built = sorted(p for p in root.iterdir())
-    assert len(built) == 2 and all((p / "config.json").is_file() and (p / "model.safetensors").is_file() for p in built)
+    # seed 0's base, seed 1's base (three arms share each) and the one foreign base (its mapping fixes its seed)
+    assert len(built) == 3 and all((p / "config.json").is_file() and (p / "model.safetensors").is_file() for p in built)
     mtimes = [(p / "model.safetensors").stat().st_mtime_ns for p in built]
     build_shared_base(exp, _Quiet(), jobs=2)  # all cached: nothing is written again
     assert sorted(root.iterdir()) == built and [(p / "model.safetensors").stat().st_mtime_ns for p in built] == mtimes

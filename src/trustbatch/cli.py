@@ -168,7 +168,7 @@ def lab_run(
     experiment: str = typer.Argument(..., help="a bundled experiment (clip, temperature, precision, staleness, foreign, replay, two_anchor, ess_scope) or a YAML file"),
     out: str = typer.Option("lab_runs", "--out", help="runs go to OUT/EXPERIMENT/ARM/seedK"),
     jobs: int = typer.Option(2, "--jobs", "-j", help="runs at a time (each uses one CPU thread)"),
-    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's, else 0,1,2)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's, else 0-5); a 'tune' grid still runs on its own tuning seeds"),
 ):
     """Run one experiment's arms × seeds; finished runs are skipped and interrupted ones resume."""
     from pathlib import Path

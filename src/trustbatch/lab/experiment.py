@@ -115,26 +115,43 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     if not isinstance(only, list) or any(a not in arms for a in only):
         raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
     compare = [c for c in compare if not set(c) & set(only)]
-    tune = spec.get("tune") or {}
-    t_arms, t_seeds = (tune.get("arms") or [], tune.get("seeds") or []) if isinstance(tune, dict) else (None, None)
     main_seeds = list(seeds or spec.get("seeds") or LAB_SEEDS)
-    if tune and (not isinstance(t_arms, list) or not t_arms or not isinstance(t_seeds, list) or not t_seeds
-                 or any(a not in arms or a in only for a in t_arms) or any(not isinstance(x, int) for x in t_seeds)):
-        raise UserError(f"experiment {str(path)!r}: 'tune' must be {{arms: [arm, ...], seeds: [int, ...]}} naming run arms "
-                        "of the experiment and at least one seed")
-    if set(t_seeds) & set(main_seeds):
-        raise UserError(f"experiment {str(path)!r}: tuning seeds {sorted(set(t_seeds) & set(main_seeds))} are also "
-                        "comparison seeds; a tuned baseline must be picked on seeds it is not judged on")
+    if len(set(main_seeds)) != len(main_seeds):
+        raise UserError(f"experiment {str(path)!r}: seeds {main_seeds} repeat a seed; give each seed once")
+    t_arms, t_seeds = _tune(spec.get("tune"), arms, only, main_seeds, str(path))
     exp = Experiment(name=path.stem, description=str(spec.get("description", "")),
                      seeds=main_seeds, arms=arms, source=path,
                      per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare],
-                     preflight_only=[str(a) for a in only], tune_arms=[str(a) for a in t_arms], tune_seeds=list(t_seeds))
+                     preflight_only=[str(a) for a in only], tune_arms=t_arms, tune_seeds=t_seeds)
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))
         except UserError as e:
             raise UserError(f"experiment {path.stem!r}, arm {arm!r}: {e}") from None
     return exp
+
+
+def _tune(tune, arms: dict, only: list, main_seeds: list[int], where: str) -> tuple[list, list]:
+    """(grid arms, tuning seeds) of an experiment's ``tune`` mapping, checked; ([], []) without one."""
+    if not tune:
+        return [], []
+    form = "'tune' must be {arms: [arm, ...], seeds: [int, ...]}"
+    if not isinstance(tune, dict) or not isinstance(tune.get("arms"), list) or not isinstance(tune.get("seeds"), list):
+        raise UserError(f"experiment {where!r}: {form}")
+    t_arms, t_seeds = tune["arms"], tune["seeds"]
+    bad = [a for a in t_arms if a not in arms or a in only]
+    if not t_arms or bad:
+        raise UserError(f"experiment {where!r}: {form}; its arms must be run arms of the experiment "
+                        f"({', '.join(map(str, bad)) or 'none given'})")
+    if not t_seeds or any(not isinstance(x, int) or isinstance(x, bool) for x in t_seeds) or len(set(t_seeds)) != len(t_seeds):
+        raise UserError(f"experiment {where!r}: {form}; its seeds must be distinct integers, got {t_seeds}")
+    if len(set(t_arms)) != len(t_arms):
+        raise UserError(f"experiment {where!r}: 'tune' lists an arm twice in {t_arms}")
+    both = sorted(set(t_seeds) & set(main_seeds))
+    if both:
+        raise UserError(f"experiment {where!r}: tuning seeds {both} are also comparison seeds; a tuned baseline "
+                        "must be picked on seeds it is not judged on")
+    return [str(a) for a in t_arms], list(t_seeds)
 
 
 def family_and_dose(arm: str) -> tuple[str, str | None]:

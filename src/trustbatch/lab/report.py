@@ -354,7 +354,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
-    n_tuning = sum(len(r) for r in tuning.values())
+    n_tuning = sum(len(r) for a, r in tuning.items() if a in (tune.get("arms") or []))
     lines.append(f"Seeds {seeds} ({'each with its own SFT base' if spec.get('per_seed_base', True) else 'one shared base'}); "
                  f"{len(wall)} runs{f' (and {n_tuning} tuning runs on seeds {tune_seeds})' if n_tuning else ''} of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
                  f"{_prompts_per_round(exp_dir, arms)}; "
@@ -395,6 +395,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                                             collapsed_both=both).sentence() + mark)
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
+    if tuned and not any(tuned in p for p in pairs):
+        tuned_lines += [f"The tuned baseline {tuned} is in none of this experiment's comparisons.", ""]
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from ..config import dump_config, load_config
+from ..errors import UserError
 from .experiment import Experiment
 
 
@@ -35,8 +36,8 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
     return base + ["--config", str(run_dir.parent / f"seed{seed}.yaml")]
 
 
-def _build_base(overrides: list[str], threads: int | None = None) -> None:
-    """Build (or load from the cache) one run's base and, for a foreign arm, its foreign base.
+def _build_base(overrides: list[str], foreign: bool, threads: int | None = None) -> None:
+    """Build (or load from the cache) one run's base, and with ``foreign`` its foreign base too.
 
     ``threads`` sets torch's intra-op threads first (a worker process of ``build_shared_base``)."""
     from ..recipes.build import foreign_engine, prepare_run
@@ -48,45 +49,70 @@ def _build_base(overrides: list[str], threads: int | None = None) -> None:
     cfg = load_config(None, overrides)
     task, policy, pool, _ = prepare_run(cfg)
     pool.close()
-    if cfg.rollout.foreign_fraction > 0:
+    if foreign:
         foreign_engine(cfg, task, policy)
 
 
-def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
-    """Build (or find cached) each seed's base and foreign base once, before parallel runs would each build them.
+def base_builds(exp: Experiment) -> list[list[tuple[str, int, list[str], bool]]]:
+    """The distinct builds ``exp``'s runs need, in two waves: [(arm, seed, overrides, foreign?), ...] per wave.
 
-    Arms that differ only in shift or objective share a base; the cache key is the task and model settings.
-    With ``jobs`` > 1 the distinct bases are built ``jobs`` at a time, each in a process of one thread, as the
-    runs themselves are: an SFT of these small models gains little from a second thread, so two one-thread builds
-    use the two cores better than one two-thread build. Two builds that meet on one cache entry are safe: each
-    writes a temporary folder and renames it (``policy.base.default_base``).
+    Wave 1 builds each distinct base (task and model settings) once; wave 2 each distinct foreign base once,
+    after the bases it loads are cached. Keying by what is built, not by arm, keeps two workers from
+    training the same model at once (an on-policy arm and a foreign arm share their seed's base).
     """
     from ..recipes.build import task_key
 
-    seen, todo = set(), []
-    for seed in (exp.seeds + exp.tune_seeds if exp.per_seed_base else exp.seeds[:1]):
-        for arm in exp.run_arms:
-            cfg = load_config(None, exp.overrides(arm, seed))
-            # foreign_model is a name or a mapping of model settings: as JSON text either one can be a key
-            foreign = json.dumps(cfg.rollout.foreign_model, sort_keys=True, default=str) if cfg.rollout.foreign_fraction > 0 else None
-            key = (repr(task_key(cfg)), cfg.model.model_dump_json(), foreign)
-            if key in seen or not (cfg.model.path is None or cfg.rollout.foreign_fraction > 0):
-                continue
-            seen.add(key)
-            todo.append((seed, arm, exp.overrides(arm, seed)))
-    if jobs <= 1 or len(todo) <= 1:
-        for seed, arm, overrides in todo:
-            console.print(f"[dim]seed {seed}, {arm}: building or loading the cached base models…[/dim]")
-            _build_base(overrides)
+    bases: dict[tuple, tuple] = {}
+    foreigns: dict[tuple, tuple] = {}
+    for arm, seed in exp.runs:
+        overrides = exp.overrides(arm, seed)
+        cfg = load_config(None, overrides)
+        model = cfg.model.model_dump(mode="json")
+        if cfg.model.path is None:
+            bases.setdefault((repr(task_key(cfg)), json.dumps(model, sort_keys=True)), (arm, seed, overrides, False))
+        if cfg.rollout.foreign_fraction > 0:
+            spec = cfg.rollout.foreign_model
+            # a mapping is merged into the model settings (recipes.build.foreign_engine); a name is itself the key
+            what = json.dumps({**model, **spec} if isinstance(spec, dict) else spec, sort_keys=True, default=str)
+            foreigns.setdefault((repr(task_key(cfg)), cfg.model.path, what), (arm, seed, overrides, True))
+    return [w for w in (list(bases.values()), list(foreigns.values())) if w]
+
+
+def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
+    """Build (or find cached) each base and foreign base the runs need, once, before the runs would each build them.
+
+    With ``jobs`` > 1 the builds of a wave (``base_builds``) run ``jobs`` at a time, each in a spawned process of
+    one thread, as the runs themselves do: an SFT of these small models gains little from a second thread, so
+    two one-thread builds use two cores better than one two-thread build. A spawned worker imports the caller's
+    main module again: a script calling ``run_experiment`` needs the ``if __name__ == "__main__":`` guard
+    (``trustbatch lab run`` and ``python -m trustbatch`` have it).
+
+    Raises:
+        UserError: a build failed (which seed and arm, and why); the builds not yet started are cancelled.
+    """
+    waves = base_builds(exp)
+    if jobs <= 1 or sum(len(w) for w in waves) <= 1:
+        for wave in waves:
+            for arm, seed, overrides, foreign in wave:
+                console.print(f"[dim]seed {seed}, {arm}: building or loading the cached {'foreign ' * foreign}base model…[/dim]")
+                _build_base(overrides, foreign)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    console.print(f"[dim]building or loading {len(todo)} cached base models, {jobs} at a time…[/dim]")
     # spawn: a fork of a process that already ran torch can deadlock in its thread pools
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        for f in [ex.submit(_build_base, overrides, 1) for _, _, overrides in todo]:
-            f.result()  # a failed build raises here, before any run starts
+        for wave in waves:
+            console.print(f"[dim]building or loading {len(wave)} cached {'foreign ' * wave[0][3]}base models, "
+                          f"{jobs} at a time…[/dim]")
+            futures = [(ex.submit(_build_base, overrides, foreign, 1), arm, seed) for arm, seed, overrides, foreign in wave]
+            for f, arm, seed in futures:
+                try:
+                    f.result()
+                except Exception as e:
+                    ex.shutdown(cancel_futures=True)
+                    raise UserError(f"seed {seed}, {arm}: building the base model failed: "
+                                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:

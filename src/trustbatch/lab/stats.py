@@ -168,5 +168,5 @@ def pick_tuned(grid: list[str], scores: dict[str, dict[int, float]], seeds: list
     if missing:
         raise ValueError(f"no primary score for {', '.join(missing)}; finish those runs (rerun `trustbatch lab run`)")
     means = {a: sum(scores[a][s] for s in seeds) / len(seeds) for a in grid}
-    best = max(grid, key=lambda a: (means[a], -grid.index(a)))
+    best = max(grid, key=means.__getitem__)  # max keeps the first of equal maxima
     return best, means
