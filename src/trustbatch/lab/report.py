@@ -374,7 +374,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         min_ess = _mean_se([min((r["ess"] for r in run["metrics"] if "ess" in r), default=float("nan")) for run in runs])[0]
         lines.append(f"| {arm} | {_mean_se(list(bases.values()))[0]:.3f} | {m:.3f} ± {se:.3f} | {n_col}/{len(col)} "
                      f"| {_over_steps(runs, 'ess'):.4f} | {min_ess:.4f} | {_over_steps(runs, 'grpo_zeroed_0.2'):.3f} "
-                     f"| {_over_steps(runs, 'cap_fraction'):.3f} | {_fmt(_over_steps(runs, 'cap_weight_removed'), '{:.2%}')} "
+                     f"| {_fmt(_over_steps(runs, 'cap_fraction'), '{:.3f}')} | {_fmt(_over_steps(runs, 'cap_weight_removed'), '{:.2%}')} "
                      f"| {_over_steps(runs, 'grad_norm'):.3f} |")
         collapse_lines += [f"- {arm} seed {s}: {why}" for s, why in sorted(col.items()) if why]
     lines += ["", "Primary score: mean held-out pass@1 (T = 1) of the last two evaluations, ± one standard error over seeds. "
