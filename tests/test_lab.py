@@ -268,3 +268,21 @@ def test_bases_build_in_worker_processes_once_per_distinct_base(tmp_path, monkey
     _, _, pool, source = prepare_run(load_config(None, exp.overrides("p3o@T1.2", 1)))
     pool.close()
     assert source.endswith("(cached)") and any(str(p) in source for p in built)
+
+
+def test_wall_clock_accumulates_over_calls(tmp_path, monkeypatch):
+    """A second `lab run` on the same experiment (a resume, or an arm added later) adds its time to wall_s.txt
+    instead of replacing the first call's."""
+    import trustbatch.lab.runner as runner
+
+    monkeypatch.setattr(runner, "build_shared_base", lambda *a, **k: None)
+    spec = {"description": "t", "seeds": [0], "arms": {"onpolicy": {}}}
+    f = tmp_path / "acc.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    exp = load_experiment(str(f))
+    run = tmp_path / "runs" / "acc" / "onpolicy" / "seed0"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{}")  # finished: nothing to run
+    (tmp_path / "runs" / "acc" / "wall_s.txt").write_text("4128\n")  # the first call's 68.8 min
+    run_experiment(exp, tmp_path / "runs", jobs=1)
+    assert 4128 <= float((tmp_path / "runs" / "acc" / "wall_s.txt").read_text()) < 4128 + 30

@@ -116,7 +116,9 @@ def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
 
 
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
-    """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"}.
+    """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"} (this call's).
+
+    ``OUT/EXPERIMENT/wall_s.txt`` accumulates the wall-clock seconds of every call on the experiment.
 
     Each run's stdout/stderr goes to ``<run_dir>.log``. A failed run is reported, the others go on.
     """
@@ -165,5 +167,11 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
                     failed.append(f"{arm}/seed{seed}")
                     console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
     wall = time.time() - t0
-    (root / "wall_s.txt").write_text(f"{wall:.0f}\n")
+    # the experiment's wall-clock over every invocation: a resumed or extended experiment adds its time
+    prior = root / "wall_s.txt"
+    try:
+        before = float(prior.read_text()) if prior.exists() else 0.0
+    except ValueError:
+        before = 0.0
+    prior.write_text(f"{before + wall:.0f}\n")
     return {"done": len(todo) - len(failed), "failed": failed, "wall_s": wall}
