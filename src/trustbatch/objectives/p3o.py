@@ -212,7 +212,7 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
     metrics.update(
         ess=e_mean,
         cap_fraction=((ratio > e * (1.0 + CAP_RTOL)) & prep.mask).sum() / n,
-        cap_weight_removed=removed / full_sf if full_sf > 0 else torch.zeros((), dtype=torch.float64),
+        cap_weight_removed=removed / full_sf.clamp_min(torch.finfo(torch.float64).tiny),  # 0 ≤ removed ≤ full_sf: 0/tiny = 0
         # the two parts as token means, so that a learner can reduce them over micro-batches and ranks
         # exactly and divide once (``trainer.learner._RATIO_METRICS``)
         cap_removed_weight=removed / n, score_weight=full_sf / n,
