@@ -89,8 +89,55 @@ def test_train_writes_per_step_records_for_replayed_rounds(tmp_path):
         assert [(r["opt_step"], r["epoch"], r["minibatch"]) for r in steps] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
         n = sum(pre[0]["counts"])  # the round's valid tokens
         assert sum(steps[0]["counts"]) + sum(steps[1]["counts"]) == n == sum(steps[2]["counts"]) + sum(steps[3]["counts"])
+        # the round's first optimizer step trains on fresh data: π_θ = μ up to float rounding, which the exact
+        # quantiles must show (the 0.05-wide bins cannot); later steps have moved
+        assert all(abs(v) < 1e-4 for v in steps[0]["quantiles"].values()), steps[0]["quantiles"]
+        assert max(abs(v) for v in steps[3]["quantiles"].values()) > 1e-4, steps[3]["quantiles"]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m.get("optimizer_steps", 4) == 4 for m in metrics if m["step"] > 0)
+
+
+def test_histogram_record_has_the_exact_quantiles_of_the_unclamped_ratios(tmp_path):
+    import numpy as np
+
+    from trustbatch.trainer.runlog import log_ratio_histogram
+
+    g = torch.Generator().manual_seed(3)
+    x = 1.5 * torch.randn(7, 9, generator=g, dtype=torch.float64)  # a good share beyond the bins' ±2
+    mask = torch.rand(7, 9, generator=g) < 0.7
+    log_ratio_histogram(tmp_path, 4, x, mask, opt_step=1)
+    rec = json.loads((tmp_path / "ratios.jsonl").read_text())
+    valid = x[mask].numpy()
+    for q, got in rec["quantiles"].items():
+        assert abs(got - np.percentile(valid, 100 * float(q))) < 1e-12, q
+    assert sum(rec["counts"]) == mask.sum()
+    log_ratio_histogram(tmp_path, 5, torch.zeros(0))  # an empty mini-batch: counts, no quantiles
+    assert "quantiles" not in json.loads((tmp_path / "ratios.jsonl").read_text().splitlines()[1])
+
+
+def test_step_ratio_line_uses_exact_quantiles_and_says_when_it_cannot():
+    from trustbatch.lab.report import _step_ratio_line
+
+    edges = [round(-2.0 + 0.05 * i, 4) for i in range(81)]
+    near_zero = [0] * 80
+    near_zero[39], near_zero[40] = 30, 70  # tokens within 1e-7 of 0 land on both sides of the 0 edge
+
+    def rec(j, seed_q):
+        return {"step": 1, "opt_step": j, "epoch": 0, "minibatch": j, "edges": edges, "counts": near_zero,
+                "quantiles": {"0.05": seed_q[0], "0.5": seed_q[1], "0.95": seed_q[2]}}
+
+    runs = [{"ratios": [rec(0, (-1e-7, 0.0, 1e-7)), rec(1, (-0.30, -0.01, 0.10))]},
+            {"ratios": [rec(0, (-2e-7, 1e-8, 2e-7)), rec(1, (-0.50, 0.03, 0.20))]},
+            {"ratios": [rec(0, (-3e-7, 0.0, 3e-7)), rec(1, (-0.40, 0.02, 0.40))]}]
+    line = _step_ratio_line({"p3o": runs})
+    # medians over the three records, by hand: step 1 → 5% −0.40, 50% +0.02, 95% +0.20
+    assert "p3o: +0.000 [-0.000, +0.000] at step 0 → +0.020 [-0.400, +0.200] at step 1" in line, line
+    assert "exact quantile" in line and "cannot resolve" not in line
+    old = [{"ratios": [{k: v for k, v in r.items() if k != "quantiles"} for r in run["ratios"]]} for run in runs]
+    coarse = _step_ratio_line({"p3o": old})
+    assert "cannot resolve |log ρ| < 0.05" in coarse
+    # the pooled histogram interpolates inside the two bins around 0: the median 0.05·(50−30)/70 = +0.014
+    assert "+0.014" in coarse, coarse
 
 
 def test_histogram_quantile_hand_worked():
