@@ -147,7 +147,8 @@ def log_ratio_histogram(run_dir: Path, step: int, log_ratio, mask=None, **fields
     rec = {"step": step, **fields, "edges": [round(e, 4) for e in edges.tolist()],
            "counts": [int(c) for c in counts.tolist()]}
     if raw.numel():
-        rec["quantiles"] = {str(q): _quantile(raw.sort().values, q) for q in (0.05, 0.5, 0.95)}
+        ordered = raw.sort().values
+        rec["quantiles"] = {str(q): _quantile(ordered, q) for q in (0.05, 0.5, 0.95)}
     with open(Path(run_dir) / "ratios.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
