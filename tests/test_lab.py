@@ -270,19 +270,45 @@ def test_bases_build_in_worker_processes_once_per_distinct_base(tmp_path, monkey
     assert source.endswith("(cached)") and any(str(p) in source for p in built)
 
 
-def test_wall_clock_accumulates_over_calls(tmp_path, monkeypatch):
-    """A second `lab run` on the same experiment (a resume, or an arm added later) adds its time to wall_s.txt
-    instead of replacing the first call's."""
+def test_covered_seconds_counts_overlapping_calls_once():
+    from trustbatch.lab.calls import covered_seconds
+
+    # union worked by hand: [0, 20] and [30, 41] -> 20 + 11; the reversed interval is ignored
+    assert covered_seconds([(30, 40), (0, 10), (5, 20), (40, 41), (50, 45)]) == 31.0
+    assert covered_seconds([(0, 5), (1, 2)]) == 5.0
+    assert covered_seconds([]) == 0.0
+
+
+def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monkeypatch):
+    """A second `lab run` on the same experiment (seeds added later, a resume) keeps the first call's seeds and
+    commit in calls.jsonl and experiment.yaml; wall_s.txt is the time the calls cover, not their sum."""
     import trustbatch.lab.runner as runner
+    from trustbatch.lab.calls import load_calls, record_call
 
     monkeypatch.setattr(runner, "build_shared_base", lambda *a, **k: None)
     spec = {"description": "t", "seeds": [0], "arms": {"onpolicy": {}}}
     f = tmp_path / "acc.yaml"
     f.write_text(yaml.safe_dump(spec))
-    exp = load_experiment(str(f))
-    run = tmp_path / "runs" / "acc" / "onpolicy" / "seed0"
-    run.mkdir(parents=True)
-    (run / "summary.json").write_text("{}")  # finished: nothing to run
-    (tmp_path / "runs" / "acc" / "wall_s.txt").write_text("4128\n")  # the first call's 68.8 min
-    run_experiment(exp, tmp_path / "runs", jobs=1)
-    assert 4128 <= float((tmp_path / "runs" / "acc" / "wall_s.txt").read_text()) < 4128 + 30
+    exp_dir = tmp_path / "runs" / "acc"
+    for seed in (0, 1):
+        _fake_run(exp_dir, "onpolicy", seed, 0.2, 0.3)  # finished: nothing to run
+    (exp_dir / "wall_s.txt").write_text("4128\n")  # a call from before calls.jsonl: its summed 68.8 min
+    for seeds in ([0], [1]):
+        run_experiment(load_experiment(str(f), seeds=seeds), tmp_path / "runs", jobs=1)
+    calls = load_calls(exp_dir)
+    assert calls[0] == {"legacy_wall_s": 4128.0}
+    assert [c["seeds"] for c in calls[1:]] == [[0], [1]] and all(c["runs_started"] == 0 for c in calls[1:])
+    assert yaml.safe_load((exp_dir / "experiment.yaml").read_text())["seeds"] == [0, 1]
+    assert 4128 <= float((exp_dir / "wall_s.txt").read_text()) < 4128 + 30
+    # two calls that overlapped (two seeds run at once in two shells): 100-160 s and 130-250 s cover 150 s, not 180
+    d = tmp_path / "overlap"
+    record_call(d, {"start": 100.0, "end": 160.0, "build_s": 20.0, "seeds": [0], "commit": "a", "command": "c0"})
+    assert record_call(d, {"start": 130.0, "end": 250.0, "build_s": 0.0, "seeds": [1], "commit": "b", "command": "c1"}) == 150.0
+    assert (d / "wall_s.txt").read_text() == "150\n"
+    from trustbatch.lab.report import _calls_line, _experiment_time
+
+    assert _experiment_time(d) == "; the whole experiment took 2.5 min wall-clock on 2 cores (base builds 0.3 min of it; calls overlapped for 0.5 min, counted once)."
+    assert "seeds [0] at commit `a`" in _calls_line(load_calls(d)) and "seeds [1] at commit `b`" in _calls_line(load_calls(d))
+    (d / "calls.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="calls.jsonl:1 is not JSON"):
+        load_calls(d)

@@ -15,14 +15,14 @@ from pathlib import Path
 from ..errors import UserError
 
 # What load_runs, experiment_section and the pre-flight table read, relative to OUT/EXPERIMENT/.
-EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt")
+EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt", "calls.jsonl")
 RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl")
 
 
 def archive_experiment(exp_dir: Path, dest: Path) -> int:
     """Copy one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes copied.
 
-    Copied: the experiment's ``experiment.yaml``, ``preflight.json`` and ``wall_s.txt``; each arm's
+    Copied: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``; each arm's
     ``seedK.yaml`` (the resolved config); each run's ``summary.json``, ``metrics.jsonl`` and
     ``ratios.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are copied
     as files. Runs without a ``summary.json`` (unfinished) are left out.

@@ -16,6 +16,7 @@ import yaml
 
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
+from .calls import covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
 
@@ -347,6 +348,36 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _calls_line(calls: list[dict]) -> str:
+    """One sentence per ``lab run`` call (``lab.calls``): its seeds, commit, command, start and length."""
+    parts = []
+    if any("legacy_wall_s" in c for c in calls):
+        parts.append(f"earlier calls, recorded only as their summed time ({sum(c.get('legacy_wall_s', 0) for c in calls) / 60:.1f} min)")
+    for c in calls:
+        if "start" not in c:
+            continue
+        seeds = c.get("seeds", []) + c.get("tune_seeds", [])
+        parts.append(f"seeds {seeds} at commit `{c.get('commit', 'unknown')}` (`{c.get('command', '')}`, started "
+                     f"{c.get('started_at', '?')}, {(c['end'] - c['start']) / 60:.1f} min, {c.get('runs_started', '?')} runs"
+                     + (", interrupted" if c.get("interrupted") else "") + ")")
+    return f"Ran in {len(parts)} call{'s' * (len(parts) != 1)}: " + "; ".join(parts) + "."
+
+
+def _experiment_time(exp_dir: Path) -> str:
+    """'; the whole experiment took …' from ``calls.jsonl`` (overlaps counted once), else ``wall_s.txt``."""
+    calls = load_calls(exp_dir)
+    timed = [c for c in calls if "start" in c]
+    if timed:
+        build = sum(float(c.get("build_s", 0.0)) for c in timed)
+        overlap = sum(c["end"] - c["start"] for c in timed) - covered_seconds([(c["start"], c["end"]) for c in timed])
+        return (f"; the whole experiment took {elapsed_seconds(calls) / 60:.1f} min wall-clock on 2 cores"
+                f" (base builds {build / 60:.1f} min of it"
+                + (f"; calls overlapped for {overlap / 60:.1f} min, counted once" if overlap > 1 else "") + ").")
+    if (exp_dir / "wall_s.txt").exists():
+        return f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
+    return "."
+
+
 def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
     """' × N prompts' from the runs' own configs (an experiment run before LAB_COMMON changed keeps its own)."""
     sizes = set()
@@ -376,7 +407,10 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     scored = {arm: arm_scores(runs) for arm, runs in arms.items()}
     dose_fig = _dose_figure(name, scored, out)
     lines = [f"## {name}", "", spec.get("description", ""), ""]
-    if spec.get("command"):
+    calls = load_calls(exp_dir)
+    if any("start" in c for c in calls):
+        lines += [_calls_line(calls), ""]
+    elif spec.get("command"):
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
@@ -385,8 +419,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  f"{len(wall)} runs{f' (and {n_tuning} tuning runs on seeds {tune_seeds})' if n_tuning else ''} of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
                  f"{_prompts_per_round(exp_dir, arms)}; "
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
-                 + (f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
-                    if (exp_dir / "wall_s.txt").exists() else "."))
+                 + _experiment_time(exp_dir))
     lines += [""] + _preflight_table(exp_dir)
     lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|"]

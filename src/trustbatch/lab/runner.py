@@ -19,6 +19,8 @@ import yaml
 
 from ..config import dump_config, load_config
 from ..errors import UserError
+from ..trainer.runlog import atomic_write
+from .calls import record_call
 from .experiment import Experiment
 
 
@@ -116,9 +118,12 @@ def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
 
 
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
-    """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"} (this call's).
+    """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"} (this call's,
+    base builds included).
 
-    ``OUT/EXPERIMENT/wall_s.txt`` accumulates the wall-clock seconds of every call on the experiment.
+    Every call appends its seeds, arms, commit, command and interval to ``OUT/EXPERIMENT/calls.jsonl``, and
+    ``wall_s.txt`` becomes the wall-clock time the calls cover together (``lab.calls``: overlapping calls count
+    once). ``experiment.yaml`` lists the union of the seeds run in the folder; each call's commit is in ``calls.jsonl``.
 
     Each run's stdout/stderr goes to ``<run_dir>.log``. A failed run is reported, the others go on.
     """
@@ -130,48 +135,64 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     root.mkdir(parents=True, exist_ok=True)
     from .report import git_commit
 
-    (root / "experiment.yaml").write_text(yaml.safe_dump(
-        {"description": exp.description, "seeds": exp.seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
+    t_call = time.time()
+    commit, command = git_commit(), f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"
+    seeds = list(exp.seeds)
+    if (root / "experiment.yaml").exists():  # seeds added in a later call join the earlier ones
+        try:
+            prior = yaml.safe_load((root / "experiment.yaml").read_text()) or {}
+        except yaml.YAMLError:
+            prior = {}
+        seeds = sorted(set(seeds) | {int(x) for x in prior.get("seeds") or []})
+    atomic_write(root / "experiment.yaml", yaml.safe_dump(
+        {"description": exp.description, "seeds": seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
          "compare": [list(c) for c in exp.compare], "preflight_only": exp.preflight_only,
-         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), "commit": git_commit(),
-         "command": f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"}, sort_keys=False))
+         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), "commit": commit,
+         "command": command}, sort_keys=False))
     todo = exp.runs
-    build_shared_base(exp, console, jobs=jobs)
-    t0 = time.time()
-    running: list[tuple[subprocess.Popen, str, int, object]] = []
+    t0 = None
+    started = 0
     failed: list[str] = []
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        bar = progress.add_task("runs", total=len(todo))
-        queue = list(todo)
-        while queue or running:
-            while queue and len(running) < jobs:
-                arm, seed = queue.pop(0)
-                run_dir = root / arm / f"seed{seed}"
-                cmd = _command(exp, arm, seed, run_dir)
-                if cmd is None:
-                    progress.advance(bar)
-                    continue
-                log = open(run_dir.parent / f"seed{seed}.log", "w")
-                running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), arm, seed, log))
-            time.sleep(0.5)
-            for item in list(running):
-                proc, arm, seed, log = item
-                if proc.poll() is None:
-                    continue
-                log.close()
-                running.remove(item)
-                progress.advance(bar)
-                if proc.returncode != 0:
-                    failed.append(f"{arm}/seed{seed}")
-                    console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
-    wall = time.time() - t0
-    # the experiment's wall-clock over every invocation: a resumed or extended experiment adds its time
-    prior = root / "wall_s.txt"
+    interrupted = True
     try:
-        before = float(prior.read_text()) if prior.exists() else 0.0
-    except ValueError:
-        before = 0.0
-    prior.write_text(f"{before + wall:.0f}\n")
+        build_shared_base(exp, console, jobs=jobs)
+        t0 = time.time()
+        running: list[tuple[subprocess.Popen, str, int, object]] = []
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            bar = progress.add_task("runs", total=len(todo))
+            queue = list(todo)
+            while queue or running:
+                while queue and len(running) < jobs:
+                    arm, seed = queue.pop(0)
+                    run_dir = root / arm / f"seed{seed}"
+                    cmd = _command(exp, arm, seed, run_dir)
+                    if cmd is None:
+                        progress.advance(bar)
+                        continue
+                    started += 1
+                    log = open(run_dir.parent / f"seed{seed}.log", "w")
+                    running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), arm, seed, log))
+                time.sleep(0.5)
+                for item in list(running):
+                    proc, arm, seed, log = item
+                    if proc.poll() is None:
+                        continue
+                    log.close()
+                    running.remove(item)
+                    progress.advance(bar)
+                    if proc.returncode != 0:
+                        failed.append(f"{arm}/seed{seed}")
+                        console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
+        interrupted = False
+    finally:
+        # recorded even when interrupted (Ctrl-C, a failed build): its time was spent all the same
+        end = time.time()
+        record_call(root, {"start": t_call, "end": end, "build_s": round((t0 or end) - t_call, 1),
+                           "seeds": list(exp.seeds), "tune_seeds": list(exp.tune_seeds),
+                           "arms": sorted({a for a, _ in todo}), "runs_started": started, "failed": failed,
+                           "interrupted": interrupted, "commit": commit, "command": command,
+                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_call))})
+    wall = end - t_call
     return {"done": len(todo) - len(failed), "failed": failed, "wall_s": wall}
