@@ -359,7 +359,7 @@ def _calls_line(calls: list[dict]) -> str:
         seeds = c.get("seeds", []) + c.get("tune_seeds", [])
         parts.append(f"seeds {seeds} at commit `{c.get('commit', 'unknown')}` (`{c.get('command', '')}`, started "
                      f"{c.get('started_at', '?')}, {(c['end'] - c['start']) / 60:.1f} min, {c.get('runs_started', '?')} runs"
-                     + (", interrupted" if c.get("interrupted") else "") + ")")
+                     + (", interrupted" if c.get("interrupted") else "") + (f"; {c['note']}" if c.get("note") else "") + ")")
     return f"Ran in {len(parts)} call{'s' * (len(parts) != 1)}: " + "; ".join(parts) + "."
 
 
