@@ -20,9 +20,10 @@ prompt once for its part. Nothing is added to ``Packed`` or ``TrainBatch``.
 
 Falls back to ``response_logprobs`` (same result, no saving) when
 * the model cannot share a cache (``shared_prompt_unsupported`` gives the reason: not a decoder-only
-  transformers model, no ``past_key_values``/``position_ids`` in its forward, a stateful/recurrent
-  cache, sliding-window, chunked or non-full attention layers, ALiBi position biases computed from
-  the attention mask, gradient checkpointing in training), or its prompt pass returns another cache
+  transformers model, no cache argument (``past_key_values``, or ``cache`` since transformers 5.24) or no
+  ``position_ids`` in its forward, a stateful/recurrent cache, sliding-window, chunked or non-full
+  attention layers, ALiBi position biases computed from the attention mask, gradient checkpointing in
+  training), or its prompt pass returns another cache
   than a ``DynamicCache`` of plain ``DynamicLayer`` s (checked at run time, remembered per model);
 * the micro-batch is not laid out as ``pack`` lays it out (left padding, positions 0..len-1), a row
   has no prompt token, or sharing would not save at least ``min_saving`` of the positions computed.
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward import Packed, response_logprobs
+from .kv_cache import cache_kwarg, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,9 @@ def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
         params = inspect.signature(m.forward).parameters
     except (TypeError, ValueError):
         return f"cannot read {type(m).__name__}.forward's signature"
-    for name in ("past_key_values", "position_ids", "attention_mask", "use_cache"):
+    if cache_kwarg(m) is None:
+        return f"{type(m).__name__}.forward takes no past_key_values (or cache)"
+    for name in ("position_ids", "attention_mask", "use_cache"):
         if name not in params:
             return f"{type(m).__name__}.forward takes no {name}"
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -237,7 +241,7 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     # The prompt pass goes to the bare module: under DDP the completion pass below is the one
     # wrapper call per backward, whose graph reaches every parameter through the cache.
     out = m(input_ids=p_ids, attention_mask=p_att, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = output_cache(out)
     del out
     if not _is_plain_dynamic_cache(cache) or any(layer.keys.shape[0] != U or layer.keys.shape[-2] != P
                                                  for layer in cache.layers):
@@ -251,8 +255,8 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     # Filler after a row's completion is marked valid: causal attention keeps the real tokens
     # from seeing it, and it keeps every query row non-empty (no NaN from a fully masked row).
     att = torch.cat([valid.index_select(0, s.group).long(), torch.ones(B, C1, dtype=torch.long, device=dev)], 1)
-    out = model(input_ids=s.seg_ids, attention_mask=att, position_ids=s.seg_pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=C1)
+    out = model(input_ids=s.seg_ids, attention_mask=att, position_ids=s.seg_pos, use_cache=True, logits_to_keep=C1,
+                **{cache_kwarg(m): cache})
     logits = out.logits[:, :-1]
     del out, cache
     logits = logits.float()  # as response_logprobs: float32 log-probs whatever the model's dtype

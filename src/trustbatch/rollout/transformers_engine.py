@@ -23,6 +23,7 @@ import hashlib
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..policy.kv_cache import cache_kwarg, output_cache
 from .engine import Rollout, SamplingParams
 from .shifts import REQUANTIZED, behaviour_copy
 
@@ -155,7 +156,7 @@ class TransformersEngine:
             input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
             temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
-            **({} if cache is None else {"past_key_values": cache}),
+            **({} if cache is None else {cache_kwarg(self.model): cache}),
         )
         new = gen.sequences[:, P:]
         scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
@@ -194,12 +195,12 @@ class TransformersEngine:
                 slot[tuple(p)] = len(first)
                 first.append(j)
             row_slot.append(slot[tuple(p)])
-        if P < 2 or len(first) == len(items):
+        if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None:
             return None
         u_ids, u_att = ids[first, :P - 1], att[first, :P - 1]
         pos = (u_att.cumsum(-1) - 1).masked_fill(u_att == 0, 0)
         out = self.model(input_ids=u_ids, attention_mask=u_att, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache = getattr(out, "past_key_values", None)
+        cache = output_cache(out)
         if not isinstance(cache, Cache):
             return None
         cache.batch_select_indices(torch.tensor(row_slot, device=u_ids.device))
