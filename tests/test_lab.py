@@ -1,6 +1,7 @@
 """``trustbatch lab``: every bundled experiment loads, a miniature experiment runs, resumes and is reported."""
 
 import json
+import os
 import re
 
 import pytest
@@ -312,3 +313,48 @@ def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monk
     (d / "calls.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="calls.jsonl:1 is not JSON"):
         load_calls(d)
+
+
+_SCRIPT = """
+import sys, time
+from pathlib import Path
+import trustbatch.lab.runner as runner
+from trustbatch.lab import load_experiment, run_experiment
+
+out = Path(sys.argv[2])
+runner.build_shared_base = lambda *a, **k: None
+# each run: write its pid, then sleep far longer than the test waits
+runner._command = lambda exp, arm, seed, run_dir: (run_dir.mkdir(parents=True, exist_ok=True), [
+    sys.executable, "-c", f"import os, time; open({str(out / f'pid{seed}')!r}, 'w').write(str(os.getpid())); time.sleep(300)"])[1]
+if __name__ == "__main__":
+    run_experiment(load_experiment(sys.argv[1]), out, jobs=2)
+"""
+
+
+def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
+    """A runner killed with SIGTERM (a scheduler, `kill`) must not leave its runs going as orphans."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trustbatch.lab.calls import load_calls
+
+    f = tmp_path / "term.yaml"
+    f.write_text(yaml.safe_dump({"description": "t", "seeds": [0, 1], "arms": {"onpolicy": {}}}))
+    script = tmp_path / "runner_script.py"
+    script.write_text(_SCRIPT)
+    out = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(script), str(f), str(out)])
+    deadline = time.time() + 120
+    while not all((out / f"pid{s}").exists() and (out / f"pid{s}").read_text() for s in (0, 1)):
+        assert time.time() < deadline and proc.poll() is None, "the runs never started"
+        time.sleep(0.2)
+    pids = [int((out / f"pid{s}").read_text()) for s in (0, 1)]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=90)
+    for pid in pids:  # gone: waited for by the runner, so not even a zombie is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    call = load_calls(out / "term")[-1]
+    assert call["interrupted"] is True and call["runs_started"] == 2

@@ -10,8 +10,10 @@ import json
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +119,34 @@ def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
+def _sigterm_as_interrupt():
+    """Make SIGTERM raise KeyboardInterrupt (main thread only); returns the function that restores the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+def _stop(running: list, grace_s: float = 60.0) -> None:
+    """SIGTERM every run still going (``trustbatch train`` stops at once; it resumes from its last checkpoint),
+    then SIGKILL whatever is left after ``grace_s``; close their logs."""
+    for proc, *_ in running:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.time() + grace_s
+    for proc, _arm, _seed, log in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    running.clear()
+
+
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
     """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"} (this call's,
     base builds included).
@@ -125,7 +155,9 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     ``wall_s.txt`` becomes the wall-clock time the calls cover together (``lab.calls``: overlapping calls count
     once). ``experiment.yaml`` lists the union of the seeds run in the folder; each call's commit is in ``calls.jsonl``.
 
-    Each run's stdout/stderr goes to ``<run_dir>.log``. A failed run is reported, the others go on.
+    Each run's stdout/stderr goes to ``<run_dir>.log``. A failed run is reported, the others go on. Ctrl-C or
+    SIGTERM stops the runs still going (the next call resumes them from their checkpoints) and records the call
+    as interrupted before KeyboardInterrupt propagates.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -154,10 +186,12 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     started = 0
     failed: list[str] = []
     interrupted = True
+    running: list[tuple[subprocess.Popen, str, int, object]] = []
+    # SIGTERM (a scheduler, `kill`) is handled as Ctrl-C: the runs are stopped with the runner, never orphaned
+    restore = _sigterm_as_interrupt()
     try:
         build_shared_base(exp, console, jobs=jobs)
         t0 = time.time()
-        running: list[tuple[subprocess.Popen, str, int, object]] = []
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
@@ -187,6 +221,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
                         console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
         interrupted = False
     finally:
+        _stop(running)
+        restore()
         # recorded even when interrupted (Ctrl-C, a failed build): its time was spent all the same
         end = time.time()
         record_call(root, {"start": t_call, "end": end, "build_s": round((t0 or end) - t_call, 1),
