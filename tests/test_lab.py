@@ -308,7 +308,7 @@ def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monk
     assert (d / "wall_s.txt").read_text() == "150\n"
     from trustbatch.lab.report import _calls_line, _experiment_time
 
-    assert _experiment_time(d) == "; the whole experiment took 2.5 min wall-clock on 2 cores (base builds 0.3 min of it; calls overlapped for 0.5 min, counted once)."
+    assert _experiment_time(d, load_calls(d)) == "; the whole experiment took 2.5 min wall-clock on 2 cores (base builds 0.3 min of it; calls overlapped for 0.5 min, counted once)."
     assert "seeds [0] at commit `a`" in _calls_line(load_calls(d)) and "seeds [1] at commit `b`" in _calls_line(load_calls(d))
     (d / "calls.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="calls.jsonl:1 is not JSON"):

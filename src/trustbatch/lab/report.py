@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import yaml
 
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
-from .calls import covered_seconds, elapsed_seconds, load_calls
+from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
 
@@ -358,14 +359,13 @@ def _calls_line(calls: list[dict]) -> str:
             continue
         seeds = c.get("seeds", []) + c.get("tune_seeds", [])
         parts.append(f"seeds {seeds} at commit `{c.get('commit', 'unknown')}` (`{c.get('command', '')}`, started "
-                     f"{c.get('started_at', '?')}, {(c['end'] - c['start']) / 60:.1f} min, {c.get('runs_started', '?')} runs"
+                     f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(c['start']))}, {(c['end'] - c['start']) / 60:.1f} min, {c.get('runs_started', '?')} runs"
                      + (", interrupted" if c.get("interrupted") else "") + (f"; {c['note']}" if c.get("note") else "") + ")")
     return f"Ran in {len(parts)} call{'s' * (len(parts) != 1)}: " + "; ".join(parts) + "."
 
 
-def _experiment_time(exp_dir: Path) -> str:
-    """'; the whole experiment took …' from ``calls.jsonl`` (overlaps counted once), else ``wall_s.txt``."""
-    calls = load_calls(exp_dir)
+def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
+    """'; the whole experiment took …' from the ``calls.jsonl`` records (overlaps counted once), else ``wall_s.txt``."""
     timed = [c for c in calls if "start" in c]
     if timed:
         build = sum(float(c.get("build_s", 0.0)) for c in timed)
@@ -373,8 +373,8 @@ def _experiment_time(exp_dir: Path) -> str:
         return (f"; the whole experiment took {elapsed_seconds(calls) / 60:.1f} min wall-clock on 2 cores"
                 f" (base builds {build / 60:.1f} min of it"
                 + (f"; calls overlapped for {overlap / 60:.1f} min, counted once" if overlap > 1 else "") + ").")
-    if (exp_dir / "wall_s.txt").exists():
-        return f"; the whole experiment took {float((exp_dir / 'wall_s.txt').read_text()) / 60:.1f} min wall-clock on 2 cores."
+    if (exp_dir / WALL).exists():
+        return f"; the whole experiment took {float((exp_dir / WALL).read_text()) / 60:.1f} min wall-clock on 2 cores."
     return "."
 
 
@@ -419,7 +419,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  f"{len(wall)} runs{f' (and {n_tuning} tuning runs on seeds {tune_seeds})' if n_tuning else ''} of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
                  f"{_prompts_per_round(exp_dir, arms)}; "
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
-                 + _experiment_time(exp_dir))
+                 + _experiment_time(exp_dir, calls))
     lines += [""] + _preflight_table(exp_dir)
     lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|"]

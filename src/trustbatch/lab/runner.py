@@ -228,7 +228,6 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
         record_call(root, {"start": t_call, "end": end, "build_s": round((t0 or end) - t_call, 1),
                            "seeds": list(exp.seeds), "tune_seeds": list(exp.tune_seeds),
                            "arms": sorted({a for a, _ in todo}), "runs_started": started, "failed": failed,
-                           "interrupted": interrupted, "commit": commit, "command": command,
-                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_call))})
+                           "interrupted": interrupted, "commit": commit, "command": command})
     wall = end - t_call
     return {"done": len(todo) - len(failed), "failed": failed, "wall_s": wall}

@@ -27,6 +27,11 @@ def cache_kwarg(model: torch.nn.Module) -> str | None:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return None
+    return cache_name(params)
+
+
+def cache_name(params) -> str | None:
+    """``cache_kwarg`` for a signature's parameters already read (a mapping or set of names)."""
     return next((n for n in NAMES if n in params), None)
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward import Packed, response_logprobs
-from .kv_cache import cache_kwarg, output_cache
+from .kv_cache import cache_kwarg, cache_name, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
         params = inspect.signature(m.forward).parameters
     except (TypeError, ValueError):
         return f"cannot read {type(m).__name__}.forward's signature"
-    if cache_kwarg(m) is None:
+    if cache_name(params) is None:
         return f"{type(m).__name__}.forward takes no past_key_values (or cache)"
     for name in ("position_ids", "attention_mask", "use_cache"):
         if name not in params:
