@@ -13,6 +13,10 @@ the last) and its key/value cache is copied to the G rows (``Cache.batch_select_
 ``generate`` continues from it, feeding each row the last prompt token. The padding, positions and
 masks are those of the plain path, so the distribution sampled is the same; only float round-off
 between batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/test_prefill_once.py``).
+
+The key/value cache is a ``policy.kv_cache.GrowingCache`` (appends into spare room, no re-copy of
+the whole cache per token) wherever it fits the model; its samples and log-probs equal those with
+``generate``'s own cache bit for bit (``tests/test_kv_cache.py``; speed: ``bench/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import hashlib
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..policy.kv_cache import cache_kwarg, output_cache
+from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from .engine import Rollout, SamplingParams
 from .shifts import REQUANTIZED, behaviour_copy
 
@@ -151,7 +155,12 @@ class TransformersEngine:
         noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
         procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
             [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
-        cache = self._shared_prefill(ids, att, items) if self.prefill_once else None
+        # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
+        # whole cache at every token (policy.kv_cache)
+        reserve = P + sp.max_new_tokens
+        cache = self._shared_prefill(ids, att, items, reserve) if self.prefill_once else None
+        if cache is None and growing_cache_fits(self.model):
+            cache = GrowingCache(reserve)
         gen = self.model.generate(
             input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
@@ -176,7 +185,7 @@ class TransformersEngine:
             ))
         return rows
 
-    def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items):
+    def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int):
         """A key/value cache of ``ids[:, :P-1]`` [N, P-1] computed once per distinct prompt, or None.
 
         The distinct rows keep the chunk's left padding (width P) and ``generate``'s positions
@@ -199,7 +208,8 @@ class TransformersEngine:
             return None
         u_ids, u_att = ids[first, :P - 1], att[first, :P - 1]
         pos = (u_att.cumsum(-1) - 1).masked_fill(u_att == 0, 0)
-        out = self.model(input_ids=u_ids, attention_mask=u_att, position_ids=pos, use_cache=True, logits_to_keep=1)
+        grow = {cache_kwarg(self.model): GrowingCache(reserve)} if growing_cache_fits(self.model) else {}
+        out = self.model(input_ids=u_ids, attention_mask=u_att, position_ids=pos, use_cache=True, logits_to_keep=1, **grow)
         cache = output_cache(out)
         if not isinstance(cache, Cache):
             return None
