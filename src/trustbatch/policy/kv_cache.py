@@ -63,6 +63,8 @@ class GrowingLayer(DynamicLayer):
     Attention reads the same numbers in the same order, so outputs equal ``DynamicLayer``'s bit for
     bit (``tests/test_kv_cache.py``). Whatever replaces ``keys`` with a new tensor
     (``batch_select_indices``, ``reorder_cache``) is noticed, and the next update starts new buffers.
+    Run on CPU only; untested on a GPU (none was available), where attention kernels may require
+    contiguous keys and copy the view.
     """
 
     def __init__(self, reserve: int = 0, **kwargs):
