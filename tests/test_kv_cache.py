@@ -144,4 +144,11 @@ def test_growing_cache_fits_full_attention_only():
     mistral = MistralForCausalLM(MistralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
     assert not growing_cache_fits(mistral)
+    static = _tiny_llama()
+    static.generation_config.cache_implementation = "static"  # generate refuses a cache passed beside this
+    assert not growing_cache_fits(static)
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
+    assert not growing_cache_fits(t5)
     assert not growing_cache_fits(torch.nn.Linear(2, 2))

@@ -83,7 +83,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, add = self.get_seq_length(), key_states.shape[-2]
         if n == 0 or not self._owns_keys() or n + add > self._kbuf.shape[-2]:
-            cap = max(2 * (n + add), self.reserve)
+            cap = self.reserve if self.reserve >= n + add else 2 * (n + add)
             shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
             kbuf = key_states.new_empty(shape)
             vbuf = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
@@ -117,12 +117,22 @@ class GrowingCache(DynamicCache):
 def growing_cache_fits(model: torch.nn.Module) -> bool:
     """Whether ``GrowingCache`` may stand in for the cache ``generate`` would build for ``model``.
 
-    True for a model with a cache keyword whose config has no sliding-window or other non-full
-    attention layer (their ``DynamicCache`` layers differ; ours would keep the whole sequence).
+    True when the model takes a cache argument, is decoder-only, sets no ``cache_implementation`` in
+    its generation config (``generate`` refuses a cache passed beside one), and the ``DynamicCache``
+    transformers builds from its config has only plain ``DynamicLayer``s: no sliding-window,
+    chunked, linear-attention or shared layers, whose caches differ from ours. False, too, when the
+    config cannot be read that way (e.g. a per-layer heterogeneous config).
     """
     if cache_kwarg(model) is None or not hasattr(model, "config"):
         return False
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None):
+    cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
         return False
-    return all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "cache_implementation", None):
+        return False
+    try:
+        layers = DynamicCache(config=cfg).layers
+    except Exception:  # configs transformers cannot build a cache from; generate's own cache serves them
+        return False
+    return all(type(layer) is DynamicLayer for layer in layers)
