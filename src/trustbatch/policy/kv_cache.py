@@ -54,6 +54,9 @@ def output_cache(out):
     return None
 
 
+_LAZY_INIT_ARGS = len(inspect.signature(DynamicLayer.lazy_initialization).parameters) - 1  # less self
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that writes new keys and values into buffers with room to spare.
 
@@ -80,7 +83,8 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            # transformers < 5 takes the keys alone here, later versions keys and values
+            self.lazy_initialization(*(key_states, value_states)[:_LAZY_INIT_ARGS])
         n, add = self.get_seq_length(), key_states.shape[-2]
         if n == 0 or not self._owns_keys() or n + add > self._kbuf.shape[-2]:
             cap = self.reserve if self.reserve >= n + add else 2 * (n + add)
