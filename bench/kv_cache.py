@@ -5,8 +5,8 @@
 The lab's shape: the default base's architecture (hidden 128, 4 layers, 4 heads; random weights, so
 completions run to ``--tokens``), 64 prompts of 20 tokens × 8 samples, one thread as in a lab run.
 For each rollout precision, the same engine generates the same seeded batch with
-``policy.kv_cache.GrowingCache`` and with generate's default cache (``growing_cache_fits`` forced
-False), interleaved (default, growing, default, …) after one untimed warm-up each, so machine noise
+``policy.kv_cache.GrowingCache`` and with generate's default cache (the engine's ``grow_cache``
+off), interleaved (default, growing, default, …) after one untimed warm-up each, so machine noise
 hits both; the median seconds per batch and their ratio are printed, and whether the two caches gave
 identical tokens and log-probs. float32 prefills each prompt once; fp8_e4m3 (per-tensor, batch-scaled)
 runs the plain path, so both of the engine's paths are timed.
@@ -21,7 +21,6 @@ import time
 
 import torch
 
-import trustbatch.rollout.transformers_engine as engine_module
 from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.rollout import SamplingParams, TransformersEngine
@@ -40,7 +39,6 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [[tok.bos_token_id] + torch.randint(3, len(tok), (19,), generator=g).tolist() for _ in range(64)]
     sp = SamplingParams(temperature=1.0, max_new_tokens=a.tokens)
-    fits = engine_module.growing_cache_fits
     print(f"threads={a.threads}, 64 prompts x 8 samples x up to {a.tokens} tokens, median of {a.repeats}, "
           f"load average at start {os.getloadavg()[0]:.2f}")
     print(f"{'precision':<10} {'default s':>10} {'growing s':>10} {'default/growing':>16} {'identical':>10}")
@@ -51,12 +49,11 @@ def main() -> None:
         outs = {}
         for r in range(a.repeats + 1):
             for grow in (False, True):
-                engine_module.growing_cache_fits = fits if grow else (lambda m: False)
+                eng.grow_cache = grow
                 t = time.perf_counter()
                 outs[grow] = eng.generate(prompts, 8, sp, seeds=list(range(64)))
                 if r:  # the first round warms up
                     times[grow].append(time.perf_counter() - t)
-        engine_module.growing_cache_fits = fits
         same = all(x.completion_ids == y.completion_ids and x.behavior_logprobs == y.behavior_logprobs
                    for x, y in zip(outs[False], outs[True]))
         d, gr = statistics.median(times[False]), statistics.median(times[True])

@@ -88,9 +88,7 @@ class GrowingLayer(DynamicLayer):
         n, add = self.get_seq_length(), key_states.shape[-2]
         if n == 0 or not self._owns_keys() or n + add > self._kbuf.shape[-2]:
             cap = self.reserve if self.reserve >= n + add else 2 * (n + add)
-            shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
-            kbuf = key_states.new_empty(shape)
-            vbuf = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            kbuf, vbuf = (x.new_empty((*x.shape[:-2], cap, x.shape[-1])) for x in (key_states, value_states))
             if n:
                 kbuf[..., :n, :].copy_(self.keys)
                 vbuf[..., :n, :].copy_(self.values)

@@ -79,7 +79,8 @@ class TransformersEngine:
     FP8): they scale activations per tensor over the whole batch, so which rows share a forward
     changes the distribution itself (int8: by ~1e-2 in the log-probs, not round-off), and those
     shifts keep the plain path's. A model whose forward returns no ``transformers.Cache`` falls
-    back to the plain path.
+    back to the plain path. ``grow_cache`` (set from ``growing_cache_fits``) says whether generation
+    uses a ``GrowingCache``.
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
@@ -100,6 +101,8 @@ class TransformersEngine:
         self.batch_size = batch_size
         self.version = version
         self.prefill_once = precision not in BATCH_SCALED if prefill_once is None else prefill_once
+        # decided once: load_weights may replace self.model, but only by a copy of the same architecture
+        self.grow_cache = growing_cache_fits(self.model)
 
     def load_weights(self, weights, version: int) -> None:
         """Load named float tensors (the full state) as policy ``version``; see ``Engine.load_weights``.
@@ -159,7 +162,7 @@ class TransformersEngine:
         # whole cache at every token (policy.kv_cache)
         reserve = P + sp.max_new_tokens
         cache = self._shared_prefill(ids, att, items, reserve) if self.prefill_once else None
-        if cache is None and growing_cache_fits(self.model):
+        if cache is None and self.grow_cache:
             cache = GrowingCache(reserve)
         gen = self.model.generate(
             input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
@@ -208,7 +211,7 @@ class TransformersEngine:
             return None
         u_ids, u_att = ids[first, :P - 1], att[first, :P - 1]
         pos = (u_att.cumsum(-1) - 1).masked_fill(u_att == 0, 0)
-        grow = {cache_kwarg(self.model): GrowingCache(reserve)} if growing_cache_fits(self.model) else {}
+        grow = {cache_kwarg(self.model): GrowingCache(reserve)} if self.grow_cache else {}
         out = self.model(input_ids=u_ids, attention_mask=u_att, position_ids=pos, use_cache=True, logits_to_keep=1, **grow)
         cache = output_cache(out)
         if not isinstance(cache, Cache):
