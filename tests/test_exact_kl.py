@@ -313,15 +313,8 @@ def test_p3o_exact_replayed_over_mini_batches_equals_float64_per_mini_batch(tiny
     m = copy.deepcopy(model)
     learner = Learner(m, "p3o", {"kl": "exact"}, minibatches=2)
     learner.grad_clip = 1e9
-    sgd_recording_grads(learner, m)
     steps = []  # (weights before the step, gradient it used)
-    real_step = learner.optimizer.step
-
-    def record_then_step(*a, **k):
-        steps.append((copy.deepcopy(m), {n: p.grad.detach().clone() for n, p in m.named_parameters()}))
-        return real_step(*a, **k)
-
-    learner.optimizer.step = record_then_step
+    sgd_recording_grads(learner, m, steps)
     torch.manual_seed(123)
     rows = torch.randperm(len(batch)).chunk(2)  # the learner draws its epoch's order from the global stream
     torch.manual_seed(123)
