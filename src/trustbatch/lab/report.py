@@ -21,6 +21,9 @@ from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
 
+# Issue 14's budget: each experiment at most 40 minutes wall-clock on the 2-core machine.
+BUDGET_MIN = 40.0
+
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
 
@@ -378,6 +381,68 @@ def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
     return "."
 
 
+def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool:
+    """Whether a run was trained for another experiment and copied or linked here (an ``onpolicy`` reference):
+    its resolved config's ``run_dir`` names another experiment's folder (``.../EXPERIMENT/ARM/seedK``)."""
+    cfg = arm_dir / f"{run_name}.yaml"
+    if not cfg.exists():
+        return False
+    run_dir = (yaml.safe_load(cfg.read_text()) or {}).get("run_dir")
+    parts = Path(str(run_dir)).parts if run_dir else ()
+    return len(parts) >= 3 and parts[-3] != exp_dir.name
+
+
+def experiment_cost(exp_dir: Path) -> dict | None:
+    """What one experiment cost, from its folder: None when it has no finished run.
+
+    Returns a dict: ``own`` runs trained by its ``lab run`` calls and ``reused`` runs trained for another
+    experiment (``reused_s``: their summed one-thread seconds, not part of this experiment's time);
+    ``wall_s``, the wall-clock seconds its calls cover (``calls.elapsed_seconds``; ``wall_s.txt`` for an
+    experiment run before ``calls.jsonl``; None when neither was recorded); ``build_s``, the base builds
+    within that time; ``run_s``, the (shortest, longest) one-thread time of its own runs.
+    """
+    exp_dir = Path(exp_dir)
+    own: list[float] = []
+    reused, reused_s = 0, 0.0
+    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
+        run = summary.parent
+        wall = float(json.loads(summary.read_text()).get("wall_s") or 0.0)
+        if _reused(exp_dir, run.parent, run.name):
+            reused, reused_s = reused + 1, reused_s + wall
+        else:
+            own.append(wall)
+    if not own and not reused:
+        return None
+    calls = load_calls(exp_dir)
+    wall_s = elapsed_seconds(calls) if calls else (float((exp_dir / WALL).read_text()) if (exp_dir / WALL).exists() else None)
+    return {"own": len(own), "reused": reused, "reused_s": reused_s, "wall_s": wall_s,
+            "build_s": sum(float(c.get("build_s", 0.0)) for c in calls if "start" in c),
+            "run_s": (min(own), max(own)) if own else None}
+
+
+def cost_table(costs: dict[str, dict | None]) -> list[str]:
+    """Markdown lines: each experiment's measured wall-clock against ``BUDGET_MIN`` (``experiment_cost``)."""
+    lines = [f"## Cost against the {BUDGET_MIN:.0f}-minute budget", "",
+             "Wall-clock of each experiment's `trustbatch lab run` calls on the 2-core machine (overlapping calls counted "
+             "once), base builds included. Reused runs were trained for another experiment with the same config (the "
+             "shared on-policy reference) and are not counted here; their one-thread time is shown beside them.", "",
+             "| experiment | runs trained | reused runs (one-thread time) | wall-clock | base builds | one run (one thread) | within budget |",
+             "|---|---|---|---|---|---|---|"]
+    for name, c in costs.items():
+        if c is None:
+            continue
+        reused = f"{c['reused']} ({c['reused_s'] / 60:.1f} min)" if c["reused"] else "0"
+        runs = f"{c['run_s'][0] / 60:.1f}–{c['run_s'][1] / 60:.1f} min" if c["run_s"] else "n/a"
+        if c["wall_s"] is None:
+            wall, verdict = "not recorded", "not measured"
+        else:
+            wall = f"{c['wall_s'] / 60:.1f} min"
+            over = c["wall_s"] / 60 - BUDGET_MIN
+            verdict = "yes" if over <= 0 else f"**no** ({over:.1f} min over)"
+        lines.append(f"| {name} | {c['own']} | {reused} | {wall} | {c['build_s'] / 60:.1f} min | {runs} | {verdict} |")
+    return lines + [""]
+
+
 def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
     """' × N prompts' from the runs' own configs (an experiment run before LAB_COMMON changed keeps its own)."""
     sizes = set()
@@ -513,6 +578,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
         "## All findings", "",
         *[f"- {f}" for f in findings], "",
+        *cost_table({n: experiment_cost(runs / n) for n in names}),
     ]
     path = out / "README.md"
     atomic_write(path, "\n".join(head + sections) + "\n")
