@@ -317,37 +317,44 @@ def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monk
 
 def test_cost_table_counts_own_calls_against_the_budget_and_shows_reused_runs_apart(tmp_path):
     """Each experiment's wall-clock is the union of its calls (worked by hand), a reused reference run (its config
-    names another experiment's folder) is counted apart, and the 40-minute verdict follows the measured time."""
+    names another experiment's folder) is counted apart, a run with no config is of unknown origin, base builds
+    are "not recorded" unless a call recorded them, and the 40-minute verdict follows the measured time."""
     from trustbatch.lab.calls import record_call
     from trustbatch.lab.report import experiment_cost
 
     runs = tmp_path / "runs"
-    shift = runs / "shift"
-    for arm, seed, wall in (("p3o@x", 0, 300.0), ("p3o@x", 1, 420.0), ("onpolicy", 0, 150.0)):
-        _fake_run(shift, arm, seed, 0.2, 0.3)
-        (shift / arm / f"seed{seed}" / "summary.json").write_text(json.dumps({"steps": 100, "wall_s": wall}))
-        home = "reference" if arm == "onpolicy" else "shift"  # the on-policy run was trained in another experiment
-        (shift / arm / f"seed{seed}.yaml").write_text(f"run_dir: /lab/{home}/{arm}/seed{seed}\n")
-    (shift / "experiment.yaml").write_text("arms: {onpolicy: {}, p3o@x: {}}\n")
+
+    def run(exp, arm, seed, wall, home):
+        _fake_run(runs / exp, arm, seed, 0.2, 0.3)
+        (runs / exp / arm / f"seed{seed}" / "summary.json").write_text(json.dumps({"steps": 100, "wall_s": wall}))
+        if home is not None:
+            (runs / exp / arm / f"seed{seed}.yaml").write_text(f"run_dir: /lab/{home}/{arm}/seed{seed}\n")
+        (runs / exp / "experiment.yaml").write_text("arms: {onpolicy: {}}\n")
+
+    run("shift", "p3o@x", 0, 300.0, "shift")
+    run("shift", "p3o@x", 1, 420.0, "shift")
+    run("shift", "onpolicy", 0, 150.0, "reference")  # trained in another experiment, copied here
+    run("shift", "onpolicy", 1, 150.0, None)  # copied without its config
     # [0, 1500] and [1000, 2700] cover 2700 s = 45 min, not their 50-minute sum; builds 60 + 30 s
-    record_call(shift, {"start": 0.0, "end": 1500.0, "build_s": 60.0, "runs_started": 1})
-    record_call(shift, {"start": 1000.0, "end": 2700.0, "build_s": 30.0, "runs_started": 1})
-    cost = experiment_cost(shift)
-    assert cost == {"own": 2, "reused": 1, "reused_s": 150.0, "wall_s": 2700.0, "build_s": 90.0, "run_s": (300.0, 420.0)}
-    old = runs / "old"  # run before calls.jsonl existed: its wall_s.txt is the time
-    _fake_run(old, "onpolicy", 0, 0.2, 0.3)
-    (old / "experiment.yaml").write_text("arms: {onpolicy: {}}\n")
-    (old / "wall_s.txt").write_text("1200\n")
-    bare = runs / "bare"  # neither recorded
-    _fake_run(bare, "onpolicy", 0, 0.2, 0.3)
-    (bare / "experiment.yaml").write_text("arms: {onpolicy: {}}\n")
+    record_call(runs / "shift", {"start": 0.0, "end": 1500.0, "build_s": 60.0, "runs_started": 1})
+    record_call(runs / "shift", {"start": 1000.0, "end": 2700.0, "build_s": 30.0, "runs_started": 1})
+    assert experiment_cost(runs / "shift") == {"own": 2, "reused": 1, "reused_s": 150.0, "unknown": 1, "wall_s": 2700.0,
+                                               "build_s": 90.0, "builds_partial": False, "run_s": (300.0, 420.0)}
+    run("old", "onpolicy", 0, 60.0, "old")  # run before calls.jsonl: wall_s.txt is the time, builds unrecorded
+    (runs / "old" / "wall_s.txt").write_text("2400\n")
+    run("mixed", "onpolicy", 0, 60.0, "mixed")  # a legacy call, then a recorded one: 600 + 300 s
+    (runs / "mixed" / "wall_s.txt").write_text("600\n")
+    record_call(runs / "mixed", {"start": 0.0, "end": 300.0, "build_s": 12.0, "runs_started": 1})
+    run("bare", "onpolicy", 0, 60.0, "bare")  # neither recorded
     (runs / "probe").mkdir()
     (runs / "probe" / "experiment.yaml").write_text("arms: {onpolicy: {}}\n")  # pre-flight only: no row
     text = write_report(runs, tmp_path / "report").read_text()
-    assert "| shift | 2 | 1 (2.5 min) | 45.0 min | 1.5 min | 5.0–7.0 min | **no** (5.0 min over) |" in text
-    assert "| old | 1 | 0 | 20.0 min | 0.0 min | 1.0–1.0 min | yes |" in text
-    assert "| bare | 1 | 0 | not recorded | 0.0 min | 1.0–1.0 min | not measured |" in text
-    assert "| probe |" not in text and text.index("## Cost against the 40-minute budget") < text.index("## bare")
+    assert ("| shift | 2 (+1 of unknown origin: no config) | 1 (2.5 min) | 45.0 min | 1.5 min | 5.0–7.0 min "
+            "| **no** (5.0 min over) |") in text
+    assert "| old | 1 | 0 | 40.0 min | not recorded | 1.0–1.0 min | yes |" in text  # at the budget is within it
+    assert "| mixed | 1 | 0 | 15.0 min | 0.2 min (earlier calls: not recorded) | 1.0–1.0 min | yes |" in text
+    assert "| bare | 1 | 0 | not recorded | not recorded | 1.0–1.0 min | not measured |" in text
+    assert "| probe |" not in text and text.count("## Cost against the 40-minute budget") == 1
 
 
 _SCRIPT = """

@@ -381,12 +381,13 @@ def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
     return "."
 
 
-def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool:
-    """Whether a run was trained for another experiment and copied or linked here (an ``onpolicy`` reference):
-    its resolved config's ``run_dir`` names another experiment's folder (``.../EXPERIMENT/ARM/seedK``)."""
+def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool | None:
+    """Whether a run was trained in another experiment's folder and copied or linked here (an ``onpolicy``
+    reference): its resolved config's ``run_dir`` names another experiment (``.../EXPERIMENT/ARM/seedK``).
+    None when the run has no config beside it (``ARM/seedK.yaml``), so its origin is unknown."""
     cfg = arm_dir / f"{run_name}.yaml"
     if not cfg.exists():
-        return False
+        return None
     run_dir = (yaml.safe_load(cfg.read_text()) or {}).get("run_dir")
     parts = Path(str(run_dir)).parts if run_dir else ()
     return len(parts) >= 3 and parts[-3] != exp_dir.name
@@ -395,51 +396,65 @@ def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool:
 def experiment_cost(exp_dir: Path) -> dict | None:
     """What one experiment cost, from its folder: None when it has no finished run.
 
-    Returns a dict: ``own`` runs trained by its ``lab run`` calls and ``reused`` runs trained for another
-    experiment (``reused_s``: their summed one-thread seconds, not part of this experiment's time);
-    ``wall_s``, the wall-clock seconds its calls cover (``calls.elapsed_seconds``; ``wall_s.txt`` for an
-    experiment run before ``calls.jsonl``; None when neither was recorded); ``build_s``, the base builds
-    within that time; ``run_s``, the (shortest, longest) one-thread time of its own runs.
+    Returns a dict:
+        own: runs trained in this folder; reused: runs trained in another experiment's folder
+            (``reused_s``: their summed one-thread seconds, not part of this experiment's time);
+            unknown: runs without a config beside them (origin unknown).
+        wall_s: wall-clock seconds covered by its ``lab run`` calls (``calls.elapsed_seconds``), or its
+            ``wall_s.txt`` for an experiment run before ``calls.jsonl``; None when neither exists.
+        build_s: base-build seconds the calls recorded, None when no call recorded them;
+            ``builds_partial``: some of the time comes from calls that did not record their builds.
+        run_s: (shortest, longest) one-thread seconds of its own runs, or None.
     """
     exp_dir = Path(exp_dir)
     own: list[float] = []
-    reused, reused_s = 0, 0.0
+    reused, reused_s, unknown = 0, 0.0, 0
     for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
         run = summary.parent
         wall = float(json.loads(summary.read_text()).get("wall_s") or 0.0)
-        if _reused(exp_dir, run.parent, run.name):
+        origin = _reused(exp_dir, run.parent, run.name)
+        if origin is None:
+            unknown += 1
+        elif origin:
             reused, reused_s = reused + 1, reused_s + wall
         else:
             own.append(wall)
-    if not own and not reused:
+    if not own and not reused and not unknown:
         return None
     calls = load_calls(exp_dir)
+    timed = [c for c in calls if "start" in c]
     wall_s = elapsed_seconds(calls) if calls else (float((exp_dir / WALL).read_text()) if (exp_dir / WALL).exists() else None)
-    return {"own": len(own), "reused": reused, "reused_s": reused_s, "wall_s": wall_s,
-            "build_s": sum(float(c.get("build_s", 0.0)) for c in calls if "start" in c),
+    return {"own": len(own), "reused": reused, "reused_s": reused_s, "unknown": unknown, "wall_s": wall_s,
+            "build_s": sum(float(c.get("build_s", 0.0)) for c in timed) if timed else None,
+            "builds_partial": bool(timed) and any("legacy_wall_s" in c for c in calls),
             "run_s": (min(own), max(own)) if own else None}
 
 
 def cost_table(costs: dict[str, dict | None]) -> list[str]:
     """Markdown lines: each experiment's measured wall-clock against ``BUDGET_MIN`` (``experiment_cost``)."""
     lines = [f"## Cost against the {BUDGET_MIN:.0f}-minute budget", "",
-             "Wall-clock of each experiment's `trustbatch lab run` calls on the 2-core machine (overlapping calls counted "
-             "once), base builds included. Reused runs were trained for another experiment with the same config (the "
-             "shared on-policy reference) and are not counted here; their one-thread time is shown beside them.", "",
-             "| experiment | runs trained | reused runs (one-thread time) | wall-clock | base builds | one run (one thread) | within budget |",
+             "Wall-clock covered by each experiment's `trustbatch lab run` calls on the 2-core machine (overlapping "
+             "calls counted once; other work shared the cores during some calls, which the lab notes say). Base builds "
+             "run inside a call and count in its time; the column shows them where the calls recorded them. Reused "
+             "runs: runs whose resolved config names another experiment's run folder (an on-policy reference "
+             "copied or linked here); they are not counted in the wall-clock, and their one-thread time is shown.", "",
+             "| experiment | runs trained | reused runs (one-thread time) | wall-clock | of it base builds | one run (one thread) | within budget |",
              "|---|---|---|---|---|---|---|"]
     for name, c in costs.items():
         if c is None:
             continue
+        trained = f"{c['own']}" + (f" (+{c['unknown']} of unknown origin: no config)" if c["unknown"] else "")
         reused = f"{c['reused']} ({c['reused_s'] / 60:.1f} min)" if c["reused"] else "0"
         runs = f"{c['run_s'][0] / 60:.1f}–{c['run_s'][1] / 60:.1f} min" if c["run_s"] else "n/a"
+        builds = "not recorded" if c["build_s"] is None else (
+            f"{c['build_s'] / 60:.1f} min" + (" (earlier calls: not recorded)" if c["builds_partial"] else ""))
         if c["wall_s"] is None:
             wall, verdict = "not recorded", "not measured"
         else:
             wall = f"{c['wall_s'] / 60:.1f} min"
             over = c["wall_s"] / 60 - BUDGET_MIN
             verdict = "yes" if over <= 0 else f"**no** ({over:.1f} min over)"
-        lines.append(f"| {name} | {c['own']} | {reused} | {wall} | {c['build_s'] / 60:.1f} min | {runs} | {verdict} |")
+        lines.append(f"| {name} | {trained} | {reused} | {wall} | {builds} | {runs} | {verdict} |")
     return lines + [""]
 
 
