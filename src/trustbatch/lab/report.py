@@ -367,17 +367,25 @@ def _calls_line(calls: list[dict]) -> str:
     return f"Ran in {len(parts)} call{'s' * (len(parts) != 1)}: " + "; ".join(parts) + "."
 
 
+def _wall_and_builds(exp_dir: Path, calls: list[dict]) -> tuple[float | None, float | None]:
+    """(wall-clock seconds, base-build seconds) of an experiment: the time its ``calls.jsonl`` records cover
+    (overlaps counted once), else its ``wall_s.txt``, else None; builds as the timed calls recorded them, else None."""
+    timed = [c for c in calls if "start" in c]
+    wall = elapsed_seconds(calls) if calls else (float((exp_dir / WALL).read_text()) if (exp_dir / WALL).exists() else None)
+    return wall, (sum(float(c.get("build_s", 0.0)) for c in timed) if timed else None)
+
+
 def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
     """'; the whole experiment took …' from the ``calls.jsonl`` records (overlaps counted once), else ``wall_s.txt``."""
-    timed = [c for c in calls if "start" in c]
-    if timed:
-        build = sum(float(c.get("build_s", 0.0)) for c in timed)
-        overlap = sum(c["end"] - c["start"] for c in timed) - covered_seconds([(c["start"], c["end"]) for c in timed])
-        return (f"; the whole experiment took {elapsed_seconds(calls) / 60:.1f} min wall-clock on 2 cores"
+    wall, build = _wall_and_builds(exp_dir, calls)
+    if build is not None:
+        timed = [(c["start"], c["end"]) for c in calls if "start" in c]
+        overlap = sum(e - s for s, e in timed) - covered_seconds(timed)
+        return (f"; the whole experiment took {wall / 60:.1f} min wall-clock on 2 cores"
                 f" (base builds {build / 60:.1f} min of it"
                 + (f"; calls overlapped for {overlap / 60:.1f} min, counted once" if overlap > 1 else "") + ").")
-    if (exp_dir / WALL).exists():
-        return f"; the whole experiment took {float((exp_dir / WALL).read_text()) / 60:.1f} min wall-clock on 2 cores."
+    if wall is not None:
+        return f"; the whole experiment took {wall / 60:.1f} min wall-clock on 2 cores."
     return "."
 
 
@@ -422,11 +430,9 @@ def experiment_cost(exp_dir: Path) -> dict | None:
     if not own and not reused and not unknown:
         return None
     calls = load_calls(exp_dir)
-    timed = [c for c in calls if "start" in c]
-    wall_s = elapsed_seconds(calls) if calls else (float((exp_dir / WALL).read_text()) if (exp_dir / WALL).exists() else None)
+    wall_s, build_s = _wall_and_builds(exp_dir, calls)
     return {"own": len(own), "reused": reused, "reused_s": reused_s, "unknown": unknown, "wall_s": wall_s,
-            "build_s": sum(float(c.get("build_s", 0.0)) for c in timed) if timed else None,
-            "builds_partial": bool(timed) and any("legacy_wall_s" in c for c in calls),
+            "build_s": build_s, "builds_partial": build_s is not None and any("legacy_wall_s" in c for c in calls),
             "run_s": (min(own), max(own)) if own else None}
 
 
