@@ -18,7 +18,7 @@ from tiny import TINY
 
 BUNDLED = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
-FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "temperature_steps": 3, "precision_steps": 3, "reference_steps": 3, "temperature_steps_control": 3, "vllm_mismatch_steps": 3}
+FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3, "temperature_steps_control": 3}
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
 
 
@@ -313,6 +313,45 @@ def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monk
     (d / "calls.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="calls.jsonl:1 is not JSON"):
         load_calls(d)
+
+
+def test_lab_run_arms_trains_only_the_named_arms_and_records_them(tmp_path, monkeypatch):
+    """`lab run --arms` visits only the named arms (a tuning-grid arm on its tuning seeds too), says so in the
+    call's command, and keeps every arm in experiment.yaml; unknown and pre-flight-only arms are one-line errors."""
+    from typer.testing import CliRunner
+
+    import trustbatch.lab.runner as runner
+    from trustbatch.cli import app
+    from trustbatch.lab.calls import load_calls
+
+    visited = []
+    monkeypatch.setattr(runner, "build_shared_base", lambda *a, **k: None)
+    # None: "already finished"; what matters is which (arm, seed) the runner asks for
+    monkeypatch.setattr(runner, "_command", lambda exp, arm, seed, run_dir: visited.append((arm, seed)))
+    grpo = {"objective.name": "grpo"}
+    spec = {"description": "t", "seeds": [0, 1], "preflight_only": ["probe@x"],
+            "tune": {"arms": ["g1@x", "g2@x"], "seeds": [7]},
+            "arms": {"onpolicy": {}, "p3o@x": {"objective.name": "p3o"}, "g1@x": grpo,
+                     "g2@x": {**grpo, "objective.options": {"eps_low": 0.4, "eps_high": 0.4}}, "probe@x": grpo}}
+    f = tmp_path / "sel.yaml"
+    f.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = tmp_path / "runs"
+    r = CliRunner().invoke(app, ["lab", "run", str(f), "--out", str(out), "--jobs", "1", "--arms", "p3o@x, g1@x"])
+    assert r.exit_code == 0, r.output
+    assert visited == [("p3o@x", 0), ("p3o@x", 1), ("g1@x", 0), ("g1@x", 1), ("g1@x", 7)]
+    call = load_calls(out / "sel")[-1]
+    assert call["command"].endswith("--arms p3o@x,g1@x") and call["arms"] == ["g1@x", "p3o@x"]
+    assert list(yaml.safe_load((out / "sel" / "experiment.yaml").read_text())["arms"]) == list(spec["arms"])
+    visited.clear()
+    assert CliRunner().invoke(app, ["lab", "run", str(f), "--out", str(out), "--jobs", "1"]).exit_code == 0
+    assert len(visited) == 4 * 2 + 2 * 1  # every run arm on seeds 0-1, the grid on seed 7
+    exp = load_experiment(str(f))
+    with pytest.raises(UserError, match="has no arm 'nope'; its run arms are onpolicy, p3o@x, g1@x, g2@x$"):
+        exp.select(["p3o@x", "nope"])
+    with pytest.raises(UserError, match="arm 'probe@x' of 'sel' is pre-flight only"):
+        exp.select(["probe@x"])
+    with pytest.raises(UserError, match="--arms names no arm"):
+        exp.select([])
 
 
 def test_cost_table_counts_own_calls_against_the_budget_and_shows_reused_runs_apart(tmp_path):

@@ -169,6 +169,7 @@ def lab_run(
     out: str = typer.Option("lab_runs", "--out", help="runs go to OUT/EXPERIMENT/ARM/seedK"),
     jobs: int = typer.Option(2, "--jobs", "-j", help="runs at a time (each uses one CPU thread)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's, else 0-5); a 'tune' grid still runs on its own tuning seeds"),
+    arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms to train (default: every run arm); reports still cover every arm"),
 ):
     """Run one experiment's arms × seeds; finished runs are skipped and interrupted ones resume."""
     from pathlib import Path
@@ -185,6 +186,8 @@ def lab_run(
         raise UserError(f"--seeds {seeds!r} must be comma-separated integers, e.g. --seeds 0,1,2") from None
     console = Console()
     exp = load_experiment(experiment, seed_list)
+    if arms is not None:
+        exp = exp.select([a.strip() for a in arms.split(",") if a.strip()])
     res = run_experiment(exp, Path(out), jobs=jobs, console=console)
     console.print(f"{exp.name}: {res['done']} runs done, {len(res['failed'])} failed, {res['wall_s'] / 60:.1f} min")
     if res["failed"]:

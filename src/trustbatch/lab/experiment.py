@@ -22,7 +22,7 @@ dose the strength of the shift (in the order the arms list them). An arm without
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -61,6 +61,7 @@ class Experiment:
     preflight_only: list[str] = field(default_factory=list)
     tune_arms: list[str] = field(default_factory=list)  # the grid a tuned baseline is picked from
     tune_seeds: list[int] = field(default_factory=list)  # the seeds it is picked on, disjoint from ``seeds``
+    selected: list[str] | None = None  # ``lab run --arms``: train only these arms; the folder still lists every arm
 
     @property
     def run_arms(self) -> list[str]:
@@ -72,7 +73,27 @@ class Experiment:
     def runs(self) -> list[tuple[str, int]]:
         """Every (arm, seed) ``lab run`` trains: the run arms on the experiment's seeds, then the tuning grid on
         its own seeds (picked there, compared on ``seeds``, so the pick never sees the seeds it is judged on)."""
-        return [(a, s) for a in self.run_arms for s in self.seeds] + [(a, s) for a in self.tune_arms for s in self.tune_seeds]
+        runs = [(a, s) for a in self.run_arms for s in self.seeds] + [(a, s) for a in self.tune_arms for s in self.tune_seeds]
+        return runs if self.selected is None else [(a, s) for a, s in runs if a in self.selected]
+
+    def select(self, arms: list[str]) -> "Experiment":
+        """This experiment with ``lab run`` limited to ``arms`` (a follow-up arm, or one dose before another).
+
+        Comparisons, reports and the folder's ``experiment.yaml`` still cover every arm. A tuning-grid arm
+        selected here also runs on its tuning seeds.
+
+        Raises:
+            UserError: an arm the experiment does not have, a pre-flight-only arm, or no arm at all.
+        """
+        if not arms:
+            raise UserError(f"--arms names no arm; give some of {', '.join(self.run_arms)}")
+        for a in arms:
+            if a not in self.arms:
+                raise UserError(f"experiment {self.name!r} has no arm {a!r}; its run arms are {', '.join(self.run_arms)}")
+            if a in self.preflight_only:
+                raise UserError(f"arm {a!r} of {self.name!r} is pre-flight only (`lab preflight` probes it); "
+                                f"move it out of preflight_only to train it")
+        return replace(self, selected=list(dict.fromkeys(arms)))
 
     def overrides(self, arm: str, seed: int) -> list[str]:
         """``key=value`` overrides for one run (values as YAML flow text)."""

@@ -169,6 +169,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
 
     t_call = time.time()
     commit, command = git_commit(), f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"
+    if exp.selected is not None:
+        command += f" --arms {','.join(exp.selected)}"
     seeds = list(exp.seeds)
     if (root / "experiment.yaml").exists():  # seeds added in a later call join the earlier ones
         try:
