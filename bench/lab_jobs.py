@@ -44,15 +44,16 @@ def overrides(args, run_dir: Path, threads: int) -> list[str]:
 
 
 def start(args, run_dir: Path, threads: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trustbatch", "train", *overrides(args, run_dir, threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    # output to a file, not a pipe: two runs at once are waited for one after the other, and a full pipe
+    # would stall the second
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "trustbatch", "train", *overrides(args, run_dir, threads)],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 def seconds_per_round(p: subprocess.Popen, run_dir: Path, warmup: int) -> float:
-    _, err = p.communicate()
-    if p.returncode != 0:
-        raise SystemExit(f"run {run_dir} failed:\n{err[-2000:]}")
+    if p.wait() != 0:
+        raise SystemExit(f"run {run_dir} failed:\n{run_dir.with_suffix('.log').read_text()[-2000:]}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.mean(r["step_s"] for r in recs if r["step"] > warmup and "step_s" in r)
 
