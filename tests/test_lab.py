@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -397,23 +398,35 @@ def test_cost_table_counts_own_calls_against_the_budget_and_shows_reused_runs_ap
 
 
 _SCRIPT = """
-import sys, time
+import json, sys
 from pathlib import Path
 import trustbatch.lab.runner as runner
 from trustbatch.lab import load_experiment, run_experiment
 
-out = Path(sys.argv[2])
+out, tiny = Path(sys.argv[2]), json.loads(sys.argv[3])
 runner.build_shared_base = lambda *a, **k: None
-# each run: write its pid, then sleep far longer than the test waits
-runner._command = lambda exp, arm, seed, run_dir: (run_dir.mkdir(parents=True, exist_ok=True), [
-    sys.executable, "-c", f"import os, time; open({str(out / f'pid{seed}')!r}, 'w').write(str(os.getpid())); time.sleep(300)"])[1]
+# each run: a real tiny `trustbatch train` with far more rounds than the test waits for
+runner._command = lambda exp, arm, seed, run_dir: (run_dir.mkdir(parents=True), [
+    "train", *tiny, "train.steps=100000", "eval.every=100000", "checkpoint_every=100000", f"run_dir={run_dir}"])[1]
+
+
+class Recorded(runner.Run):  # the real launcher, which also writes each run's pid where the test can read it
+    def __init__(self, argv, log):
+        super().__init__(argv, log)
+        (out / ("pid" + Path(log).stem[len("seed"):])).write_text(str(self.pid))
+
+
+runner.Run = Recorded
 if __name__ == "__main__":
     run_experiment(load_experiment(sys.argv[1]), out, jobs=2)
 """
 
 
 def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
-    """A runner killed with SIGTERM (a scheduler, `kill`) must not leave its runs going as orphans."""
+    """A runner killed with SIGTERM (a scheduler, `kill`) must not leave its runs going as orphans.
+
+    The runs are real ``trustbatch train`` processes started by ``lab.launch`` (forked from its warm server, not
+    children of the runner), stopped once each has written its first lines to its own log."""
     import signal
     import subprocess
     import sys
@@ -426,12 +439,16 @@ def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
     script = tmp_path / "runner_script.py"
     script.write_text(_SCRIPT)
     out = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, str(script), str(f), str(out)])
-    deadline = time.time() + 120
-    while not all((out / f"pid{s}").exists() and (out / f"pid{s}").read_text() for s in (0, 1)):
+    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, str(script), str(f), str(out), json.dumps(TINY)], env=env)
+    logs = [out / "term" / "onpolicy" / f"seed{s}.log" for s in (0, 1)]
+    deadline = time.time() + 180
+    while not all(log.exists() and "run directory:" in log.read_text() for log in logs):
         assert time.time() < deadline and proc.poll() is None, "the runs never started"
         time.sleep(0.2)
     pids = [int((out / f"pid{s}").read_text()) for s in (0, 1)]
+    for pid in pids:
+        os.kill(pid, 0)  # running
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=90)
     for pid in pids:  # gone: waited for by the runner, so not even a zombie is left
@@ -439,3 +456,20 @@ def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
             os.kill(pid, 0)
     call = load_calls(out / "term")[-1]
     assert call["interrupted"] is True and call["runs_started"] == 2
+
+
+def test_launched_run_takes_the_callers_environment_directory_and_exit_code(tmp_path, monkeypatch):
+    """``lab.launch.Run`` forks from a server started earlier: the run must still see the environment and working
+    directory of the moment it is launched, write its output to its log, and exit with the CLI's code."""
+    from trustbatch.lab.launch import Run
+
+    monkeypatch.chdir(tmp_path)
+    bad = Run(["train", "train.stepz=1"], tmp_path / "bad.log")  # also starts the server, if no test did yet
+    assert bad.wait(timeout=300) != 0
+    assert "unknown config key 'train.stepz'" in (tmp_path / "bad.log").read_text()
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "late_cache"))  # set after the server started
+    ok = Run(["train", *TINY, "train.steps=1", "eval.every=1", "run_dir=rel_run"], Path("ok.log"))
+    assert ok.wait(timeout=300) == 0, (tmp_path / "ok.log").read_text()
+    assert "done in" in (tmp_path / "ok.log").read_text()
+    assert json.loads((tmp_path / "rel_run" / "summary.json").read_text())["steps"] == 1
+    assert any((tmp_path / "late_cache").rglob("*.safetensors"))

@@ -1,5 +1,7 @@
 """Run an experiment's arms × seeds as ``trustbatch train`` processes, several at a time, resumable.
 
+Each run is a process forked from a server that has already imported torch and the rest (``lab.launch``).
+
 Layout: ``OUT/<experiment>/<arm>/seed<k>/`` is an ordinary run directory. A run with a
 ``summary.json`` is done and skipped; one with a checkpoint resumes from it; others start over.
 """
@@ -7,12 +9,8 @@ Layout: ``OUT/<experiment>/<arm>/seed<k>/`` is an ordinary run directory. A run 
 from __future__ import annotations
 
 import json
-
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,12 +22,14 @@ from ..errors import UserError
 from ..trainer.runlog import atomic_write
 from .calls import record_call
 from .experiment import Experiment
+from .launch import Run
 
 
 def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] | None:
+    """The ``trustbatch`` arguments that train or resume this run; None when it is done."""
     if (run_dir / "summary.json").exists():
         return None
-    base = [sys.executable, "-m", "trustbatch", "train"]
+    base = ["train"]
     if any((run_dir / "checkpoints").glob("step_*")):
         return base + ["--resume", str(run_dir)]
     if run_dir.exists():
@@ -132,18 +132,17 @@ def _sigterm_as_interrupt():
 
 def _stop(running: list, grace_s: float = 60.0) -> None:
     """SIGTERM every run still going (``trustbatch train`` stops at once; it resumes from its last checkpoint),
-    then SIGKILL whatever is left after ``grace_s``; close their logs."""
+    then SIGKILL whatever is left after ``grace_s``."""
     for proc, *_ in running:
         if proc.poll() is None:
             proc.terminate()
     deadline = time.time() + grace_s
-    for proc, _arm, _seed, log in running:
+    for proc, _arm, _seed in running:
         try:
             proc.wait(timeout=max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+        except TimeoutError:
             proc.kill()
             proc.wait()
-        log.close()
     running.clear()
 
 
@@ -188,13 +187,12 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     started = 0
     failed: list[str] = []
     interrupted = True
-    running: list[tuple[subprocess.Popen, str, int, object]] = []
+    running: list[tuple[Run, str, int]] = []
     # SIGTERM (a scheduler, `kill`) is handled as Ctrl-C: the runs are stopped with the runner, never orphaned
     restore = _sigterm_as_interrupt()
     try:
         build_shared_base(exp, console, jobs=jobs)
         t0 = time.time()
-        env = dict(os.environ, OMP_NUM_THREADS="1")
         with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
             bar = progress.add_task("runs", total=len(todo))
@@ -208,14 +206,12 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
                         progress.advance(bar)
                         continue
                     started += 1
-                    log = open(run_dir.parent / f"seed{seed}.log", "w")
-                    running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), arm, seed, log))
+                    running.append((Run(cmd, run_dir.parent / f"seed{seed}.log"), arm, seed))
                 time.sleep(0.5)
                 for item in list(running):
-                    proc, arm, seed, log = item
+                    proc, arm, seed = item
                     if proc.poll() is None:
                         continue
-                    log.close()
                     running.remove(item)
                     progress.advance(bar)
                     if proc.returncode != 0:
