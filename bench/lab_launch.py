@@ -1,6 +1,6 @@
 """What starting a lab run costs: a fresh interpreter against a fork of ``lab.launch``'s warm server.
 
-    python bench/lab_launch.py [--repeats 4]
+    python bench/lab_launch.py [--repeats 4] [--rounds 20]
 
 Times the lab's on-policy run (the ``reference`` experiment's config, seed 0, its cached base) cut to one
 round with evaluation, checkpoints and plots as in a real run but evaluated only at the end, from launch to
@@ -10,7 +10,11 @@ exit, two ways, interleaved repeat by repeat, one at a time on one thread:
 - ``forkserver``: ``lab.launch.Run`` (the runner's way now), after the server has started once.
 
 The difference is what each of an experiment's runs no longer spends on imports. The server's own start
-(once per ``trustbatch lab run`` call) is printed separately. Run it on a quiet machine.
+(once per ``trustbatch lab run`` call) is printed separately.
+
+Then whether a forked run is as fast per round: one run of each kind at the same time (as the runner's two jobs
+share the machine), ``--rounds`` rounds with evaluation off, compared by the median ``step_s`` of their rounds
+after the first 3, the forked one started once the other has done its imports. Side by side, so a slower or busier machine slows both alike. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -25,16 +29,26 @@ import time
 from pathlib import Path
 
 
-def overrides(run_dir: Path) -> list[str]:
+def overrides(run_dir: Path, rounds: int = 1) -> list[str]:
     from trustbatch.lab import load_experiment
 
     exp = load_experiment("reference")
-    return exp.overrides("onpolicy", 0) + ["train.steps=1", "eval.every=1", f"run_dir={run_dir}"]
+    every = 1 if rounds == 1 else 10_000  # one round: evaluated at its end, as a run is; longer: evaluation off
+    return exp.overrides("onpolicy", 0) + [f"train.steps={rounds}", f"eval.every={every}",
+                                           f"checkpoint_every={max(rounds, 1)}", f"run_dir={run_dir}"]
+
+
+def round_seconds(run_dir: Path, skip: int = 3) -> float:
+    import json
+
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median([r["step_s"] for r in rows if "step_s" in r][skip:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=20, help="rounds of the side-by-side per-round comparison (0: skip)")
     args = ap.parse_args()
     from trustbatch.lab.launch import Run
 
@@ -62,6 +76,20 @@ def main() -> None:
                 times[how].append(time.perf_counter() - t)
                 if code != 0:
                     sys.exit(f"{how} run {r} failed (exit {code}): see {tmp / f'{how}{r}.log'}")
+        per_round = {}
+        if args.rounds:
+            with open(tmp / "side_sub.log", "w") as log:
+                sub = subprocess.Popen([sys.executable, "-m", "trustbatch", "train",
+                                        *overrides(tmp / "side_sub", args.rounds)], stdout=log,
+                                       stderr=subprocess.STDOUT, env=env)
+                while "run directory:" not in (tmp / "side_sub.log").read_text():  # its imports done: start together
+                    if sub.poll() is not None:
+                        sys.exit("the side-by-side subprocess run failed")
+                    time.sleep(0.1)
+                fork = Run(["train", *overrides(tmp / "side_fork", args.rounds)], tmp / "side_fork.log")
+                if sub.wait() != 0 or fork.wait() != 0:
+                    sys.exit("a side-by-side run failed")
+            per_round = {"subprocess": round_seconds(tmp / "side_sub"), "forkserver": round_seconds(tmp / "side_fork")}
     print(f"server start (once per lab run call, `trustbatch train --help` included): {server_s:.1f} s")
     print(f"{'launch':<12} {'median s':>9} {'min s':>7} {'max s':>7}   (a one-round run, launch to exit, "
           f"{args.repeats} repeats; load {os.getloadavg()[0]:.1f})")
@@ -69,6 +97,10 @@ def main() -> None:
         print(f"{how:<12} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {max(ts):>7.2f}")
     saved = statistics.median(times["subprocess"]) - statistics.median(times["forkserver"])
     print(f"saved per run: {saved:.2f} s (median difference)")
+    if per_round:
+        print(f"side by side, {args.rounds} rounds each, median step_s after round 3: subprocess "
+              f"{per_round['subprocess']:.3f} s, forkserver {per_round['forkserver']:.3f} s "
+              f"(forkserver / subprocess {per_round['forkserver'] / per_round['subprocess']:.3f})")
 
 
 if __name__ == "__main__":
