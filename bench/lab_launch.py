@@ -20,6 +20,7 @@ after the first 3, the forked one started once the other has done its imports. S
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -38,9 +39,12 @@ def overrides(run_dir: Path, rounds: int = 1) -> list[str]:
                                            f"checkpoint_every={max(rounds, 1)}", f"run_dir={run_dir}"]
 
 
-def round_seconds(run_dir: Path, skip: int = 3) -> float:
-    import json
+def fresh(argv: list[str], log) -> subprocess.Popen:
+    """``python -m trustbatch *argv`` in a new interpreter (the runner's way before ``lab.launch``)."""
+    return subprocess.Popen([sys.executable, "-m", "trustbatch", *argv], stdout=log, stderr=subprocess.STDOUT)
 
+
+def round_seconds(run_dir: Path, skip: int = 3) -> float:
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median([r["step_s"] for r in rows if "step_s" in r][skip:])
 
@@ -52,13 +56,12 @@ def main() -> None:
     args = ap.parse_args()
     from trustbatch.lab.launch import Run
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the fresh interpreters and the server alike
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # the base of seed 0, built or loaded once outside the timings
-        subprocess.run([sys.executable, "-m", "trustbatch", "train", *overrides(tmp / "warm")], check=True,
-                       stdout=subprocess.DEVNULL, env=env)
+        if fresh(["train", *overrides(tmp / "warm")], subprocess.DEVNULL).wait() != 0:
+            sys.exit("building or loading the base of seed 0 failed")
         t = time.perf_counter()
         Run(["train", "--help"], tmp / "server.log").wait()
         server_s = time.perf_counter() - t
@@ -69,8 +72,7 @@ def main() -> None:
                 t = time.perf_counter()
                 if how == "subprocess":
                     with open(tmp / f"{how}{r}.log", "w") as log:
-                        code = subprocess.run([sys.executable, "-m", "trustbatch", "train", *overrides(run_dir)],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+                        code = fresh(["train", *overrides(run_dir)], log).wait()
                 else:
                     code = Run(["train", *overrides(run_dir)], tmp / f"{how}{r}.log").wait()
                 times[how].append(time.perf_counter() - t)
@@ -79,9 +81,7 @@ def main() -> None:
         per_round = {}
         if args.rounds:
             with open(tmp / "side_sub.log", "w") as log:
-                sub = subprocess.Popen([sys.executable, "-m", "trustbatch", "train",
-                                        *overrides(tmp / "side_sub", args.rounds)], stdout=log,
-                                       stderr=subprocess.STDOUT, env=env)
+                sub = fresh(["train", *overrides(tmp / "side_sub", args.rounds)], log)
                 while "run directory:" not in (tmp / "side_sub.log").read_text():  # its imports done: start together
                     if sub.poll() is not None:
                         sys.exit("the side-by-side subprocess run failed")

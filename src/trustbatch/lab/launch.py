@@ -1,6 +1,6 @@
 """Start lab runs as ``trustbatch`` CLI processes forked from a warm server, not as fresh interpreters.
 
-A fresh ``python -m trustbatch train`` spends ~10 s of one core importing torch, transformers,
+A fresh ``python -m trustbatch train`` spends ~6 s of one core importing torch, transformers,
 reasoning-gym, matplotlib and tensorboard before its first round (measured by ``bench/lab_launch.py``);
 a lab experiment starts 24–42 runs. multiprocessing's forkserver imports those modules once in a server
 process that never runs a tensor operation, and forks each run from it: every run is still its own
@@ -43,8 +43,10 @@ def _cli_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
 
     The exit code is the CLI's (typer raises SystemExit, which multiprocessing turns into the exit code)."""
     # the server holds the environment and directory of the moment it started; a run gets its launcher's own
+    # one thread per run, as the runner's jobs are one per core: torch's and numpy's thread pools are sized on first
+    # use, after the fork (a run's config sets torch's own count again)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(env, OMP_NUM_THREADS="1")
     os.chdir(cwd)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
@@ -54,9 +56,6 @@ def _cli_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    # torch's and numpy's thread pools are sized on first use, after the fork: one thread per run, as the runner's
-    # jobs are one per core (a run's config sets torch's own count again)
-    os.environ["OMP_NUM_THREADS"] = "1"
     sys.argv = ["trustbatch", *argv]
     from trustbatch.cli import app
 
