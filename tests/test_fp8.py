@@ -119,6 +119,34 @@ def test_activations_are_quantized_at_every_call():
     assert (f(x) - lin(x)).abs().max() > 0
 
 
+def test_a_reused_tensorwise_scale_serves_exactly_one_call():
+    """reuse_scale: the next call is quantized with the previous call's absmax, the one after with its own."""
+    lin = torch.nn.Linear(8, 3, bias=False)
+    f = Fp8Linear(lin, "tensorwise")
+    g = torch.Generator().manual_seed(2)
+    big, small = torch.randn(4, 8, generator=g) * 10, torch.randn(2, 8, generator=g)
+    w = fp8_e4m3_qdq(lin.weight.detach(), "tensorwise")
+
+    def by_hand(x, amax):  # absmax scaling written out: q = cast(x / s) · s, s = amax / 448
+        s = amax / 448.0
+        return torch.nn.functional.linear((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s, w)
+
+    with pytest.raises(ValueError, match="before any call"):
+        f.reuse_scale()
+    f(big)
+    torch.testing.assert_close(f.last_amax, big.abs().amax(), rtol=0, atol=0)
+    f.reuse_scale()
+    torch.testing.assert_close(f(small), by_hand(small, big.abs().amax()), rtol=0, atol=0)
+    own = f(small)  # the reuse was used up
+    torch.testing.assert_close(own, by_hand(small, small.abs().amax()), rtol=0, atol=0)
+    assert (own - by_hand(small, big.abs().amax())).abs().max() > 0  # the two scales round differently
+    f.reuse_scale()
+    f.reuse_scale(False)  # cancelled
+    torch.testing.assert_close(f(small), own, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rowwise"):
+        Fp8Linear(lin, "rowwise").reuse_scale()
+
+
 def test_rowwise_engine_records_the_fp8_copy_log_probs_and_requantizes_on_load(policy):
     """Per-token scales make a row independent of its batch, so a plain forward of the copy reproduces the engine."""
     engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision="fp8_e4m3_rowwise", share=False)

@@ -13,6 +13,8 @@ import torch
 
 from trustbatch.policy import load_policy
 from trustbatch.rollout import SamplingParams, TransformersEngine
+from trustbatch.rollout import transformers_engine as engine_module
+from trustbatch.rollout.shifts import batch_scaled_linears
 
 TEXTS = ("Once upon a time", "Lily saw a big dog", "Tom", "The sun was shining and the birds sang in the tree")
 
@@ -109,7 +111,34 @@ def test_one_token_prompts_use_the_plain_path(stories):
     assert shapes[0] == (6, 1)
 
 
-def test_batch_scaled_precisions_keep_the_plain_path(stories):
-    """int8 scales activations over the whole batch, so sharing a prefill would change its distribution."""
+def test_int8_keeps_the_plain_path(stories):
+    """int8 scales activations over the whole batch inside torch's kernels, so sharing a prefill would change its distribution."""
     assert TransformersEngine(stories.model, stories.eos_id, stories.pad_id, precision="int8").prefill_once is False
     assert TransformersEngine(stories.model, stories.eos_id, stories.pad_id).prefill_once is True
+    assert TransformersEngine(stories.model, stories.eos_id, stories.pad_id, precision="fp8_e4m3").prefill_once is True
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_per_tensor_fp8_prefills_once_with_the_whole_forwards_scales(stories, monkeypatch, reuse):
+    """Per-tensor FP8 prefill-once samples what the plain path samples, because each layer's activation scale is
+    taken from the whole prompts and reused by the prefill and the last-token step. Without the reuse (each
+    piece scaled by its own absmax, ``reuse=False``) the log-probs move by far more than round-off: what makes
+    this test able to fail."""
+    if not reuse:
+        monkeypatch.setattr(engine_module, "batch_scaled_linears", lambda model: [])
+    prompts = [stories.encode_prompt(t) for t in TEXTS]
+    lens = [len(p) for p in prompts]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10)
+    plain = TransformersEngine(stories.model, stories.eos_id, stories.pad_id, precision="fp8_e4m3", prefill_once=False)
+    once = TransformersEngine(stories.model, stories.eos_id, stories.pad_id, precision="fp8_e4m3")
+    a = plain.generate(prompts, 5, sp, seeds=[11, 12, 13, 14])
+    b, shapes = first_forward_shapes(once.model, lambda: once.generate(prompts, 5, sp, seeds=[11, 12, 13, 14]))
+    if reuse:
+        # the scale pass over the whole distinct prompts, the prefill without their last token, then one token a row
+        assert shapes[:3] == [(len(prompts), max(lens)), (len(prompts), max(lens) - 1), (5 * len(prompts), 1)]
+        assert_same(a, b, 1e-5)
+        assert not any(m._next_amax is not None for m in batch_scaled_linears(once.model))  # nothing left pending
+    else:
+        assert shapes[:2] == [(len(prompts), max(lens) - 1), (5 * len(prompts), 1)]
+        worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.behavior_logprobs, rb.behavior_logprobs))
+        assert worst > 1e-3, worst

@@ -24,7 +24,7 @@ REQUANTIZED = ("int8", *FP8_SCALINGS)
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: the largest finite E4M3 value (no inf in "fn")
 
 
-def fp8_e4m3_qdq(x: torch.Tensor, scaling: str) -> torch.Tensor:
+def fp8_e4m3_qdq(x: torch.Tensor, scaling: str, amax: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize ``x`` to FP8-E4M3 and back (float32 out), with an absmax scale per tensor or per row.
 
     q = cast_e4m3(clamp(x / s, ±448)) · s with s = absmax / 448, so the largest |x| of each scaling
@@ -35,6 +35,8 @@ def fp8_e4m3_qdq(x: torch.Tensor, scaling: str) -> torch.Tensor:
         x: [..., K] float tensor (a Linear's weight [N, K] or its input [..., K]).
         scaling: "tensorwise": one scale for the whole tensor; "rowwise": one scale per row of the
             last dimension (per output channel of a weight, per token of an activation).
+        amax: the absmax to scale by (tensorwise: a scalar tensor), instead of ``x``'s own; see
+            ``Fp8Linear.reuse_scale``.
 
     Returns:
         float32 tensor of ``x``'s shape, values on the E4M3 grid times the scale. An all-zero group
@@ -44,12 +46,10 @@ def fp8_e4m3_qdq(x: torch.Tensor, scaling: str) -> torch.Tensor:
         ValueError: an unknown scaling.
     """
     x = x.float()
-    if scaling == "tensorwise":
-        amax = x.abs().amax()
-    elif scaling == "rowwise":
-        amax = x.abs().amax(dim=-1, keepdim=True)
-    else:
+    if scaling not in FP8_SCALINGS.values():
         raise ValueError(f"unknown FP8 scaling {scaling!r}; choose 'tensorwise' or 'rowwise'")
+    if amax is None:
+        amax = x.abs().amax() if scaling == "tensorwise" else x.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones((), dtype=x.dtype))
     q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.float() * scale
@@ -72,6 +72,11 @@ class Fp8Linear(torch.nn.Module):
       weights with per-token activations. Finer; each row independent of the batch.
 
     The bias (if any) stays float32, as in those recipes.
+
+    ``last_amax`` is the input absmax of the latest call; ``reuse_scale()`` makes the next call (one
+    call only) scale its input by it instead of by its own. That lets a tensorwise engine split one
+    forward into several (a prompt prefilled once for its G samples, then each row's last prompt
+    token) and still quantize every piece with the scale the whole forward would have taken.
     """
 
     def __init__(self, linear: torch.nn.Linear, scaling: str):
@@ -80,12 +85,41 @@ class Fp8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", fp8_e4m3_qdq(linear.weight.detach(), scaling))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.last_amax: torch.Tensor | None = None
+        self._next_amax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(fp8_e4m3_qdq(x, self.scaling), self.weight, self.bias)
+        x = x.float()
+        amax, self._next_amax = self._next_amax, None
+        if amax is None:
+            amax = x.abs().amax() if self.scaling == "tensorwise" else x.abs().amax(dim=-1, keepdim=True)
+        self.last_amax = amax
+        return torch.nn.functional.linear(fp8_e4m3_qdq(x, self.scaling, amax), self.weight, self.bias)
+
+    def reuse_scale(self, on: bool = True) -> None:
+        """Scale the next call's input by ``last_amax`` (``on``), or cancel a pending reuse (not ``on``).
+
+        Raises:
+            ValueError: a per-row scaling (its scales are per token, not shared by a batch), or no
+                call yet to take the scale from.
+        """
+        if not on:
+            self._next_amax = None
+            return
+        if self.scaling != "tensorwise":
+            raise ValueError("only a tensorwise Fp8Linear shares one input scale across calls; rowwise scales are per token")
+        if self.last_amax is None:
+            raise ValueError("reuse_scale before any call: run a forward first to take the scale from")
+        self._next_amax = self.last_amax
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+
+
+def batch_scaled_linears(model: torch.nn.Module) -> list[Fp8Linear]:
+    """The ``Fp8Linear`` s of ``model`` with one input scale per call (tensorwise): those whose rounding
+    depends on which rows and positions share a forward."""
+    return [m for m in model.modules() if isinstance(m, Fp8Linear) and m.scaling == "tensorwise"]
 
 
 def _fp8_copy(model: torch.nn.Module, scaling: str) -> torch.nn.Module:

@@ -7,12 +7,20 @@ Gumbel-max trick), and makes a completion depend only on its seed, prompt and we
 which other prompts share the batch or which process generates it: what lets an asynchronous
 pipeline reproduce a synchronous one.
 
-Prefill once (``prefill_once``; the default except at ``BATCH_SCALED`` precisions): the G samples
-of a prompt share its prefix, so each distinct prompt of a chunk is run once (all its tokens but
-the last) and its key/value cache is copied to the G rows (``Cache.batch_select_indices``) before
-``generate`` continues from it, feeding each row the last prompt token. The padding, positions and
-masks are those of the plain path, so the distribution sampled is the same; only float round-off
-between batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/test_prefill_once.py``).
+Prefill once (``prefill_once``; the default except at int8): the G samples of a prompt share its
+prefix, so each distinct prompt of a chunk is run once (all its tokens but the last) and its
+key/value cache is copied to the G rows (``Cache.batch_select_indices``) before ``generate``
+continues from it, feeding each row the last prompt token. The padding, positions and masks are
+those of the plain path, so the distribution sampled is the same; only float round-off between
+batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/test_prefill_once.py``).
+
+Per-tensor FP8 (``fp8_e4m3``) scales each Linear's input by its absmax over the whole forward, so
+splitting the plain path's first forward ([N, P]) into a prefill ([U, P-1]) and a last-token step
+([N, 1]) would change the scales, and with them the distribution. The engine therefore first runs
+the U distinct prompts whole ([U, P]: the N rows' values without the repeats, so the same absmax)
+and has both pieces reuse each layer's scale from that pass (``Fp8Linear.reuse_scale``). int8
+takes its scales inside torch's quantized kernels, where they cannot be carried over, and keeps
+the plain path.
 
 The key/value cache is a ``policy.kv_cache.GrowingCache`` (appends into spare room, no re-copy of
 the whole cache per token) wherever it fits the model; its samples and log-probs equal those with
@@ -29,12 +37,14 @@ from transformers import Cache, LogitsProcessor, LogitsProcessorList, Temperatur
 
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from .engine import Rollout, SamplingParams
-from .shifts import REQUANTIZED, behaviour_copy
+from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
 
 
 # Rollout precisions whose activation quantization scale is taken over the whole batch tensor
 # (rollout.shifts): their sampled distribution depends on which rows share a forward.
 BATCH_SCALED = ("int8", "fp8_e4m3")
+# Of those, the ones whose scales cannot be handed from one forward to the next: no prefill once.
+PLAIN_ONLY = ("int8",)
 
 
 def row_seed(*parts: int) -> int:
@@ -75,10 +85,11 @@ class TransformersEngine:
 
     ``prefill_once`` prefills each distinct prompt of a chunk once and copies its key/value cache
     to its samples (module docstring); False runs every row's prompt, as ``generate`` alone does.
-    None (the default) means True except at the precisions in ``BATCH_SCALED`` (int8, per-tensor
-    FP8): they scale activations per tensor over the whole batch, so which rows share a forward
-    changes the distribution itself (int8: by ~1e-2 in the log-probs, not round-off), and those
-    shifts keep the plain path's. A model whose forward returns no ``transformers.Cache`` falls
+    None (the default) means True except at int8 (``PLAIN_ONLY``), which scales activations per
+    tensor over the whole batch inside torch's kernels, so which rows share a forward changes the
+    distribution itself (by ~1e-2 in the log-probs, not round-off). Per-tensor FP8 prefills once
+    with the whole forward's scales carried over (module docstring). A model whose forward returns
+    no ``transformers.Cache`` falls
     back to the plain path. ``grow_cache`` (set from ``growing_cache_fits``) says whether generation
     uses a ``GrowingCache``.
     """
@@ -100,7 +111,7 @@ class TransformersEngine:
         self.pad_id = pad_id
         self.batch_size = batch_size
         self.version = version
-        self.prefill_once = precision not in BATCH_SCALED if prefill_once is None else prefill_once
+        self.prefill_once = precision not in PLAIN_ONLY if prefill_once is None else prefill_once
         # decided once: load_weights may replace self.model, but only by a copy of the same architecture
         self.grow_cache = growing_cache_fits(self.model)
 
@@ -161,15 +172,20 @@ class TransformersEngine:
         # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
         # whole cache at every token (policy.kv_cache)
         reserve = P + sp.max_new_tokens
-        cache = self._shared_prefill(ids, att, items, reserve) if self.prefill_once else None
-        if cache is None and self.grow_cache:
-            cache = GrowingCache(reserve)
-        gen = self.model.generate(
-            input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
-            temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
-            **({} if cache is None else {cache_kwarg(self.model): cache}),
-        )
+        scaled = batch_scaled_linears(self.model)
+        try:
+            cache = self._shared_prefill(ids, att, items, reserve, scaled) if self.prefill_once else None
+            if cache is None and self.grow_cache:
+                cache = GrowingCache(reserve)
+            gen = self.model.generate(
+                input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
+                eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
+                temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
+                **({} if cache is None else {cache_kwarg(self.model): cache}),
+            )
+        finally:
+            for m in scaled:  # a scale left pending (generate failed before its first forward) must not leak
+                m.reuse_scale(False)
         new = gen.sequences[:, P:]
         scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
         # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
@@ -188,7 +204,7 @@ class TransformersEngine:
             ))
         return rows
 
-    def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int):
+    def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int, scaled=()):
         """A key/value cache of ``ids[:, :P-1]`` [N, P-1] computed once per distinct prompt, or None.
 
         The distinct rows keep the chunk's left padding (width P) and ``generate``'s positions
@@ -196,6 +212,9 @@ class TransformersEngine:
         cache is then indexed out to the N rows. The last prompt token is left to ``generate``,
         which needs at least one uncached input token. None (plain path) for one-token prompts, for
         chunks without a repeated prompt, and for models whose forward returns no ``Cache``.
+        ``scaled`` (``rollout.shifts.batch_scaled_linears``): per-tensor FP8 layers, whose scales are
+        first taken from the whole prompts [U, P] and then reused by the prefill and by ``generate``'s
+        first forward (module docstring).
         Run on CPU only (tests/test_prefill_once.py); untested on a GPU (none was available).
         """
         P = ids.shape[1]
@@ -209,6 +228,13 @@ class TransformersEngine:
             row_slot.append(slot[tuple(p)])
         if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None:
             return None
+        if scaled:
+            # the plain path's first forward over all N rows, less the repeats: each layer's scale
+            w_att = att[first]
+            w_pos = (w_att.cumsum(-1) - 1).masked_fill(w_att == 0, 0)
+            self.model(input_ids=ids[first], attention_mask=w_att, position_ids=w_pos, use_cache=False, logits_to_keep=1)
+            for m in scaled:
+                m.reuse_scale()
         u_ids, u_att = ids[first, :P - 1], att[first, :P - 1]
         pos = (u_att.cumsum(-1) - 1).masked_fill(u_att == 0, 0)
         grow = {cache_kwarg(self.model): GrowingCache(reserve)} if self.grow_cache else {}
@@ -217,4 +243,6 @@ class TransformersEngine:
         if not isinstance(cache, Cache):
             return None
         cache.batch_select_indices(torch.tensor(row_slot, device=u_ids.device))
+        for m in scaled:  # generate's first forward, each row's last prompt token, takes the same scales
+            m.reuse_scale()
         return cache
