@@ -18,9 +18,12 @@ Per-tensor FP8 (``fp8_e4m3``) scales each Linear's input by its absmax over the 
 splitting the plain path's first forward ([N, P]) into a prefill ([U, P-1]) and a last-token step
 ([N, 1]) would change the scales, and with them the distribution. The engine therefore first runs
 the U distinct prompts whole ([U, P]: the N rows' values without the repeats, so the same absmax)
-and has both pieces reuse each layer's scale from that pass (``Fp8Linear.reuse_scale``). int8
-takes its scales inside torch's quantized kernels, where they cannot be carried over, and keeps
-the plain path.
+and has both pieces reuse each layer's scale from that pass (``Fp8Linear.reuse_scale``). What is
+left is float round-off, as in float32 (the last prompt token is computed in its own step), except
+that a round-off change that moves a value across an FP8 rounding boundary moves it by a whole FP8
+step: most batches sample bit for bit what the plain path samples, a few differ at a few tokens
+(``bench/fp8_prefill.py``, ``tests/test_prefill_once.py``). int8 takes its scales inside torch's
+quantized kernels, where they cannot be carried over, and keeps the plain path.
 
 The key/value cache is a ``policy.kv_cache.GrowingCache`` (appends into spare room, no re-copy of
 the whole cache per token) wherever it fits the model; its samples and log-probs equal those with
