@@ -244,3 +244,28 @@ def test_two_gloo_ranks_with_shared_prompts_equal_the_plain_data_parallel_step(t
                 _close(got[n], want[n], f"{obj} rank {rank} {n}", 1e-9)
                 # the plain data-parallel step itself differs from one process by ~1e-7 (p3o_two_anchor)
                 _close(got[n], one[n], f"{obj} rank {rank} {n} vs one process", 1e-6)
+
+
+def test_gather_rows_gradient_is_the_per_prompt_sum_and_index_selects_bit_for_bit():
+    """``gather_rows`` against a loop that sums each prompt's rows in float64 (independent), and against
+    ``index_select`` under autograd bit for bit, on strided keys as a cache holds them ([U, P, H, D] transposed)."""
+    g = torch.Generator().manual_seed(3)
+    U, B = 5, 23
+    index = torch.randint(0, U - 1, (B,), generator=g)  # prompt U - 1 has no row: its gradient is zero
+    base = torch.randn(U, 7, 2, 4, generator=g)
+    grad = torch.randn(B, 7, 2, 4, generator=g).transpose(1, 2)  # a strided output gradient, as after a cat
+
+    def run(gather):
+        x = base.clone().requires_grad_()
+        out = gather(x.transpose(1, 2), index)
+        out.backward(grad)
+        return out.detach(), x.grad
+
+    got, got_grad = run(sp.gather_rows)
+    want, want_grad = run(lambda x, i: x.index_select(0, i))
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    by_hand = torch.zeros(U, 2, 7, 4, dtype=torch.float64)
+    for row, u in enumerate(index.tolist()):
+        by_hand[u] += grad[row].double()
+    torch.testing.assert_close(got_grad.transpose(1, 2).double(), by_hand, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_grad[U - 1], torch.zeros_like(got_grad[U - 1]))
