@@ -151,3 +151,37 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path, monkeypatch):
     assert next(p for p in res["probes"] if p["arm"] == "p3o@k2")["age"] == 2  # the lag, read from the tags
     for arm in ("onpolicy", "p3o@T0.5", "p3o@k2", "control", "test", "T=0.5", "lag 2"):
         assert arm in r.output
+
+
+def test_report_opens_with_every_preflight_including_preflight_only_folders(tmp_path):
+    """The report's first table (issue 14, item 1): every experiment's pre-flight rows, with the folders that
+    hold only a pre-flight (a dose ladder never run in full) and the arms an experiment left out."""
+    import json
+
+    import yaml
+
+    from trustbatch.lab.report import preflight_summary
+
+    def row(arm, ess, z2, cos2, verdict):
+        return {"arm": arm, "shift": "x", "age": 0, "ess": ess, "zeroed@0.2": z2, "zeroed@0.4": 0.0,
+                "cos@0.2": cos2, "cos@0.4": 0.999, "verdict": verdict}
+
+    (tmp_path / "doses").mkdir()
+    (tmp_path / "doses" / "preflight.json").write_text(json.dumps({"arms": [row("p3o@bf16", 0.99991, 0.001, 0.9993, "control")]}))
+    (tmp_path / "temp").mkdir()
+    (tmp_path / "temp" / "experiment.yaml").write_text(yaml.safe_dump({"arms": {"p3o@T0.6": {}, "p3o@T0.9": {}},
+                                                                        "preflight_only": ["p3o@T0.9"]}))
+    (tmp_path / "temp" / "preflight.json").write_text(json.dumps({"arms": [row("p3o@T0.6", 0.8045, 0.075, 0.862, "test"),
+                                                                          row("p3o@T0.9", 0.97, 0.02, 0.97, "test")]}))
+    (tmp_path / "nopre").mkdir()
+    (tmp_path / "nopre" / "experiment.yaml").write_text("arms: {a: {}}\n")
+    lines = preflight_summary(tmp_path)
+    assert lines[0] == "## Pre-flight: which arms are tests"
+    body = [x for x in lines if x.startswith("| ") and not x.startswith("| experiment")]
+    assert body == [
+        "| doses | p3o@bf16 | 0 | 0.9999 | 0.1% | 0.0% | 0.999 | 0.999 | control | no full run |",
+        "| temp | p3o@T0.6 | 0 | 0.8045 | 7.5% | 0.0% | 0.862 | 0.999 | test | yes |",
+        "| temp | p3o@T0.9 | 0 | 0.9700 | 2.0% | 0.0% | 0.970 | 0.999 | test | no (pre-flight only) |",
+    ]
+    assert "cos > 0.99 and zeroed < 1%" in "\n".join(lines)
+    assert preflight_summary(tmp_path / "nopre") == []

@@ -183,6 +183,9 @@ def test_resume_redoes_a_rounds_per_step_records_once(tmp_path):
 
     assert recs(run) == recs(ref)
     assert sum(1 for r in recs(run) if r["step"] == 3 and "opt_step" in r) == 4
+    steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(x) for x in (ref / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1] * 4 + [2] * 4 + [3] * 4
 
 
 def test_report_line_quotes_the_first_and_last_steps_spread():
@@ -205,3 +208,81 @@ def test_report_line_quotes_the_first_and_last_steps_spread():
     want = [0.025, 0.0025, 0.0475, 0.525, 0.5025, 0.5475]
     assert m and all(abs(float(g) - w) <= 6e-4 for g, w in zip(m.groups(), want)), line
     assert "a:" not in line
+
+
+def test_step_records_hold_each_steps_ess_kl_weight_and_zeroed_share_by_hand():
+    """Per-optimizer-step traces (issue 14, item 8): each step's record against the normalized ESS
+    (Σρ)² / (N Σρ²), P3O's KL weight 1 − ESS (arXiv 2605.12380, Eqs. 11–12) and the share GRPO's clip would
+    zero (A > 0 and ρ > 1 + ε, or A < 0 and ρ < 1 − ε), all worked in float64 from the step's own
+    log-ratios as the ``on_step_ratios`` hook sees them; and the round's record is their mean."""
+    model = _llama(torch.float64)
+    learner = Learner(model, "p3o", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2)
+    seen = []
+    learner.on_step_ratios.append(lambda j, e, mb, lr: seen.append(lr.clone().double()))
+    adv_of_token = []
+    inner_step = learner.step
+
+    def step(mb_batch):  # each valid token's advantage, in the order the learner flattens the mask
+        m = mb_batch.packed.response_mask
+        adv_of_token.append(mb_batch.advantages[:, None].expand_as(m)[m].double())
+        return inner_step(mb_batch)
+
+    learner.step = step
+    batch = _batch()
+    batch.advantages = batch.advantages / batch.advantages.abs().max()
+    round_metrics = learner.train_on(batch)
+    recs = learner.step_records
+    assert [(r["opt_step"], r["epoch"], r["minibatch"]) for r in recs] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    for rec, lr, adv in zip(recs, seen, adv_of_token):
+        rho = lr.exp()
+        ess = float(rho.sum() ** 2 / (rho.numel() * (rho ** 2).sum()))
+        assert abs(rec["ess"] - ess) < 1e-6, (rec["opt_step"], rec["ess"], ess)  # the hook hands float32 ratios
+        assert abs(rec["kl_weight"] - (1.0 - ess)) < 1e-6
+        for eps in (0.2, 0.4):
+            zeroed = float((((adv > 0) & (rho > 1 + eps)) | ((adv < 0) & (rho < 1 - eps))).double().mean())
+            assert abs(rec[f"grpo_zeroed_{eps}"] - zeroed) < 1e-12, (rec["opt_step"], eps)
+        assert rec["grad_norm"] > 0
+    # the batch's behaviour log-probs are not the model's: ESS < 1 at every step, and it moves between steps
+    assert max(r["ess"] for r in recs) < 1 and len({round(r["ess"], 9) for r in recs}) == 4
+    for k in ("ess", "kl_weight", "grad_norm", "grpo_zeroed_0.2"):
+        assert abs(round_metrics[k] - sum(r[k] for r in recs) / 4) < 1e-12, k
+
+
+def test_train_writes_steps_jsonl_for_replayed_rounds_only(tmp_path):
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    for d, extra in ((run, ["train.epochs=2", "train.minibatches=2"]), (plain, [])):
+        res = CliRunner().invoke(app, ["train", *TINY, "train.steps=2", *extra, f"run_dir={d}", "threads=1"])
+        assert res.exit_code == 0, res.output
+    assert not (plain / "steps.jsonl").exists()  # one optimizer step per round: metrics.jsonl is per step already
+    steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["opt_step"], r["epoch"], r["minibatch"]) for r in steps] == [
+        (s, j, j // 2, j % 2) for s in (1, 2) for j in range(4)]
+    for r in steps:
+        if r["opt_step"] == 0:  # the round's first step trains on its fresh batch: π_θ = μ, so ESS = 1
+            assert abs(r["ess"] - 1.0) < 1e-6 and r["grpo_zeroed_0.2"] == 0.0, r
+    assert min(r["ess"] for r in steps if r["opt_step"] == 3) < 1.0 - 1e-7  # later steps have moved
+    rounds = {m["step"]: m for m in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines())}
+    for s in (1, 2):
+        mine = [r for r in steps if r["step"] == s]
+        assert abs(rounds[s]["grad_norm"] - sum(r["grad_norm"] for r in mine) / 4) < 1e-9
+
+
+def test_trace_points_place_steps_and_round_means_on_one_optimizer_step_axis():
+    from trustbatch.lab.report import trace_points
+
+    with_steps = {"metrics": [{"step": 0, "heldout_accuracy": 0.1}, {"step": 1, "ess": 0.5, "optimizer_steps": 4.0,
+                                                                      "staleness_mean": 0.0}],
+                  "steps": [{"step": s, "opt_step": j, "ess": 10 * s + j} for s in (1, 2) for j in range(4)]}
+    # round r's step j of 4 at (r − 1)·4 + j + 1
+    assert trace_points(with_steps, "ess") == {1: 10, 2: 11, 3: 12, 4: 13, 5: 20, 6: 21, 7: 22, 8: 23}
+    # a key the step records lack (a source metric) falls back to the round record at its last step
+    assert trace_points(with_steps, "staleness_mean") == {4: 0.0}
+    old = {"metrics": [{"step": 0}, {"step": 1, "ess": 0.9, "optimizer_steps": 16.0},
+                       {"step": 2, "ess": 0.8, "optimizer_steps": 16.0}], "steps": []}
+    assert trace_points(old, "ess") == {16: 0.9, 32: 0.8}
+    one_step = {"metrics": [{"step": 1, "ess": 1.0}, {"step": 2, "ess": 0.99}]}
+    assert trace_points(one_step, "ess") == {1: 1.0, 2: 0.99}

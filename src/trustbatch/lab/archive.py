@@ -16,7 +16,7 @@ from ..errors import UserError
 
 # What load_runs, experiment_section and the pre-flight table read, relative to OUT/EXPERIMENT/.
 EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt", "calls.jsonl")
-RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl")
+RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl", "steps.jsonl")
 
 
 def archive_experiment(exp_dir: Path, dest: Path) -> int:

@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
+from .preflight import CONTROL_COSINE, CONTROL_ZEROED
 from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
 
 # Issue 14's budget: each experiment at most 40 minutes wall-clock on the 2-core machine.
@@ -43,7 +44,9 @@ def _fmt(x: float, spec: str) -> str:
 
 
 def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
-    """{arm: [run, ...]} for the finished runs; a run is {"seed", "metrics", "ratios", "summary"}."""
+    """{arm: [run, ...]} for the finished runs; a run is {"seed", "metrics", "ratios", "steps", "summary"}
+    (``steps``: the per-optimizer-step records of ``steps.jsonl``, empty for a run with one step per round or
+    one from before the file existed)."""
     arms: dict[str, list[dict]] = {}
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     order = list((spec or {}).get("arms", {})) or sorted(p.name for p in exp_dir.iterdir() if p.is_dir())
@@ -54,6 +57,7 @@ def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
             arms.setdefault(arm, []).append({
                 "seed": int(d.name.removeprefix("seed")), "metrics": read_metrics(d / "metrics.jsonl"),
                 "ratios": ratios, "summary": json.loads(run.read_text()),
+                "steps": read_metrics(d / "steps.jsonl") if (d / "steps.jsonl").exists() else [],
             })
     return arms
 
@@ -63,6 +67,34 @@ def _series(runs: list[dict], key: str) -> tuple[list[int], list[float], list[fl
     mean, se = [], []
     for s in steps:
         m, e = _mean_se([r[key] for run in runs for r in run["metrics"] if r["step"] == s and key in r])
+        mean.append(m)
+        se.append(0.0 if math.isnan(e) else e)
+    return steps, mean, se
+
+
+def trace_points(run: dict, key: str) -> dict[int, float]:
+    """{optimizer step (1-based, counted over the run): value of ``key``} for one run.
+
+    From ``steps.jsonl`` where the run has it: round r's step j of S is at (r − 1)·S + j + 1. Otherwise (and for
+    a key the step records lack) from the round records of ``metrics.jsonl``, each placed at the round's last
+    optimizer step r·S (S: the record's ``optimizer_steps``, 1 when absent), so a replayed run from before
+    ``steps.jsonl`` shows its round means at the right place on the same axis.
+    """
+    if any(key in r for r in run.get("steps", [])):
+        per_round = max(int(r["opt_step"]) for r in run["steps"]) + 1
+        return {(r["step"] - 1) * per_round + int(r["opt_step"]) + 1: r[key] for r in run["steps"] if key in r}
+    # a source metric (sample age) has no per-step record: it is the round's
+    return {r["step"] * int(r.get("optimizer_steps", 1)): r[key] for r in run["metrics"]
+            if key in r and r["step"] > 0}
+
+
+def _trace_series(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
+    """``_series`` over optimizer steps (``trace_points``): mean and standard error over seeds at each step."""
+    points = [trace_points(run, key) for run in runs]
+    steps = sorted({x for p in points for x in p})
+    mean, se = [], []
+    for x in steps:
+        m, e = _mean_se([p[x] for p in points if x in p])
         mean.append(m)
         se.append(0.0 if math.isnan(e) else e)
     return steps, mean, se
@@ -100,7 +132,7 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
         fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * min(len(keys), 3), 3.0) if len(keys) < 4 else (2.4 * len(keys), 3.0), dpi=80)
         for ax, (key, label, smooth) in zip(axes, keys):
             for i, (arm, runs) in enumerate(arms.items()):
-                steps, mean, se = _series(runs, key)
+                steps, mean, se = (_trace_series if tag == "traces" else _series)(runs, key)
                 if not steps:
                     continue
                 if smooth:
@@ -342,6 +374,38 @@ def _preflight_table(exp_dir: Path) -> list[str]:
     for sk in (data.get("skipped") or []) if isinstance(data, dict) else []:
         lines.append(f"\nSkipped: {sk}")
     return lines + [""]
+
+
+def preflight_summary(runs: Path) -> list[str]:
+    """Markdown lines: every pre-flight under ``runs`` in one table, which the report puts first (issue 14, item 1).
+
+    One row per experiment and arm, from each ``EXPERIMENT/preflight.json``, including the folders that hold only
+    a pre-flight (a dose ladder probed and not run in full, such as bf16 / fp16 / int8 rollouts). "Full run" says
+    whether the arm was trained: yes, no (pre-flight only: a control, or left out for time), or "no full run" for a
+    folder without ``experiment.yaml``. Empty when no experiment has a pre-flight.
+    """
+    rows = []
+    for exp_dir in sorted(p for p in runs.iterdir() if (p / "preflight.json").exists()):
+        data = json.loads((exp_dir / "preflight.json").read_text())
+        arms = data.get("arms", []) if isinstance(data, dict) else data
+        spec_file = exp_dir / "experiment.yaml"
+        spec = (yaml.safe_load(spec_file.read_text()) or {}) if spec_file.exists() else None
+        only = set((spec or {}).get("preflight_only") or [])
+        for r in arms:
+            full = "no full run" if spec is None else ("no (pre-flight only)" if r.get("arm") in only else "yes")
+            cells = ["n/a" if r.get(k) is None else fmt.format(r.get(k)) for k, _, fmt in PREFLIGHT_COLUMNS
+                     if k not in ("shift", "age", "abs_log_ratio")]
+            rows.append(f"| {exp_dir.name} | {r.get('arm')} | {r.get('age', 'n/a')} | " + " | ".join(cells) + f" | {full} |")
+    if not rows:
+        return []
+    heads = [h for k, h, _ in PREFLIGHT_COLUMNS if k not in ("shift", "age", "abs_log_ratio")]
+    return ["## Pre-flight: which arms are tests", "",
+            "At the base policy, one batch per arm and seed (the seeds each pre-flight names in its section), means over "
+            "seeds. Zeroed: share of tokens GRPO's clip at ε zeroes; cos: P3O's gradient against GRPO(ε)'s on the same "
+            "batch; age: optimizer steps since sampling. An arm is a **control** (no difference expected) when cos > "
+            f"{CONTROL_COSINE} and zeroed < {CONTROL_ZEROED:.0%} at every ε and every seed, else a **test**.", "",
+            "| experiment | arm | age | " + " | ".join(heads) + " | full run |", "|---" * (len(heads) + 4) + "|",
+            *rows, ""]
 
 
 def git_commit() -> str:
@@ -593,10 +657,14 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         f"one optimizer step per round unless the arm says otherwise, held-out pass@1 from 256 prompts × "
         f"{LAB_COMMON['eval.samples_per_prompt']} samples every {LAB_COMMON['eval.every']} rounds), each seed with its own SFT base. "
         "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
+        "The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps per "
+        "round that has `steps.jsonl` shows every step; one from before that file existed "
+        "shows its round means, each at the round's last step.", "",
         "The rules were fixed before the runs (`src/trustbatch/lab/stats.py`): the primary score is the mean of the last "
         "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
         "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
         f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
+        *preflight_summary(runs),
         "## All findings", "",
         *[f"- {f}" for f in findings], "",
         *cost_table({n: experiment_cost(runs / n) for n in names}),

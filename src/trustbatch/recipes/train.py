@@ -28,8 +28,8 @@ from ..rollout.transformers_engine import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.parallel import World
-from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, plot_run, read_metrics,
-                              truncate_records)
+from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, log_step_records, plot_run,
+                              read_metrics, truncate_records)
 from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
 
@@ -118,6 +118,10 @@ class TrainHooks:
         if self.is_eval(round_):
             m.update(self.evaluate(round_))
         self.log.log(round_, m)
+        # learner ranks in Ray actors keep no step records: their replayed rounds log only the mean
+        steps = getattr(self.built.parts.learner, "step_records", [])
+        if len(steps) > 1:
+            log_step_records(self.run_dir, round_, steps)
         if round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps:
             self.save(round_)
         info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
@@ -242,7 +246,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
             if world.is_main:
-                truncate_records(run_dir / "ratios.jsonl", start if state is not None else -1)
+                for name in ("ratios.jsonl", "steps.jsonl"):
+                    truncate_records(run_dir / name, start if state is not None else -1)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)
         console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "

@@ -112,6 +112,9 @@ class Learner:
         # taken from the log-probs the loss already computed (no extra forward): how a replayed batch drifts
         self.on_step_ratios: list[Callable[[int, int, int, torch.Tensor], None]] = []
         self._step_tag: tuple[int, int, int] | None = None
+        # the last train_on's optimizer steps, one metrics dict each with opt_step, epoch and minibatch: the
+        # per-step traces of a replayed round, which the round's record (their mean) hides
+        self.step_records: list[dict[str, float]] = []
         self._pad: TrainBatch | None = None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
@@ -180,6 +183,7 @@ class Learner:
         elif self.spec.needs_proximal:
             local.proximal_logprobs = self.logprobs(local)
         step_metrics = []
+        self.step_records = []
         for _epoch in range(self.epochs):
             perm = torch.randperm(len(local))
             pieces = list(perm.chunk(self.minibatches))
@@ -191,7 +195,10 @@ class Learner:
                     step_metrics.append(self.step(local.select(mb)))
                 finally:
                     self._step_tag = None
+                self.step_records.append({"opt_step": len(step_metrics) - 1, "epoch": _epoch, "minibatch": mb_index,
+                                          **step_metrics[-1]})
         return _mean_over_steps(step_metrics)
+
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: metrics are token-weighted means over micro-batches and ranks.

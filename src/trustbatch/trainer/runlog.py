@@ -128,6 +128,22 @@ def plot_run(records: list[dict], path: Path, title: str = "") -> None:
     atomic_write(path, buf.getvalue())
 
 
+def log_step_records(run_dir: Path, step: int, records: list[dict]) -> None:
+    """Append one line per optimizer step of a replayed round to ``steps.jsonl``.
+
+    ``records``: the learner's ``step_records`` (each step's metrics: ESS, cap share, KL weight, the shares
+    GRPO's clip would zero, gradient norm, ..., with ``opt_step``, ``epoch`` and ``minibatch``). Each line gets
+    ``step`` (the rollout round), so ``truncate_records`` drops a redone round's steps on resume. The round's
+    line in ``metrics.jsonl`` is their mean; this file keeps what the mean hides, how a batch drifts as it
+    is replayed (issue 14's per-step traces).
+    """
+    with open(Path(run_dir) / "steps.jsonl", "a") as f:
+        for r in records:
+            f.write(json.dumps({"step": step, **{k: float(v) if isinstance(v, (int, float)) else v
+                                                 for k, v in r.items()}}) + "\n")
+        f.flush()
+
+
 def log_ratio_histogram(run_dir: Path, step: int, log_ratio, mask=None, **fields) -> None:
     """Append a histogram of token log-ratios log π_θ/μ to ``ratios.jsonl``.
 
