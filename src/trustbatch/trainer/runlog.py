@@ -139,8 +139,7 @@ def log_step_records(run_dir: Path, step: int, records: list[dict]) -> None:
     """
     with open(Path(run_dir) / "steps.jsonl", "a") as f:
         for r in records:
-            f.write(json.dumps({"step": step, **{k: float(v) if isinstance(v, (int, float)) else v
-                                                 for k, v in r.items()}}) + "\n")
+            f.write(json.dumps({"step": step, **r}) + "\n")
         f.flush()
 
 
