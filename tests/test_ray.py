@@ -176,6 +176,34 @@ def test_two_ray_learner_ranks_equal_one_process_on_the_whole_batch(cache, objec
 
 
 @pytest.mark.ray
+def test_a_ray_learner_hands_back_each_optimizer_steps_record(cache):
+    """Per-step traces through Ray (issue 14, item 8): one rank with 2 epochs × 2 mini-batches returns the same
+    step records as a ``Learner`` in this process on the same batch from the same torch stream (float64)."""
+    pytest.importorskip("ray", reason=SKIP_REASON)
+    from test_parallel import _batch, _model
+
+    from trustbatch.orchestration.ray_learner import RayLearnerGroup
+    from trustbatch.trainer.learner import Learner
+
+    kw = dict(lr=1e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2)
+    # _model() seeds torch, and rank 0 starts from the driver's torch stream as it is after _model(): both
+    # learners draw the same mini-batch permutations
+    want = Learner(_model(), "p3o", {}, **kw)
+    want.train_on(_batch())
+    group = RayLearnerGroup(_model(), "p3o", {}, ranks=1, **kw)
+    try:
+        group.train_on(_batch())
+    finally:
+        group.close()
+    assert [(r["opt_step"], r["epoch"], r["minibatch"]) for r in group.step_records] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    for got, ref in zip(group.step_records, want.step_records):
+        for k in ("ess", "kl_weight", "grad_norm", "loss"):
+            assert abs(got[k] - ref[k]) <= 1e-9 * max(1.0, abs(ref[k])), (got["opt_step"], k, got[k], ref[k])
+    assert len({round(r["ess"], 9) for r in group.step_records}) > 1
+
+
+@pytest.mark.ray
 def test_a_killed_ray_actor_is_restarted_and_nothing_survives(tmp_path, cache):
     ray = pytest.importorskip("ray", reason=SKIP_REASON)
     run = tmp_path / "run"

@@ -82,11 +82,13 @@ class LearnerRank:
         self.learner.on_step.append(lambda v, m: self.steps.append((v, [(n, t.clone()) for n, t in named_weights(m)])))
 
     def train_on(self, batch: TrainBatch, with_weights: bool):
-        """``((metrics, version, per-step weights), named tensors or None)``: Ray returns them as two objects."""
+        """``((metrics, version, per-step weights, per-step records), named tensors or None)``: Ray returns them
+        as two objects. The per-step records are the ``Learner.step_records`` of this rank, whose metrics already
+        cover every rank."""
         self.steps = []
         metrics = self.learner.train_on(batch)
         weights = list(named_weights(self.learner.model)) if with_weights else None
-        return (metrics, self.learner.version, self.steps), weights
+        return (metrics, self.learner.version, self.steps, self.learner.step_records), weights
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.learner.logprobs(batch)
@@ -133,6 +135,7 @@ class RayLearnerGroup:
         self.ray = ray = import_ray()
         self.model, self.version, self.n = model, version, ranks
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
+        self.step_records: list[dict[str, float]] = []  # rank 0's, as ``Learner.step_records``
         self.actors: list = []
         self._weights: tuple[int, object] | None = None  # (version, rank 0's named tensors in the object store)
         self._recording = False
@@ -195,7 +198,7 @@ class RayLearnerGroup:
         ref = self.ray.put(batch)
         calls = [a.train_on.options(num_returns=2).remote(ref, r == 0) for r, a in enumerate(self.actors)]
         results = self._get([c[0] for c in calls])
-        metrics, version, steps = results[0]
+        metrics, version, steps, self.step_records = results[0]
         for v, w in steps:  # hooks see the weights of every optimizer step, in order
             self._load(w)
             for fn in self.on_step:

@@ -118,8 +118,7 @@ class TrainHooks:
         if self.is_eval(round_):
             m.update(self.evaluate(round_))
         self.log.log(round_, m)
-        # learner ranks in Ray actors keep no step records: their replayed rounds log only the mean
-        steps = getattr(self.built.parts.learner, "step_records", [])
+        steps = self.built.parts.learner.step_records
         if len(steps) > 1:
             log_step_records(self.run_dir, round_, steps)
         if round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps:
