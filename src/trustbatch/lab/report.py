@@ -62,14 +62,20 @@ def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
     return arms
 
 
-def _series(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
-    steps = sorted({r["step"] for run in runs for r in run["metrics"] if key in r})
+def _over_seeds(points: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """(x, mean, standard error) over runs of per-run {x: value} points, at every x any run has."""
+    xs = sorted({x for p in points for x in p})
     mean, se = [], []
-    for s in steps:
-        m, e = _mean_se([r[key] for run in runs for r in run["metrics"] if r["step"] == s and key in r])
+    for x in xs:
+        m, e = _mean_se([p[x] for p in points if x in p])
         mean.append(m)
         se.append(0.0 if math.isnan(e) else e)
-    return steps, mean, se
+    return xs, mean, se
+
+
+def _series(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
+    """Mean and standard error over seeds of ``key`` at each rollout round."""
+    return _over_seeds([{r["step"]: r[key] for r in run["metrics"] if key in r} for run in runs])
 
 
 def trace_points(run: dict, key: str) -> dict[int, float]:
@@ -90,14 +96,7 @@ def trace_points(run: dict, key: str) -> dict[int, float]:
 
 def _trace_series(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
     """``_series`` over optimizer steps (``trace_points``): mean and standard error over seeds at each step."""
-    points = [trace_points(run, key) for run in runs]
-    steps = sorted({x for p in points for x in p})
-    mean, se = [], []
-    for x in steps:
-        m, e = _mean_se([p[x] for p in points if x in p])
-        mean.append(m)
-        se.append(0.0 if math.isnan(e) else e)
-    return steps, mean, se
+    return _over_seeds([trace_points(run, key) for run in runs])
 
 
 def _smooth(xs: list[float], w: int = 5) -> list[float]:
@@ -347,22 +346,29 @@ PREFLIGHT_COLUMNS = [("shift", "shift", "{}"), ("age", "age", "{}"), ("ess", "ES
                      ("cos@0.2", "cos ε=0.2", "{:.3f}"), ("cos@0.4", "cos ε=0.4", "{:.3f}"), ("verdict", "verdict", "{}")]
 
 
+def _read_preflight(exp_dir: Path) -> tuple[dict, list[dict], set[str] | None]:
+    """(``preflight.json`` as a dict, its per-arm rows, the experiment's pre-flight-only arms or None when the folder
+    has no ``experiment.yaml``). An old pre-flight file that is a bare list of rows reads as ``{}`` and those rows."""
+    data = json.loads((exp_dir / "preflight.json").read_text())
+    rows = data.get("arms", []) if isinstance(data, dict) else data
+    spec_file = exp_dir / "experiment.yaml"
+    only = set((yaml.safe_load(spec_file.read_text()) or {}).get("preflight_only") or []) if spec_file.exists() else None
+    return (data if isinstance(data, dict) else {}), rows, only
+
+
 def _preflight_table(exp_dir: Path) -> list[str]:
     """The pre-flight table (``trustbatch lab preflight``), if it was run into this experiment's folder."""
-    path = exp_dir / "preflight.json"
-    if not path.exists():
+    if not (exp_dir / "preflight.json").exists():
         return ["No pre-flight was recorded for this experiment (`trustbatch lab preflight` writes `preflight.json`).", ""]
-    data = json.loads(path.read_text())
-    rows = data.get("arms", []) if isinstance(data, dict) else data
+    data, rows, only = _read_preflight(exp_dir)
     if not rows:
         return []
-    seeds = data.get("seeds") if isinstance(data, dict) else None
-    spec_file = exp_dir / "experiment.yaml"
-    only = set((yaml.safe_load(spec_file.read_text()) or {}).get("preflight_only") or []) if spec_file.exists() else set()
+    seeds = data.get("seeds")
+    only = only or set()
     lines = [f"**Pre-flight at the base policy** (one batch per arm and seed{f', seeds {seeds}' if seeds else ''}, "
              "means over seeds; zeroed: share of tokens GRPO's clip zeroes; cos: P3O's gradient against GRPO(ε)'s on "
              "the same batch; "
-             f"{data.get('control_rule', '') if isinstance(data, dict) else ''}):", "",
+             f"{data.get('control_rule', '')}):", "",
              "| arm | " + " | ".join(h for _, h, _ in PREFLIGHT_COLUMNS) + " |", "|---" * (len(PREFLIGHT_COLUMNS) + 1) + "|"]
     for r in rows:
         cells = []
@@ -371,7 +377,7 @@ def _preflight_table(exp_dir: Path) -> list[str]:
             cells.append("n/a" if v is None else fmt.format(v))
         mark = " (pre-flight only: not in the full run)" if r.get("arm") in only else ""
         lines.append(f"| {r.get('arm')}{mark} | " + " | ".join(cells) + " |")
-    for sk in (data.get("skipped") or []) if isinstance(data, dict) else []:
+    for sk in data.get("skipped") or []:
         lines.append(f"\nSkipped: {sk}")
     return lines + [""]
 
@@ -384,21 +390,17 @@ def preflight_summary(runs: Path) -> list[str]:
     whether the arm was trained: yes, no (pre-flight only: a control, or left out for time), or "no full run" for a
     folder without ``experiment.yaml``. Empty when no experiment has a pre-flight.
     """
+    columns = [c for c in PREFLIGHT_COLUMNS if c[0] not in ("shift", "age", "abs_log_ratio")]
     rows = []
     for exp_dir in sorted(p for p in runs.iterdir() if (p / "preflight.json").exists()):
-        data = json.loads((exp_dir / "preflight.json").read_text())
-        arms = data.get("arms", []) if isinstance(data, dict) else data
-        spec_file = exp_dir / "experiment.yaml"
-        spec = (yaml.safe_load(spec_file.read_text()) or {}) if spec_file.exists() else None
-        only = set((spec or {}).get("preflight_only") or [])
+        _, arms, only = _read_preflight(exp_dir)
         for r in arms:
-            full = "no full run" if spec is None else ("no (pre-flight only)" if r.get("arm") in only else "yes")
-            cells = ["n/a" if r.get(k) is None else fmt.format(r.get(k)) for k, _, fmt in PREFLIGHT_COLUMNS
-                     if k not in ("shift", "age", "abs_log_ratio")]
+            full = "no full run" if only is None else ("no (pre-flight only)" if r.get("arm") in only else "yes")
+            cells = ["n/a" if r.get(k) is None else fmt.format(r.get(k)) for k, _, fmt in columns]
             rows.append(f"| {exp_dir.name} | {r.get('arm')} | {r.get('age', 'n/a')} | " + " | ".join(cells) + f" | {full} |")
     if not rows:
         return []
-    heads = [h for k, h, _ in PREFLIGHT_COLUMNS if k not in ("shift", "age", "abs_log_ratio")]
+    heads = [h for _, h, _ in columns]
     return ["## Pre-flight: which arms are tests", "",
             "At the base policy, one batch per arm and seed (the seeds each pre-flight names in its section), means over "
             "seeds. Zeroed: share of tokens GRPO's clip at ε zeroes; cos: P3O's gradient against GRPO(ε)'s on the same "

@@ -199,7 +199,6 @@ class Learner:
                                           **step_metrics[-1]})
         return _mean_over_steps(step_metrics)
 
-
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: metrics are token-weighted means over micro-batches and ranks.
 
