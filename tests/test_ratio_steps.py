@@ -286,3 +286,32 @@ def test_trace_points_place_steps_and_round_means_on_one_optimizer_step_axis():
     assert trace_points(old, "ess") == {16: 0.9, 32: 0.8}
     one_step = {"metrics": [{"step": 1, "ess": 1.0}, {"step": 2, "ess": 0.99}]}
     assert trace_points(one_step, "ess") == {1: 1.0, 2: 0.99}
+
+
+def test_within_round_means_are_hand_worked_per_step_index(tmp_path):
+    """Seed means over rounds at each step index, then mean ± s.e. over seeds, worked by hand."""
+    import math
+
+    import pytest
+
+    from trustbatch.lab.report import _within_round_figure, _within_round_lines, within_round
+
+    def rec(step, j, ess, g):
+        return {"step": step, "opt_step": j, "ess": ess, "grad_norm": g}
+
+    a = {"steps": [rec(1, 0, 1.0, 2.0), rec(1, 1, 0.9, 4.0), rec(2, 0, 1.0, 4.0), rec(2, 1, 0.7, 8.0)]}
+    b = {"steps": [rec(1, 0, 1.0, 1.0), rec(1, 1, 0.9, 3.0), rec(2, 0, 1.0, 1.0), rec(2, 1, 0.9, 3.0)]}
+    mean, se = within_round([a, b], "ess")
+    # seed a: step 1 → 1.0, step 2 → (0.9 + 0.7) / 2 = 0.8; seed b: 1.0 and 0.9
+    assert mean == pytest.approx([1.0, 0.85]) and se == pytest.approx([0.0, 0.05])
+    mean, se = within_round([a, b], "grad_norm")
+    # seed a: 3.0 and 6.0; seed b: 1.0 and 3.0 → means 2.0, 4.5; s.e. = |x − y| / 2 for two seeds
+    assert mean == pytest.approx([2.0, 4.5]) and se == pytest.approx([1.0, 1.5])
+    assert within_round([{"steps": []}], "ess") == ([], [])
+    lines = _within_round_lines({"p3o": [a, b], "onpolicy": [{"steps": []}]})
+    assert lines[2] == "- p3o: ESS 1.000, 0.850; gradient norm 2.00, 4.50"
+    assert not any("onpolicy" in x for x in lines) and not math.isnan(se[0])
+    assert _within_round_lines({"onpolicy": [{"steps": []}]}) == []
+    assert _within_round_figure("x", {"onpolicy": [{"steps": []}]}, tmp_path) is None
+    f = _within_round_figure("x", {"onpolicy": [{"steps": []}], "p3o": [a, b]}, tmp_path)
+    assert f == "x_within_round.png" and (tmp_path / f).stat().st_size > 1000

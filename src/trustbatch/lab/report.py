@@ -99,6 +99,43 @@ def _trace_series(runs: list[dict], key: str) -> tuple[list[int], list[float], l
     return _over_seeds([trace_points(run, key) for run in runs])
 
 
+def within_round(runs: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(mean, standard error) over seeds of ``key`` at each optimizer step index j = 1..S within a round.
+
+    Each seed contributes its mean over rounds of the j-th step's value (``steps.jsonl``), so the error is over
+    seeds, as in the other traces. Empty for runs without per-step records (one step per round, or from before the
+    file existed). Shows how one batch drifts as the policy moves away from it during a round's S steps.
+    """
+    per_seed = []
+    for run in runs:
+        by_j: dict[int, list[float]] = {}
+        for r in run.get("steps", []):
+            if key in r:
+                by_j.setdefault(int(r["opt_step"]) + 1, []).append(r[key])
+        if by_j:
+            per_seed.append({j: sum(v) / len(v) for j, v in by_j.items()})
+    _, mean, se = _over_seeds(per_seed)
+    return mean, se
+
+
+WITHIN_KEYS = [("ess", "ESS", "{:.3f}"), ("grpo_zeroed_0.2", "GRPO ε=0.2 zeroes", "{:.1%}"),
+               ("kl_weight", "KL weight", "{:.3f}"), ("grad_norm", "gradient norm", "{:.2f}")]
+
+
+def _within_round_lines(arms: dict[str, list[dict]]) -> list[str]:
+    """Markdown lines: each multi-step arm's per-step means within a round (``within_round``)."""
+    lines = []
+    for arm, runs in arms.items():
+        parts = [f"{label} " + ", ".join(fmt.format(m) for m in mean)
+                 for key, label, fmt in WITHIN_KEYS if len(mean := within_round(runs, key)[0]) > 1]
+        if parts:
+            lines.append(f"- {arm}: " + "; ".join(parts))
+    if not lines:
+        return []
+    return ["**Within a round**, by optimizer step 1, 2, … of the round (mean over rounds, then over seeds):", "",
+            *lines, ""]
+
+
 def _smooth(xs: list[float], w: int = 5) -> list[float]:
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
 
@@ -168,7 +205,33 @@ def _figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
     axes[0].legend(fontsize=7)
     files.append(_save(fig, out, f"{name}_ratios.png"))
     step_fig = _step_ratio_figure(name, arms, out)
-    return files + ([step_fig] if step_fig else [])
+    within_fig = _within_round_figure(name, arms, out)
+    return files + [f for f in (step_fig, within_fig) if f]
+
+
+def _within_round_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+    """ESS, clip share, KL weight and gradient norm against the step index within a round, for multi-step arms."""
+    import matplotlib.pyplot as plt
+
+    multi = {arm: runs for arm, runs in arms.items() if len(within_round(runs, "ess")[0]) > 1}
+    if not multi:
+        return None
+    fig, axes = plt.subplots(1, len(WITHIN_KEYS), figsize=(2.6 * len(WITHIN_KEYS), 3.0), dpi=80)
+    for ax, (key, label, _) in zip(axes, WITHIN_KEYS):
+        for i, (arm, runs) in enumerate(arms.items()):
+            if arm not in multi:
+                continue
+            mean, se = within_round(runs, key)
+            js = list(range(1, len(mean) + 1))
+            c = COLORS[i % len(COLORS)]
+            ax.errorbar(js, mean, yerr=se, color=c, label=arm, marker="o", ms=3, lw=1.2, capsize=2)
+        ax.set_xlabel("optimizer step within the round")
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{name}: within a round, mean over rounds, ± s.e. over seeds", fontsize=9)
+    return _save(fig, out, f"{name}_within_round.png")
 
 
 def histogram_quantile(edges: list[float], counts: list[int], q: float) -> float:
@@ -410,6 +473,86 @@ def preflight_summary(runs: Path) -> list[str]:
             *rows, ""]
 
 
+def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
+    """{seed: {arm: held-out pass@1 at round 0}} for an experiment's finished runs: the base's fingerprint.
+
+    Round 0 is the base policy scored before any update, with the evaluation's own seed, so two runs from the same
+    base weights score exactly alike. A different score therefore means a different base (rebuilt on another
+    machine or with other packages) or a different evaluation; an equal score does not prove equal weights.
+    Reads only each run's first ``metrics.jsonl`` record that has a held-out score.
+    """
+    out: dict[int, dict[str, float]] = {}
+    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
+        run = summary.parent
+        for line in (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []:
+            r = json.loads(line)
+            if "heldout_accuracy" in r:
+                if r.get("step") == 0:
+                    out.setdefault(int(run.name.removeprefix("seed")), {})[run.parent.name] = r["heldout_accuracy"]
+                break
+    return out
+
+
+def mixed_bases(prints: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The seeds of ``base_fingerprints`` whose arms do not all share one base score (their pairing is broken)."""
+    return {s: arms for s, arms in prints.items() if len(set(arms.values())) > 1}
+
+
+def base_sets(prints: dict[str, dict[int, dict[str, float]]]) -> dict[str, str]:
+    """{experiment: base-set label "A", "B", ...}: experiments whose bases score alike at every seed they share
+    (and share at least one) get one label, in order of first appearance; an experiment with mixed bases
+    (``mixed_bases``) is labelled "mixed". Runs pair across experiments only within one label."""
+    groups: list[tuple[str, dict[int, float]]] = []
+    labels: dict[str, str] = {}
+    for name, per_seed in prints.items():
+        if not per_seed:
+            continue
+        if mixed_bases(per_seed):
+            labels[name] = "mixed"
+            continue
+        seeds = {s: next(iter(arms.values())) for s, arms in per_seed.items()}
+        for label, known in groups:
+            shared = seeds.keys() & known.keys()
+            if shared and all(seeds[s] == known[s] for s in shared):
+                known.update(seeds)
+                labels[name] = label
+                break
+        else:
+            label = chr(ord("A") + len(groups)) if len(groups) < 26 else f"set{len(groups) + 1}"
+            groups.append((label, dict(seeds)))
+            labels[name] = label
+    return labels
+
+
+def base_table(prints: dict[str, dict[int, dict[str, float]]]) -> list[str]:
+    """Markdown lines: which experiments ran on which bases (``base_sets``), with each seed's base pass@1."""
+    labels = base_sets(prints)
+    if not labels:
+        return []
+    lines = ["## Bases: which experiments share them", "",
+             "Each run scores its base before the first update (round 0, same evaluation seed), which fingerprints the "
+             "base: equal scores at a seed mean the same base, as far as the score can tell; different scores mean the "
+             "base was rebuilt differently (another machine or package versions) or evaluated differently. Arms are "
+             "paired within an experiment; numbers from experiments with different labels are not paired.", "",
+             "| experiment | bases | base pass@1 by seed |", "|---|---|---|"]
+    for name, label in labels.items():
+        per_seed = prints[name]
+        cells = ", ".join(f"{s}: " + "/".join(f"{v:.4f}" for v in sorted(set(arms.values())))
+                          for s, arms in sorted(per_seed.items()))
+        lines.append(f"| {name} | {label} | {cells} |")
+    return lines + [""]
+
+
+def _mixed_line(mixed: dict[int, dict[str, float]]) -> str:
+    """A report line naming the arms whose bases differ at each mixed seed (empty when none)."""
+    if not mixed:
+        return ""
+    parts = [f"seed {s}: " + ", ".join(f"{a} {v:.4f}" for a, v in sorted(arms.items()))
+             for s, arms in sorted(mixed.items())]
+    return ("**Mixed bases:** arms of this experiment started from bases that score differently at round 0, so "
+            "their pairing at these seeds compares different bases (" + "; ".join(parts) + ").")
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -573,6 +716,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
                  + _experiment_time(exp_dir, calls))
     lines += [""] + _preflight_table(exp_dir)
+    mixed = mixed_bases(base_fingerprints(exp_dir))
+    lines += [_mixed_line(mixed), ""] if mixed else []
     lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     scores: dict[str, dict[int, float]] = {}
@@ -600,6 +745,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     findings = []
     for a, b in pairs:
         mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
+        if broken := sorted(s for s, arms in mixed.items() if a in arms and b in arms and arms[a] != arms[b]):
+            mark += f" (bases differ at seeds {broken}: not a clean pairing)"
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
             findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs),
@@ -612,7 +759,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
     step_line = _step_ratio_line(arms)
-    lines += ([step_line, ""] if step_line else []) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
+    lines += ([step_line, ""] if step_line else []) + _within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
 
 
@@ -667,6 +814,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
         f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
         *preflight_summary(runs),
+        *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",
         *[f"- {f}" for f in findings], "",
         *cost_table({n: experiment_cost(runs / n) for n in names}),
