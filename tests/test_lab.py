@@ -418,7 +418,11 @@ class Recorded(runner.Run):  # the real launcher, which also writes each run's p
 
 runner.Run = Recorded
 if __name__ == "__main__":
-    run_experiment(load_experiment(sys.argv[1]), out, jobs=2)
+    try:
+        run_experiment(load_experiment(sys.argv[1]), out, jobs=2)
+    except KeyboardInterrupt as e:
+        (out / "interrupt.txt").write_text(str(e))
+        raise
 """
 
 
@@ -456,6 +460,22 @@ def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
             os.kill(pid, 0)
     call = load_calls(out / "term")[-1]
     assert call["interrupted"] is True and call["runs_started"] == 2
+    # the one line the CLI prints says how to resume (a bare KeyboardInterrupt used to print "trustbatch: " alone)
+    said = (out / "interrupt.txt").read_text()
+    assert said.startswith("interrupted;") and f"`{call['command']}` again resumes" in said, said
+
+
+def test_cli_says_a_bare_interrupt_in_one_line(monkeypatch, capsys):
+    import trustbatch.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "app", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "trustbatch: interrupted; the last checkpoint is intact (use --resume RUN_DIR)\n"
 
 
 def test_launched_run_takes_the_callers_environment_directory_and_exit_code(tmp_path, monkeypatch):

@@ -277,7 +277,8 @@ def main() -> None:
             ki = ki.__cause__ or ki.__context__
         if ki is None:
             raise
-        print(f"trustbatch: {ki or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
+        # an exception instance is always truthy: test its message, or a bare Ctrl-C prints "trustbatch: " alone
+        print(f"trustbatch: {str(ki) or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
         sys.exit(130)
 
 

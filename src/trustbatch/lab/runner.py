@@ -218,6 +218,11 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
                         failed.append(f"{arm}/seed{seed}")
                         console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
         interrupted = False
+    except KeyboardInterrupt as e:
+        if str(e):
+            raise
+        raise KeyboardInterrupt(f"interrupted; finished runs are kept, and `{command}` again resumes the others "
+                                "from their last checkpoints") from None
     finally:
         _stop(running)
         restore()
