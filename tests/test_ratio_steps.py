@@ -301,17 +301,25 @@ def test_within_round_means_are_hand_worked_per_step_index(tmp_path):
 
     a = {"steps": [rec(1, 0, 1.0, 2.0), rec(1, 1, 0.9, 4.0), rec(2, 0, 1.0, 4.0), rec(2, 1, 0.7, 8.0)]}
     b = {"steps": [rec(1, 0, 1.0, 1.0), rec(1, 1, 0.9, 3.0), rec(2, 0, 1.0, 1.0), rec(2, 1, 0.9, 3.0)]}
-    mean, se = within_round([a, b], "ess")
+    js, mean, se = within_round([a, b], "ess")
     # seed a: step 1 → 1.0, step 2 → (0.9 + 0.7) / 2 = 0.8; seed b: 1.0 and 0.9
-    assert mean == pytest.approx([1.0, 0.85]) and se == pytest.approx([0.0, 0.05])
-    mean, se = within_round([a, b], "grad_norm")
+    assert js == [1, 2] and mean == pytest.approx([1.0, 0.85]) and se == pytest.approx([0.0, 0.05])
+    js, mean, se = within_round([a, b], "grad_norm")
     # seed a: 3.0 and 6.0; seed b: 1.0 and 3.0 → means 2.0, 4.5; s.e. = |x − y| / 2 for two seeds
     assert mean == pytest.approx([2.0, 4.5]) and se == pytest.approx([1.0, 1.5])
-    assert within_round([{"steps": []}], "ess") == ([], [])
+    assert within_round([a], "grad_norm")[1:] == ([3.0, 6.0], [0.0, 0.0])  # one seed: no spread to show
+    assert within_round([{"steps": []}], "ess") == ([], [], [])
     lines = _within_round_lines({"p3o": [a, b], "onpolicy": [{"steps": []}]})
     assert lines[2] == "- p3o: ESS 1.000, 0.850; gradient norm 2.00, 4.50"
-    assert not any("onpolicy" in x for x in lines) and not math.isnan(se[0])
+    assert not any("onpolicy" in x for x in lines)
     assert _within_round_lines({"onpolicy": [{"steps": []}]}) == []
+    # a key missing at step 2 of 3: the values keep their own step indices
+    gap = {"steps": [rec(1, 0, 1.0, 2.0), rec(1, 1, 0.9, 4.0), {"step": 1, "opt_step": 2, "ess": 0.8}]}
+    assert within_round([gap], "grad_norm")[:2] == ([1, 2], [2.0, 4.0])
+    gap["steps"][1].pop("grad_norm")
+    assert within_round([gap], "grad_norm")[:2] == ([1], [2.0])
+    gap["steps"].append({"step": 1, "opt_step": 2, "grad_norm": 5.0})
+    assert "gradient norm 1: 2.00, 3: 5.00" in _within_round_lines({"g": [gap]})[2]
     assert _within_round_figure("x", {"onpolicy": [{"steps": []}]}, tmp_path) is None
     f = _within_round_figure("x", {"onpolicy": [{"steps": []}], "p3o": [a, b]}, tmp_path)
     assert f == "x_within_round.png" and (tmp_path / f).stat().st_size > 1000

@@ -47,6 +47,18 @@ def test_experiments_get_one_label_per_base_set_and_a_mixed_one_is_named(tmp_pat
     assert rows == ["| a | A | 0: 0.2000, 1: 0.3000 |", "| b | A | 0: 0.2000, 2: 0.4000 |",
                     "| c | B | 0: 0.2500 |", "| d | mixed | 0: 0.2000/0.2500 |", "| e | C | 5: 0.5000 |"]
     assert base_table({"z": {}}) == []
+    # a stray folder, a torn line before the first evaluation, and a base score of NaN or null: no crash, no print
+    _run(tmp_path, "g", "x", 0, 0.20)
+    (tmp_path / "g" / "x" / "seed0_old").mkdir()
+    (tmp_path / "g" / "x" / "seed0_old" / "summary.json").write_text("{}")
+    m = tmp_path / "g" / "x" / "seed0" / "metrics.jsonl"
+    m.write_text('{"step": 0, "reward_me\n' + m.read_text())
+    _run(tmp_path, "g", "y", 0, float("nan"))
+    _run(tmp_path, "g", "z", 0, 0.0)
+    z = tmp_path / "g" / "z" / "seed0" / "metrics.jsonl"
+    z.write_text(z.read_text().replace('"heldout_accuracy": 0.0', '"heldout_accuracy": null', 1))
+    assert base_fingerprints(tmp_path / "g") == {0: {"x": 0.20}}
+    assert base_sets({"a": prints["a"], "g": base_fingerprints(tmp_path / "g")}) == {"a": "A", "g": "A"}
 
 
 def test_experiment_section_warns_and_marks_the_pairs_whose_bases_differ(tmp_path):
@@ -71,3 +83,16 @@ def test_experiment_section_warns_and_marks_the_pairs_whose_bases_differ(tmp_pat
             _run(tmp_path, "clean", arm, seed, 0.2 + seed / 10)
     text, findings = experiment_section("clean", clean, tmp_path / "out")
     assert "Mixed bases" not in text and not any("bases differ" in f for f in findings)
+    # tuning seeds pick the tuned baseline and are never paired: a different base there is no warning
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    (tuned / "experiment.yaml").write_text(yaml.safe_dump({"arms": {"p3o": {}, "grpo": {}},
+                                                           "tune": {"arms": ["grpo"], "seeds": [9]}}))
+    for seed in range(3):
+        for arm in ("p3o", "grpo"):
+            _run(tmp_path, "tuned", arm, seed, 0.2)
+    _run(tmp_path, "tuned", "grpo", 9, 0.5)
+    _run(tmp_path, "tuned", "p3o", 9, 0.6)
+    text, findings = experiment_section("tuned", tuned, tmp_path / "out")
+    assert "Mixed bases" not in text and not any("bases differ" in f for f in findings)
+    assert mixed_bases(base_fingerprints(tuned)) == {9: {"grpo": 0.5, "p3o": 0.6}}  # the report-wide table sees it

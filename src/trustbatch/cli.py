@@ -277,8 +277,10 @@ def main() -> None:
             ki = ki.__cause__ or ki.__context__
         if ki is None:
             raise
-        # an exception instance is always truthy: test its message, or a bare Ctrl-C prints "trustbatch: " alone
-        print(f"trustbatch: {str(ki) or 'interrupted; the last checkpoint is intact (use --resume RUN_DIR)'}", file=sys.stderr)
+        # an exception instance is always truthy: test its message, or a bare Ctrl-C prints "trustbatch: " alone.
+        # What to do next is the interrupted command's to say (train and lab run raise with it); the fallback
+        # covers commands that keep nothing (report, preflight, eval) and a Ctrl-C before or between those
+        print(f"trustbatch: {str(ki) or 'interrupted'}", file=sys.stderr)
         sys.exit(130)
 
 

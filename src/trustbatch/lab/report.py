@@ -99,8 +99,8 @@ def _trace_series(runs: list[dict], key: str) -> tuple[list[int], list[float], l
     return _over_seeds([trace_points(run, key) for run in runs])
 
 
-def within_round(runs: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(mean, standard error) over seeds of ``key`` at each optimizer step index j = 1..S within a round.
+def within_round(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
+    """(step indices j, mean, standard error over seeds) of ``key`` at each optimizer step index j = 1..S of a round.
 
     Each seed contributes its mean over rounds of the j-th step's value (``steps.jsonl``), so the error is over
     seeds, as in the other traces. Empty for runs without per-step records (one step per round, or from before the
@@ -114,8 +114,7 @@ def within_round(runs: list[dict], key: str) -> tuple[list[float], list[float]]:
                 by_j.setdefault(int(r["opt_step"]) + 1, []).append(r[key])
         if by_j:
             per_seed.append({j: sum(v) / len(v) for j, v in by_j.items()})
-    _, mean, se = _over_seeds(per_seed)
-    return mean, se
+    return _over_seeds(per_seed)
 
 
 WITHIN_KEYS = [("ess", "ESS", "{:.3f}"), ("grpo_zeroed_0.2", "GRPO ε=0.2 zeroes", "{:.1%}"),
@@ -126,8 +125,13 @@ def _within_round_lines(arms: dict[str, list[dict]]) -> list[str]:
     """Markdown lines: each multi-step arm's per-step means within a round (``within_round``)."""
     lines = []
     for arm, runs in arms.items():
-        parts = [f"{label} " + ", ".join(fmt.format(m) for m in mean)
-                 for key, label, fmt in WITHIN_KEYS if len(mean := within_round(runs, key)[0]) > 1]
+        parts = []
+        for key, label, fmt in WITHIN_KEYS:
+            js, mean, _ = within_round(runs, key)
+            if len(js) > 1:  # values listed in step order; the index is named only where a step is missing
+                plain = js == list(range(1, len(js) + 1))
+                parts.append(f"{label} " + ", ".join(fmt.format(m) if plain else f"{j}: {fmt.format(m)}"
+                                                     for j, m in zip(js, mean)))
         if parts:
             lines.append(f"- {arm}: " + "; ".join(parts))
     if not lines:
@@ -221,8 +225,7 @@ def _within_round_figure(name: str, arms: dict[str, list[dict]], out: Path) -> s
         for i, (arm, runs) in enumerate(arms.items()):
             if arm not in multi:
                 continue
-            mean, se = within_round(runs, key)
-            js = list(range(1, len(mean) + 1))
+            js, mean, se = within_round(runs, key)
             c = COLORS[i % len(COLORS)]
             ax.errorbar(js, mean, yerr=se, color=c, label=arm, marker="o", ms=3, lw=1.2, capsize=2)
         ax.set_xlabel("optimizer step within the round")
@@ -473,24 +476,41 @@ def preflight_summary(runs: Path) -> list[str]:
             *rows, ""]
 
 
-def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
-    """{seed: {arm: held-out pass@1 at round 0}} for an experiment's finished runs: the base's fingerprint.
+def _round0_score(metrics: list[dict]) -> float | None:
+    """The held-out pass@1 at round 0 (the base, before any update), or None when the run has no finite one."""
+    first = next((r for r in metrics if "heldout_accuracy" in r), None)
+    if first is None or first.get("step") != 0 or not isinstance(first["heldout_accuracy"], (int, float)):
+        return None
+    return first["heldout_accuracy"] if math.isfinite(first["heldout_accuracy"]) else None
+
+
+def run_fingerprints(arms: dict[str, list[dict]]) -> dict[int, dict[str, float]]:
+    """{seed: {arm: held-out pass@1 at round 0}} for loaded runs (``load_runs``): each run's base fingerprint.
 
     Round 0 is the base policy scored before any update, with the evaluation's own seed, so two runs from the same
     base weights score exactly alike. A different score therefore means a different base (rebuilt on another
-    machine or with other packages) or a different evaluation; an equal score does not prove equal weights.
-    Reads only each run's first ``metrics.jsonl`` record that has a held-out score.
+    machine or with other packages) or a different evaluation; an equal score does not prove equal weights. A run
+    without a finite round-0 score has no fingerprint.
     """
     out: dict[int, dict[str, float]] = {}
+    for arm, runs in arms.items():
+        for run in runs:
+            if (v := _round0_score(run["metrics"])) is not None:
+                out.setdefault(run["seed"], {})[arm] = v
+    return out
+
+
+def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
+    """``run_fingerprints`` for every finished run under ``exp_dir`` (arm folders ``*/seedN``, tuning seeds
+    included), reading only ``metrics.jsonl``; folders not named ``seed`` + digits are ignored."""
+    arms: dict[str, list[dict]] = {}
     for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
         run = summary.parent
-        for line in (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []:
-            r = json.loads(line)
-            if "heldout_accuracy" in r:
-                if r.get("step") == 0:
-                    out.setdefault(int(run.name.removeprefix("seed")), {})[run.parent.name] = r["heldout_accuracy"]
-                break
-    return out
+        if not run.name.removeprefix("seed").isdigit() or not (run / "metrics.jsonl").exists():
+            continue
+        arms.setdefault(run.parent.name, []).append(
+            {"seed": int(run.name.removeprefix("seed")), "metrics": read_metrics(run / "metrics.jsonl")})
+    return run_fingerprints(arms)
 
 
 def mixed_bases(prints: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
@@ -499,9 +519,13 @@ def mixed_bases(prints: dict[int, dict[str, float]]) -> dict[int, dict[str, floa
 
 
 def base_sets(prints: dict[str, dict[int, dict[str, float]]]) -> dict[str, str]:
-    """{experiment: base-set label "A", "B", ...}: experiments whose bases score alike at every seed they share
-    (and share at least one) get one label, in order of first appearance; an experiment with mixed bases
-    (``mixed_bases``) is labelled "mixed". Runs pair across experiments only within one label."""
+    """{experiment: base-set label "A", "B", ...} in one greedy pass over ``prints`` in order.
+
+    Each label keeps the union of its members' {seed: base score}. An experiment joins the first label with which
+    it shares at least one seed and agrees at every shared seed; otherwise it opens a new label. So two
+    experiments with one label agree wherever each agrees with the label's union, and an experiment that shares
+    no seed with any label gets its own. An experiment with mixed bases (``mixed_bases``) is labelled "mixed".
+    Runs pair across experiments only within one label."""
     groups: list[tuple[str, dict[int, float]]] = []
     labels: dict[str, str] = {}
     for name, per_seed in prints.items():
@@ -716,7 +740,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
                  + _experiment_time(exp_dir, calls))
     lines += [""] + _preflight_table(exp_dir)
-    mixed = mixed_bases(base_fingerprints(exp_dir))
+    mixed = mixed_bases(run_fingerprints(arms))  # the compared runs only: tuning seeds are not paired
     lines += [_mixed_line(mixed), ""] if mixed else []
     lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|"]

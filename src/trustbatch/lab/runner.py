@@ -221,8 +221,9 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     except KeyboardInterrupt as e:
         if str(e):
             raise
-        raise KeyboardInterrupt(f"interrupted; finished runs are kept, and `{command}` again resumes the others "
-                                "from their last checkpoints") from None
+        # not the recorded command: it omits --seeds, and a resume must name the same seeds
+        raise KeyboardInterrupt("interrupted; finished runs are kept, and the same `trustbatch lab run` command "
+                                "resumes the others from their last checkpoints") from None
     finally:
         _stop(running)
         restore()
