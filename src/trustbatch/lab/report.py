@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from ..trainer.runlog import atomic_write, read_metrics
+from ..trainer.runlog import atomic_write, iter_metrics, read_metrics
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .preflight import CONTROL_COSINE, CONTROL_ZEROED
@@ -476,41 +476,33 @@ def preflight_summary(runs: Path) -> list[str]:
             *rows, ""]
 
 
-def _round0_score(metrics: list[dict]) -> float | None:
-    """The held-out pass@1 at round 0 (the base, before any update), or None when the run has no finite one."""
+def _round0_score(metrics) -> float | None:
+    """The held-out pass@1 at round 0 (the base, before any update) from an iterable of records, read only up to
+    the first held-out record; None when the run has no finite one."""
     first = next((r for r in metrics if "heldout_accuracy" in r), None)
     if first is None or first.get("step") != 0 or not isinstance(first["heldout_accuracy"], (int, float)):
         return None
     return first["heldout_accuracy"] if math.isfinite(first["heldout_accuracy"]) else None
 
 
-def run_fingerprints(arms: dict[str, list[dict]]) -> dict[int, dict[str, float]]:
-    """{seed: {arm: held-out pass@1 at round 0}} for loaded runs (``load_runs``): each run's base fingerprint.
+def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
+    """{seed: {arm: held-out pass@1 at round 0}} for every finished run under ``exp_dir`` (arm folders ``*/seedN``,
+    tuning seeds included; other folders ignored): each run's base fingerprint.
 
     Round 0 is the base policy scored before any update, with the evaluation's own seed, so two runs from the same
     base weights score exactly alike. A different score therefore means a different base (rebuilt on another
     machine or with other packages) or a different evaluation; an equal score does not prove equal weights. A run
-    without a finite round-0 score has no fingerprint.
+    without a finite round-0 score has no fingerprint. Reads each ``metrics.jsonl`` only up to its first
+    held-out record.
     """
     out: dict[int, dict[str, float]] = {}
-    for arm, runs in arms.items():
-        for run in runs:
-            if (v := _round0_score(run["metrics"])) is not None:
-                out.setdefault(run["seed"], {})[arm] = v
-    return out
-
-
-def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
-    """``run_fingerprints`` for every finished run under ``exp_dir`` (arm folders ``*/seedN``, tuning seeds
-    included), reading only ``metrics.jsonl``; folders not named ``seed`` + digits are ignored."""
-    arms: dict[str, list[dict]] = {}
     for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
         run = summary.parent
-        if not run.name.removeprefix("seed").isdigit() or not (run / "metrics.jsonl").exists():
-            continue
-        arms.setdefault(run.parent.name, []).append(
-            {"seed": int(run.name.removeprefix("seed")), "metrics": read_metrics(run / "metrics.jsonl")})
-    return run_fingerprints(arms)
+        seed = run.name.removeprefix("seed")
+        if seed.isdigit() and (run / "metrics.jsonl").exists():
+            if (v := _round0_score(iter_metrics(run / "metrics.jsonl"))) is not None:
+                out.setdefault(int(seed), {})[run.parent.name] = v
+    return out
 
 
 def mixed_bases(prints: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
@@ -568,9 +560,7 @@ def base_table(prints: dict[str, dict[int, dict[str, float]]]) -> list[str]:
 
 
 def _mixed_line(mixed: dict[int, dict[str, float]]) -> str:
-    """A report line naming the arms whose bases differ at each mixed seed (empty when none)."""
-    if not mixed:
-        return ""
+    """A report line naming the arms whose bases differ at each mixed seed."""
     parts = [f"seed {s}: " + ", ".join(f"{a} {v:.4f}" for a, v in sorted(arms.items()))
              for s, arms in sorted(mixed.items())]
     return ("**Mixed bases:** arms of this experiment started from bases that score differently at round 0, so "
@@ -740,7 +730,13 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
                  f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
                  + _experiment_time(exp_dir, calls))
     lines += [""] + _preflight_table(exp_dir)
-    mixed = mixed_bases(run_fingerprints(arms))  # the compared runs only: tuning seeds are not paired
+    # the compared runs' base scores, as arm_scores took them (tuning seeds are never paired)
+    base_by_seed: dict[int, dict[str, float]] = {}
+    for arm, (_, _, bases) in scored.items():
+        for seed, v in bases.items():
+            if math.isfinite(v):
+                base_by_seed.setdefault(seed, {})[arm] = v
+    mixed = mixed_bases(base_by_seed)
     lines += [_mixed_line(mixed), ""] if mixed else []
     lines += ["| arm | base pass@1 | primary score | collapsed | mean ESS | min ESS | clip share | cap share | cap removes | mean grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|"]

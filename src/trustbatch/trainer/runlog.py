@@ -80,14 +80,18 @@ def truncate_records(path: Path, step: int) -> None:
     atomic_write(path, "".join(k + "\n" for k in keep))
 
 
+def iter_metrics(path: Path):
+    """The JSONL records of ``path`` one at a time, skipping lines that do not parse (a torn last write)."""
+    with open(path) as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                pass
+
+
 def read_metrics(path: Path) -> list[dict]:
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return list(iter_metrics(path))
 
 
 def plot_run(records: list[dict], path: Path, title: str = "") -> None:
