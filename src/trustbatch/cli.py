@@ -252,6 +252,29 @@ def lab_archive(
         Console().print(f"{name}: {n / 1e6:.2f} MB -> {Path(out) / name}")
 
 
+@lab_app.command("compare")
+def lab_compare(
+    experiments: Optional[List[str]] = typer.Argument(None, help="experiments to compare (default: all under --runs)"),
+    runs: str = typer.Option(..., "--runs", help="the --out of a lab run that re-ran some archived runs"),
+    archive: str = typer.Option(..., "--archive", help="the --out of lab archive"),
+):
+    """Check re-runs against the archive, value for value: 'identical', or the first round and metric where they part."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .lab.reproduce import compare_runs, comparison_line
+
+    results = compare_runs(Path(runs), Path(archive), experiments or None)
+    console = Console(highlight=False)
+    for c in results:
+        console.print(comparison_line(c), soft_wrap=True)
+    same = sum(c.identical for c in results)
+    console.print(f"{same} of {len(results)} re-runs identical to the archive (wall-clock keys not compared)")
+    if same < len(results):
+        raise typer.Exit(1)
+
+
 def _finite_or_null(x):
     """NaN (a standard error from one prompt) is not JSON; write null."""
     if isinstance(x, float) and x != x:

@@ -1,0 +1,166 @@
+"""``trustbatch lab compare``: does a re-run reproduce the archived run, value for value?
+
+The archive was built over several sessions, at several commits. Re-running a sample of its runs at one
+commit and finding every logged value equal shows that the archive is what that commit produces (on this
+machine and package set: a base build, and so every run on it, is deterministic on one machine, not across
+machines). A difference names the first round and metric where the two runs part.
+
+Compared: the resolved config (``ARM/seedK.yaml``, less ``run_dir``), then every record of
+``metrics.jsonl`` in file order, key by key, with exact float equality. Wall-clock measurements (keys
+ending in ``_s``, such as ``rollout_s``, ``step_s`` and ``tokens_per_s``) are left out: they are the one
+thing a re-run is not expected to repeat.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import read_yaml_file
+from ..errors import UserError
+from ..trainer.runlog import read_metrics
+
+SCORE_KEY = "heldout_accuracy"  # held-out pass@1, the lab's score
+
+
+def is_timing(key: str) -> bool:
+    """True for a wall-clock measurement (``rollout_s``, ``step_s``, ``tokens_per_s``), which no re-run repeats."""
+    return key.endswith("_s")
+
+
+@dataclass
+class RunComparison:
+    """One re-run against its archived counterpart.
+
+    ``values``: logged values compared (timing keys excluded); ``differing``: how many were unequal;
+    ``first``: the first difference as (step, key, archived value, re-run value), or ``None``;
+    ``score_max_abs_diff``: the largest |Δ| of held-out pass@1 over the evaluations both runs logged
+    (0.0 when equal, ``None`` when neither logged one); ``config_diff``: the resolved-config keys whose
+    values differ (dotted), empty when the configs are equal.
+    """
+
+    experiment: str
+    arm: str
+    seed: str
+    records: tuple[int, int]  # (archived, re-run)
+    values: int
+    differing: int
+    first: tuple | None
+    score_max_abs_diff: float | None
+    config_diff: list[str]
+
+    @property
+    def identical(self) -> bool:
+        return not self.config_diff and self.differing == 0 and self.records[0] == self.records[1]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _flatten(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(archived: Path, rerun: Path) -> list[str]:
+    """Dotted keys whose values differ between two resolved run configs (``run_dir`` ignored; a missing file
+    on either side is reported as the key ``<file>``)."""
+    if not archived.exists() or not rerun.exists():
+        return ["<file>"]
+    a, b = _flatten(read_yaml_file(archived)), _flatten(read_yaml_file(rerun))
+    return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not _same(a.get(k), b.get(k)))
+
+
+def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = "", seed: str = "") -> RunComparison:
+    """Compare the run folder ``rerun`` with ``archived`` (each holding ``metrics.jsonl``; their configs sit
+    beside them as ``../seedK.yaml``).
+
+    Records are paired in file order; a run that logged more records than the other counts each extra
+    record's values as differing. Exact equality: a re-run on the same machine at a commit whose training
+    path is unchanged repeats every float bit for bit, so any tolerance would hide a real change.
+
+    Raises:
+        UserError: either folder has no ``metrics.jsonl``.
+    """
+    for p in (archived, rerun):
+        if not (p / "metrics.jsonl").exists():
+            raise UserError(f"{p} has no metrics.jsonl; pass run folders of `trustbatch lab run` (OUT/EXPERIMENT/ARM/seedK)")
+    old, new = read_metrics(archived / "metrics.jsonl"), read_metrics(rerun / "metrics.jsonl")
+    values = differing = 0
+    first = None
+    score_diffs = []
+    for i in range(max(len(old), len(new))):
+        a = old[i] if i < len(old) else {}
+        b = new[i] if i < len(new) else {}
+        step = a.get("step", b.get("step"))
+        for key in sorted((a.keys() | b.keys()) - {"step"}):
+            if is_timing(key):
+                continue
+            values += 1
+            va, vb = a.get(key), b.get(key)
+            if key == SCORE_KEY and isinstance(va, (int, float)) and isinstance(vb, (int, float)):
+                score_diffs.append(abs(va - vb))
+            if not _same(va, vb):
+                differing += 1
+                if first is None:
+                    first = (step, key, va, vb)
+        if a.get("step") != b.get("step"):
+            values += 1
+            differing += 1
+            if first is None:
+                first = (step, "step", a.get("step"), b.get("step"))
+    cfg = config_diff(archived.parent / f"{archived.name}.yaml", rerun.parent / f"{rerun.name}.yaml")
+    return RunComparison(experiment, arm, seed, (len(old), len(new)), values, differing, first,
+                         max(score_diffs) if score_diffs else None, cfg)
+
+
+def compare_runs(runs: Path, archive: Path, experiments: list[str] | None = None) -> list[RunComparison]:
+    """Every finished run under ``runs`` (``EXPERIMENT/ARM/seedK`` with a ``summary.json``) that the archive also
+    holds, compared with it. Runs the archive lacks are skipped (a re-run of a sample is the point).
+
+    Raises:
+        UserError: ``runs`` or ``archive`` is not a folder, a named experiment is in neither, or no run
+            under ``runs`` has an archived counterpart.
+    """
+    runs, archive = Path(runs), Path(archive)
+    for p, opt in ((runs, "--runs"), (archive, "--archive")):
+        if not p.is_dir():
+            raise UserError(f"{opt} {p} is not a folder; pass the --out of `trustbatch lab run` and of `trustbatch lab archive`")
+    names = experiments or sorted(p.name for p in runs.iterdir() if p.is_dir())
+    missing = [n for n in names if not (runs / n).is_dir() or not (archive / n).is_dir()]
+    if missing:
+        raise UserError(f"experiment {', '.join(missing)} is not under both --runs {runs} and --archive {archive}; fix the name")
+    out = []
+    for name in names:
+        for summary in sorted((runs / name).glob("*/seed*/summary.json")):
+            run = summary.parent
+            arm = run.parent.name
+            old = archive / name / arm / run.name
+            if (old / "metrics.jsonl").exists():
+                out.append(compare_run(old, run, name, arm, run.name))
+    if not out:
+        raise UserError(f"no finished run under {runs} has a counterpart in {archive}; re-run some with `trustbatch lab run EXP --seeds S --arms A --out {runs}`")
+    return out
+
+
+def comparison_line(c: RunComparison) -> str:
+    """One line per run: ``identical`` or where the re-run parts from the archive."""
+    head = f"{c.experiment} {c.arm} {c.seed}:"
+    if c.config_diff:
+        return f"{head} config differs ({', '.join(c.config_diff[:4])}); not a re-run of the same run"
+    if c.identical:
+        return f"{head} identical ({c.records[0]} records, {c.values} values)"
+    step, key, va, vb = c.first
+    score = "" if c.score_max_abs_diff is None else f"; held-out pass@1 max |Δ| {c.score_max_abs_diff:.4f}"
+    return (f"{head} differs: {c.differing} of {c.values} values, first at step {step} {key} ({va!r} archived, {vb!r} re-run); "
+            f"records {c.records[0]} archived, {c.records[1]} re-run{score}")
