@@ -115,3 +115,12 @@ def test_a_real_run_repeated_at_one_commit_is_identical_and_a_changed_one_is_not
     d_values = compare_run(tmp_path / "archive" / "tiny_rep" / "p3o@x" / "seed0", tmp_path / "changed" / "tiny_rep" / "p3o@x" / "seed0")
     # the base's evaluation and the first batch's statistics are the same; the logged learning rate is not
     assert d_values.differing > 0 and d_values.first[:2] == (1, "lr")
+
+
+def test_a_missing_resolved_config_is_named(tmp_path):
+    old = _run(tmp_path / "archive", "e", "a", 0, RECORDS)
+    new = _run(tmp_path / "runs", "e", "a", 0, RECORDS)
+    (tmp_path / "archive" / "e" / "a" / "seed0.yaml").unlink()
+    c = compare_run(old, new)
+    assert not c.identical and c.differing == 0
+    assert c.config_diff == [f"{tmp_path / 'archive' / 'e' / 'a' / 'seed0.yaml'} missing"]

@@ -74,9 +74,10 @@ def _flatten(d, prefix: str = "") -> dict:
 
 def config_diff(archived: Path, rerun: Path) -> list[str]:
     """Dotted keys whose values differ between two resolved run configs (``run_dir`` ignored; a missing file
-    on either side is reported as the key ``<file>``)."""
-    if not archived.exists() or not rerun.exists():
-        return ["<file>"]
+    on either side is reported as ``"FILE missing"``, naming it)."""
+    gone = [f"{p} missing" for p in (archived, rerun) if not p.exists()]
+    if gone:
+        return gone
     a, b = _flatten(read_yaml_file(archived)), _flatten(read_yaml_file(rerun))
     return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not _same(a.get(k), b.get(k)))
 
