@@ -26,7 +26,7 @@ def _run(root, exp, arm, seed, records, cfg=CFG):
     d = root / exp / arm / f"seed{seed}"
     d.mkdir(parents=True)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (d / "summary.json").write_text("{}")
+    (d / "summary.json").write_text(json.dumps({"wall_s": 60.0}))
     (root / exp / arm / f"seed{seed}.yaml").write_text(yaml.safe_dump(cfg))
     return d
 
@@ -124,3 +124,35 @@ def test_a_missing_resolved_config_is_named(tmp_path):
     c = compare_run(old, new)
     assert not c.identical and c.differing == 0
     assert c.config_diff == [f"{tmp_path / 'archive' / 'e' / 'a' / 'seed0.yaml'} missing"]
+
+
+def test_record_is_written_into_the_archive_and_the_report_says_it(tmp_path):
+    from trustbatch.lab.report import experiment_section
+    from trustbatch.lab.reproduce import RECORD, record_comparisons, reproduced_line
+
+    for arm in ("p3o@x", "grpo@x"):
+        _run(tmp_path / "archive", "e", arm, 0, RECORDS)
+    (tmp_path / "archive" / "e" / "experiment.yaml").write_text("description: d\n")
+    _run(tmp_path / "runs", "e", "p3o@x", 0, RECORDS)
+    _run(tmp_path / "runs", "e", "grpo@x", 0, [RECORDS[0], RECORDS[1], {**RECORDS[2], "heldout_accuracy": 0.25}])
+    (tmp_path / "runs" / "e" / "calls.jsonl").write_text(
+        json.dumps({"start": 1.0, "end": 2.0, "commit": "abc1234"}) + "\n" + json.dumps({"legacy_wall_s": 5}) + "\n")
+    results = compare_runs(tmp_path / "runs", tmp_path / "archive")
+    [path] = record_comparisons(results, tmp_path / "runs", tmp_path / "archive")
+    assert path == tmp_path / "archive" / "e" / RECORD
+    rec = json.loads(path.read_text())
+    assert rec["commits"] == ["abc1234"]  # the untimed legacy record names no commit
+    by_arm = {r["arm"]: r for r in rec["runs"]}
+    assert by_arm["p3o@x"]["identical"] and not by_arm["grpo@x"]["identical"]
+    assert by_arm["grpo@x"]["first"] == [2, "heldout_accuracy", 0.30, 0.25]
+    assert by_arm["p3o@x"]["first"] is None
+    line = reproduced_line(tmp_path / "archive" / "e")
+    assert line.endswith("1 of 2 runs re-run at commit `abc1234` are identical to these, value for value, wall-clock "
+                         "keys aside (p3o@x seed0); grpo@x seed0 differs from step 2 (heldout_accuracy), held-out "
+                         "pass@1 by up to 0.050.")
+    (tmp_path / "report").mkdir()
+    text, _ = experiment_section("e", tmp_path / "archive" / "e", tmp_path / "report")
+    assert line in text
+    assert reproduced_line(tmp_path / "runs" / "e") is None  # no record: no line
+    path.write_text("{not json")
+    assert "unreadable" in reproduced_line(tmp_path / "archive" / "e")

@@ -257,13 +257,14 @@ def lab_compare(
     experiments: Optional[List[str]] = typer.Argument(None, help="experiments to compare (default: all under --runs)"),
     runs: str = typer.Option(..., "--runs", help="the --out of a lab run that re-ran some archived runs"),
     archive: str = typer.Option(..., "--archive", help="the --out of lab archive"),
+    record: bool = typer.Option(False, "--record", help="write ARCHIVE/EXPERIMENT/reproduced.json, which the report reads"),
 ):
     """Check re-runs against the archive, value for value: 'identical', or the first round and metric where they part."""
     from pathlib import Path
 
     from rich.console import Console
 
-    from .lab.reproduce import compare_runs, comparison_line
+    from .lab.reproduce import compare_runs, comparison_line, record_comparisons
 
     results = compare_runs(Path(runs), Path(archive), experiments or None)
     console = Console(highlight=False)
@@ -271,6 +272,9 @@ def lab_compare(
         console.print(comparison_line(c), soft_wrap=True)
     same = sum(c.identical for c in results)
     console.print(f"{same} of {len(results)} re-runs identical to the archive (wall-clock keys not compared)")
+    if record:
+        for path in record_comparisons(results, Path(runs), Path(archive)):
+            console.print(f"recorded: {path}")
     if same < len(results):
         raise typer.Exit(1)
 

@@ -17,6 +17,7 @@ import yaml
 
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, iter_metrics, read_metrics
+from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .preflight import CONTROL_COSINE, CONTROL_ZEROED
@@ -721,6 +722,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         lines += [_calls_line(calls), ""]
     elif spec.get("command"):
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
+    rerun = reproduced_line(exp_dir)
+    lines += [rerun, ""] if rerun else []
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
     n_tuning = sum(len(r) for a, r in tuning.items() if a in (tune.get("arms") or []))

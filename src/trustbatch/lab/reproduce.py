@@ -13,15 +13,21 @@ thing a re-run is not expected to repeat.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..config import read_yaml_file
 from ..errors import UserError
-from ..trainer.runlog import read_metrics
+from ..trainer.runlog import atomic_write, read_metrics
+from .calls import load_calls
 
 SCORE_KEY = "heldout_accuracy"  # held-out pass@1, the lab's score
+# Written into ARCHIVE/EXPERIMENT by ``lab compare --record`` and read by the report. ``lab archive`` replaces an
+# experiment's folder whole and does not carry this file over, so a record never outlives the runs it checked.
+RECORD = "reproduced.json"
 
 
 def is_timing(key: str) -> bool:
@@ -165,3 +171,56 @@ def comparison_line(c: RunComparison) -> str:
     score = "" if c.score_max_abs_diff is None else f"; held-out pass@1 max |Δ| {c.score_max_abs_diff:.4f}"
     return (f"{head} differs: {c.differing} of {c.values} values, first at step {step} {key} ({va!r} archived, {vb!r} re-run); "
             f"records {c.records[0]} archived, {c.records[1]} re-run{score}")
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def record_comparisons(results: list[RunComparison], runs: Path, archive: Path) -> list[Path]:
+    """Write ``ARCHIVE/EXPERIMENT/reproduced.json`` for each experiment in ``results`` (replacing an older one):
+    the commits of the ``lab run`` calls that made the re-runs (``RUNS/EXPERIMENT/calls.jsonl``; ``["unknown"]``
+    without one), when it was written, and one entry per re-run (the ``RunComparison`` fields, non-finite
+    floats as null). The report reads it. Returns the paths written.
+    """
+    paths = []
+    for name in sorted({c.experiment for c in results}):
+        commits = sorted({str(c.get("commit", "unknown")) for c in load_calls(Path(runs) / name) if "start" in c}) or ["unknown"]
+        entries = [{k: _json_safe(v) for k, v in asdict(c).items() if k != "experiment"} | {"identical": c.identical}
+                   for c in results if c.experiment == name]
+        path = Path(archive) / name / RECORD
+        atomic_write(path, json.dumps({"commits": commits, "written": time.strftime("%Y-%m-%d %H:%M"), "runs": entries}, indent=1) + "\n")
+        paths.append(path)
+    return paths
+
+
+def reproduced_line(exp_dir: Path) -> str | None:
+    """The report's one line on an experiment's re-run check (``RECORD`` in ``exp_dir``), or None without one."""
+    path = Path(exp_dir) / RECORD
+    if not path.exists():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+        runs = rec["runs"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return f"**Re-run check:** `{path.name}` is unreadable; run `trustbatch lab compare --record` again."
+    same = [r for r in runs if r.get("identical")]
+    named = ", ".join(f"{r['arm']} {r['seed']}" for r in same)
+    text = (f"**Re-run check** (`trustbatch lab compare --record`, {rec.get('written', '?')}): {len(same)} of {len(runs)} "
+            f"runs re-run at commit {', '.join(f'`{c}`' for c in rec.get('commits', ['unknown']))} are identical to these, "
+            f"value for value, wall-clock keys aside" + (f" ({named})" if named else ""))
+    for r in runs:
+        if r.get("identical"):
+            continue
+        if r.get("config_diff"):
+            text += f"; {r['arm']} {r['seed']}: config differs ({', '.join(r['config_diff'][:4])})"
+        else:
+            step, key = (r.get("first") or [None, None])[:2]
+            gap = r.get("score_max_abs_diff")
+            text += (f"; {r['arm']} {r['seed']} differs from step {step} ({key})"
+                     + (f", held-out pass@1 by up to {gap:.3f}" if isinstance(gap, (int, float)) else ""))
+    return text + "."
