@@ -36,10 +36,11 @@ def test_wall_clock_and_run_dir_differ_yet_the_runs_are_identical(tmp_path):
     timed = [{k: v + 1.0 if k.endswith("_s") else v for k, v in r.items()} for r in RECORDS]
     new = _run(tmp_path / "runs", "e", "p3o@x", 0, timed, {**CFG, "run_dir": "/b"})
     c = compare_run(old, new, "e", "p3o@x", "seed0")
-    # wall-clock keys left out; step 0: heldout_accuracy -> 1; step 1: ess, loss, entropy -> 3; step 2: ess, loss, heldout_accuracy -> 3
-    assert (c.values, c.differing, c.first, c.config_diff) == (7, 0, None, [])
+    # wall-clock keys left out; step 0: step, heldout_accuracy -> 2; step 1: step, ess, loss, entropy -> 4;
+    # step 2: step, ess, loss, heldout_accuracy -> 4
+    assert (c.values, c.differing, c.first, c.config_diff) == (10, 0, None, [])
     assert c.identical and c.score_max_abs_diff == 0.0  # NaN entropy on both sides counts as equal
-    assert comparison_line(c) == "e p3o@x seed0: identical (3 records, 7 values)"
+    assert comparison_line(c) == "e p3o@x seed0: identical (3 records, 10 values)"
 
 
 def test_the_first_difference_and_the_score_gap_are_named(tmp_path):
@@ -50,15 +51,16 @@ def test_the_first_difference_and_the_score_gap_are_named(tmp_path):
     assert not c.identical and c.differing == 3 and c.first == (1, "loss", -0.5, -0.6)
     assert c.score_max_abs_diff == pytest.approx(0.30 - 0.2875)
     line = comparison_line(c)
-    assert "differs: 3 of 7 values, first at step 1 loss (-0.5 archived, -0.6 re-run)" in line and "0.0125" in line
+    assert "differs: 3 of 10 values, first at step 1 loss (-0.5 archived, -0.6 re-run)" in line and "0.0125" in line
 
 
 def test_a_shorter_re_run_and_a_changed_config_are_not_identical(tmp_path):
     old = _run(tmp_path / "archive", "e", "a", 0, RECORDS)
     short = _run(tmp_path / "runs", "e", "a", 0, RECORDS[:2])
     c = compare_run(old, short)
-    # the missing record's 3 values (ess, loss, heldout_accuracy) and its step count as differing
-    assert not c.identical and c.records == (3, 2) and c.differing == 4 and c.first[:2] == (2, "ess")
+    # the missing record's step and 3 values (ess, loss, heldout_accuracy) count as compared and differing
+    assert not c.identical and c.records == (3, 2) and (c.values, c.differing) == (10, 4)
+    assert c.first == (2, "step", 2, "<absent>") and c.score_max_abs_diff == 0.0  # only step 0's score is paired
     other = _run(tmp_path / "runs2", "e", "a", 0, RECORDS, {**CFG, "train": {"seed": 0, "lr": 1e-3}})
     c2 = compare_run(old, other, "e", "a", "seed0")
     assert c2.config_diff == ["train.lr"] and not c2.identical
@@ -73,7 +75,7 @@ def test_only_runs_the_archive_holds_are_compared_and_bad_folders_are_one_error(
     assert [(c.arm, c.seed, c.identical) for c in got] == [("a", "seed0", True)]
     with pytest.raises(UserError, match="not a folder"):
         compare_runs(tmp_path / "nope", tmp_path / "archive")
-    with pytest.raises(UserError, match="not under both"):
+    with pytest.raises(UserError, match="other is not under --runs"):
         compare_runs(tmp_path / "runs", tmp_path / "archive", ["other"])
     _run(tmp_path / "runs3", "e", "b", 0, RECORDS)
     with pytest.raises(UserError, match="no finished run"):
@@ -106,15 +108,15 @@ def test_a_real_run_repeated_at_one_commit_is_identical_and_a_changed_one_is_not
     archive_runs(tmp_path / "first", tmp_path / "archive")
     assert run_experiment(exp, tmp_path / "again", jobs=1)["failed"] == []
     [c] = compare_runs(tmp_path / "again", tmp_path / "archive")
-    assert c.identical and c.values > 20, comparison_line(c)
+    # rounds 0 (the base's evaluation), 1 and 2, with every logged metric
+    assert c.identical and c.records == (3, 3) and c.values > 3 * 10, comparison_line(c)
     spec["arms"]["p3o@x"]["train.lr"] = 0.05
     f.write_text(yaml.safe_dump(spec))
     assert run_experiment(load_experiment(str(f)), tmp_path / "changed", jobs=1)["failed"] == []
     [d] = compare_runs(tmp_path / "changed", tmp_path / "archive")
     assert d.config_diff == ["train.lr"]
-    d_values = compare_run(tmp_path / "archive" / "tiny_rep" / "p3o@x" / "seed0", tmp_path / "changed" / "tiny_rep" / "p3o@x" / "seed0")
     # the base's evaluation and the first batch's statistics are the same; the logged learning rate is not
-    assert d_values.differing > 0 and d_values.first[:2] == (1, "lr")
+    assert d.differing > 0 and d.first[:2] == (1, "lr")
 
 
 def test_a_missing_resolved_config_is_named(tmp_path):
@@ -124,6 +126,7 @@ def test_a_missing_resolved_config_is_named(tmp_path):
     c = compare_run(old, new)
     assert not c.identical and c.differing == 0
     assert c.config_diff == [f"{tmp_path / 'archive' / 'e' / 'a' / 'seed0.yaml'} missing"]
+    assert "no resolved config to check" in comparison_line(c)
 
 
 def test_record_is_written_into_the_archive_and_the_report_says_it(tmp_path):
@@ -156,3 +159,28 @@ def test_record_is_written_into_the_archive_and_the_report_says_it(tmp_path):
     assert reproduced_line(tmp_path / "runs" / "e") is None  # no record: no line
     path.write_text("{not json")
     assert "unreadable" in reproduced_line(tmp_path / "archive" / "e")
+
+
+def test_nan_scores_a_logged_null_and_a_missing_key(tmp_path):
+    nan = float("nan")
+    old = _run(tmp_path / "archive", "e", "a", 0, [{"step": 0, "heldout_accuracy": nan}, {"step": 1, "heldout_accuracy": 0.4, "x": None}])
+    new = _run(tmp_path / "runs", "e", "a", 0, [{"step": 0, "heldout_accuracy": nan}, {"step": 1, "heldout_accuracy": 0.3}])
+    c = compare_run(old, new)
+    # NaN on both sides is equal and leaves the gap to the real one (0.1); a logged null is not a missing key
+    assert c.score_max_abs_diff == pytest.approx(0.1) and c.differing == 2 and c.first == (1, "heldout_accuracy", 0.4, 0.3)
+    same = _run(tmp_path / "runs2", "e", "a", 0, [{"step": 0, "heldout_accuracy": nan}, {"step": 1, "heldout_accuracy": 0.4}])
+    c2 = compare_run(old, same)
+    assert c2.differing == 1 and c2.first == (1, "x", None, "<absent>") and c2.score_max_abs_diff == 0.0
+
+
+def test_unarchived_experiments_are_skipped_unless_named_and_a_linked_arm_counts_once(tmp_path):
+    _run(tmp_path / "archive", "e", "onpolicy", 0, RECORDS)
+    _run(tmp_path / "archive", "f", "onpolicy", 0, RECORDS)
+    ref = _run(tmp_path / "runs", "e", "onpolicy", 0, RECORDS).parent
+    (tmp_path / "runs" / "f").mkdir()
+    (tmp_path / "runs" / "f" / "onpolicy").symlink_to(ref)  # the shared reference linked into f
+    _run(tmp_path / "runs", "new_exp", "a", 0, RECORDS)  # never archived
+    got = compare_runs(tmp_path / "runs", tmp_path / "archive")
+    assert [(c.experiment, c.arm) for c in got] == [("e", "onpolicy")]
+    with pytest.raises(UserError, match="new_exp is not under --archive"):
+        compare_runs(tmp_path / "runs", tmp_path / "archive", ["new_exp"])

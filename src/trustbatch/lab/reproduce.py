@@ -39,11 +39,13 @@ def is_timing(key: str) -> bool:
 class RunComparison:
     """One re-run against its archived counterpart.
 
-    ``values``: logged values compared (timing keys excluded); ``differing``: how many were unequal;
+    ``values``: logged values compared, each record's ``step`` included and timing keys excluded;
+    ``differing``: how many were unequal (a value one side lacks counts, as ``ABSENT`` in ``first``);
     ``first``: the first difference as (step, key, archived value, re-run value), or ``None``;
-    ``score_max_abs_diff``: the largest |Δ| of held-out pass@1 over the evaluations both runs logged
-    (0.0 when equal, ``None`` when neither logged one); ``config_diff``: the resolved-config keys whose
-    values differ (dotted), empty when the configs are equal.
+    ``score_max_abs_diff``: the largest |Δ| of held-out pass@1 over the records where both runs logged a
+    finite one (NaN on both sides counts as 0), ``None`` when no record has it on both sides;
+    ``config_diff``: the resolved-config keys whose values differ (dotted), or ``"FILE missing"`` entries,
+    empty when the configs are equal.
     """
 
     experiment: str
@@ -59,6 +61,9 @@ class RunComparison:
     @property
     def identical(self) -> bool:
         return not self.config_diff and self.differing == 0 and self.records[0] == self.records[1]
+
+
+ABSENT = "<absent>"  # a key one side did not log (not the same as a logged null)
 
 
 def _same(a, b) -> bool:
@@ -85,7 +90,7 @@ def config_diff(archived: Path, rerun: Path) -> list[str]:
     if gone:
         return gone
     a, b = _flatten(read_yaml_file(archived)), _flatten(read_yaml_file(rerun))
-    return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not _same(a.get(k), b.get(k)))
+    return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not (k in a and k in b and _same(a[k], b[k])))
 
 
 def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = "", seed: str = "") -> RunComparison:
@@ -110,50 +115,53 @@ def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = ""
         a = old[i] if i < len(old) else {}
         b = new[i] if i < len(new) else {}
         step = a.get("step", b.get("step"))
-        for key in sorted((a.keys() | b.keys()) - {"step"}):
+        for key in ["step"] + sorted((a.keys() | b.keys()) - {"step"}):
             if is_timing(key):
                 continue
             values += 1
-            va, vb = a.get(key), b.get(key)
+            va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
             if key == SCORE_KEY and isinstance(va, (int, float)) and isinstance(vb, (int, float)):
-                score_diffs.append(abs(va - vb))
+                gap = abs(va - vb)
+                score_diffs.append(0.0 if math.isnan(va) and math.isnan(vb) else gap)
             if not _same(va, vb):
                 differing += 1
                 if first is None:
                     first = (step, key, va, vb)
-        if a.get("step") != b.get("step"):
-            values += 1
-            differing += 1
-            if first is None:
-                first = (step, "step", a.get("step"), b.get("step"))
     cfg = config_diff(archived.parent / f"{archived.name}.yaml", rerun.parent / f"{rerun.name}.yaml")
+    finite = [d for d in score_diffs if math.isfinite(d)]  # NaN against a number: a difference, not a gap size
     return RunComparison(experiment, arm, seed, (len(old), len(new)), values, differing, first,
-                         max(score_diffs) if score_diffs else None, cfg)
+                         max(finite) if finite else None, cfg)
 
 
 def compare_runs(runs: Path, archive: Path, experiments: list[str] | None = None) -> list[RunComparison]:
     """Every finished run under ``runs`` (``EXPERIMENT/ARM/seedK`` with a ``summary.json``) that the archive also
-    holds, compared with it. Runs the archive lacks are skipped (a re-run of a sample is the point).
+    holds, compared with it. Experiments and runs the archive lacks are skipped (a re-run of a sample is the
+    point); a run folder reached twice (an arm linked into several experiments) is compared once.
 
     Raises:
-        UserError: ``runs`` or ``archive`` is not a folder, a named experiment is in neither, or no run
-            under ``runs`` has an archived counterpart.
+        UserError: ``runs`` or ``archive`` is not a folder, a named experiment is missing from either (says
+            which), or no run under ``runs`` has an archived counterpart.
     """
     runs, archive = Path(runs), Path(archive)
     for p, opt in ((runs, "--runs"), (archive, "--archive")):
         if not p.is_dir():
             raise UserError(f"{opt} {p} is not a folder; pass the --out of `trustbatch lab run` and of `trustbatch lab archive`")
-    names = experiments or sorted(p.name for p in runs.iterdir() if p.is_dir())
-    missing = [n for n in names if not (runs / n).is_dir() or not (archive / n).is_dir()]
-    if missing:
-        raise UserError(f"experiment {', '.join(missing)} is not under both --runs {runs} and --archive {archive}; fix the name")
-    out = []
+    if experiments:
+        for opt, root in (("--runs", runs), ("--archive", archive)):
+            missing = [n for n in experiments if not (root / n).is_dir()]
+            if missing:
+                raise UserError(f"experiment {', '.join(missing)} is not under {opt} {root}; fix the name")
+        names = list(experiments)
+    else:
+        names = sorted(p.name for p in runs.iterdir() if p.is_dir() and (archive / p.name).is_dir())
+    out, seen = [], set()
     for name in names:
         for summary in sorted((runs / name).glob("*/seed*/summary.json")):
             run = summary.parent
             arm = run.parent.name
             old = archive / name / arm / run.name
-            if (old / "metrics.jsonl").exists():
+            if (old / "metrics.jsonl").exists() and run.resolve() not in seen:
+                seen.add(run.resolve())
                 out.append(compare_run(old, run, name, arm, run.name))
     if not out:
         raise UserError(f"no finished run under {runs} has a counterpart in {archive}; re-run some with `trustbatch lab run EXP --seeds S --arms A --out {runs}`")
@@ -163,8 +171,12 @@ def compare_runs(runs: Path, archive: Path, experiments: list[str] | None = None
 def comparison_line(c: RunComparison) -> str:
     """One line per run: ``identical`` or where the re-run parts from the archive."""
     head = f"{c.experiment} {c.arm} {c.seed}:"
+    gone = [k for k in c.config_diff if k.endswith(" missing")]
+    if gone:
+        return f"{head} no resolved config to check ({'; '.join(gone)}); copy the run's seedK.yaml beside it"
     if c.config_diff:
-        return f"{head} config differs ({', '.join(c.config_diff[:4])}); not a re-run of the same run"
+        more = f" and {len(c.config_diff) - 4} more" if len(c.config_diff) > 4 else ""
+        return f"{head} config differs ({', '.join(c.config_diff[:4])}{more}); not a re-run of the same run"
     if c.identical:
         return f"{head} identical ({c.records[0]} records, {c.values} values)"
     step, key, va, vb = c.first
