@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config import read_yaml_file
+from ..config import _flatten, read_yaml_file  # the dotted keys overrides use
 from ..errors import UserError
 from ..trainer.runlog import atomic_write, read_metrics
 from .calls import load_calls
@@ -72,24 +72,13 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _flatten(d, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def config_diff(archived: Path, rerun: Path) -> list[str]:
     """Dotted keys whose values differ between two resolved run configs (``run_dir`` ignored; a missing file
     on either side is reported as ``"FILE missing"``, naming it)."""
     gone = [f"{p} missing" for p in (archived, rerun) if not p.exists()]
     if gone:
         return gone
-    a, b = _flatten(read_yaml_file(archived)), _flatten(read_yaml_file(rerun))
+    a, b = _flatten(read_yaml_file(archived) or {}), _flatten(read_yaml_file(rerun) or {})
     return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not (k in a and k in b and _same(a[k], b[k])))
 
 
