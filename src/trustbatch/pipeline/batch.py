@@ -46,6 +46,15 @@ class TrainBatch:
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
                           self.policy_version[idx], prox, **full)
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
+        if self.advantages.device == torch.device(device):
+            return self
+        opt = {k: None if getattr(self, k) is None else getattr(self, k).to(device)
+               for k in ("proximal_logprobs", "behavior_logprobs_full", "proximal_logprobs_full")}
+        return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
+                          self.policy_version.to(device), metrics=self.metrics, **opt)
+
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
         return self.policy_version[self.policy_version >= 0]

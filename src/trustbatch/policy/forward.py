@@ -22,6 +22,11 @@ class Packed:
     def select(self, idx: torch.Tensor | slice) -> "Packed":
         return Packed(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.response_mask[idx])
 
+    def to(self, device: torch.device | str) -> "Packed":
+        """The same tensors on ``device`` (no copy when they are there already)."""
+        return Packed(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                      self.response_mask.to(device))
+
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Packed:
     """Left-pad ``prompt + completion`` pairs. Raises ValueError on empty completions or length mismatch."""

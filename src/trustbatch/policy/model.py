@@ -163,3 +163,24 @@ def build_small_llama(vocab_size: int, *, hidden: int, layers: int, heads: int, 
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward: transformers' own checkpointing, non-reentrant.
+
+    Only the layer inputs are kept from the forward (about ``layers × tokens × hidden`` floats instead of every
+    intermediate); each layer is run again in backward. The gradients are those without it, up to float
+    summation order. Uses ``activation_checkpointing_enable`` (transformers ≥ 5) or
+    ``gradient_checkpointing_enable`` (older), with ``use_reentrant=False`` as torch recommends.
+
+    Raises:
+        ValueError: the model does not support activation checkpointing (transformers' own message, one line).
+    """
+    m = getattr(model, "module", model)  # inside a DDP-style wrapper
+    kwargs = {"use_reentrant": False}
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(m, "gradient_checkpointing_enable"):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"{type(m).__name__} is not a transformers model; activation checkpointing needs one")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
+
 from .. import objectives, rewards
 from ..config import Config
 from ..data import load_task
@@ -158,6 +160,8 @@ def _full_logprobs(cfg: Config) -> bool:
 def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
     """An engine on another model that shares the policy's tokenizer (``rollout.foreign_model``); never synced.
 
+    It runs on the policy's device.
+
     Raises:
         UserError: the foreign model's tokenizer differs from the policy's.
     """
@@ -172,6 +176,7 @@ def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
         if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
             raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
         other = foreign_policy.model
+    other = other.to(next(policy.model.parameters()).device)
     return TransformersEngine(other, policy.eos_id, policy.pad_id, version=NOT_THE_POLICY,
                               full_logprobs=_full_logprobs(cfg))
 
@@ -194,7 +199,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     check_orchestrator(cfg)
     learner_kw = dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
-                      epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps)
+                      epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps,
+                      precision=tr.precision, activation_checkpointing=tr.activation_checkpointing)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
         from ..orchestration.ray_learner import RayLearnerGroup
 
@@ -202,7 +208,9 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
                                   seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
     else:
         learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+    # engines that sample from the learner's own module run its forward as the learner does (bf16-mixed autocast)
+    autocast = torch.bfloat16 if tr.precision == "bf16-mixed" else None
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, autocast=autocast)
     if ro.mode == "async":
         try:
             source = async_source(cfg, task, policy, version, world)
@@ -218,7 +226,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         engine = vllm_engine(cfg, policy, version)
     else:
         engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
-                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg))
+                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg),
+                                    autocast=None if shifted else autocast)
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)

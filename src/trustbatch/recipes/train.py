@@ -173,7 +173,10 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     preflight(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    world = World.from_env()
+    try:
+        world = World.from_env(cfg.train.device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
@@ -220,11 +223,13 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         world.barrier()
     built = None
     try:
+        policy.model.to(world.device)
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
         start = 0
         state = None
         if found is not None:
             ckpt, policy, state = found
+            policy.model.to(world.device)
             start = int(state["step"])
         version = state["learner"]["policy_version"] if state else 0
         built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version,

@@ -32,6 +32,7 @@ the whole cache per token) wherever it fits the model; its samples and log-probs
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 
@@ -100,8 +101,11 @@ class TransformersEngine:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
                  full_logprobs: bool = False,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
-                 prefill_once: bool | None = None):
+                 prefill_once: bool | None = None, autocast: torch.dtype | None = None):
         self.precision = precision
+        # the learner's bf16-mixed autocast, for an engine that samples from the learner's own module: the
+        # engine then computes what the learner computes (scale-up.md invariant 1); None: plain forwards
+        self.autocast = autocast
         share = precision == "float32" if share is None else share
         if share and precision != "float32":
             raise ValueError(f"a {precision} engine cannot share the float32 module; pass share=False")
@@ -153,20 +157,24 @@ class TransformersEngine:
         out: list[Rollout] = []
         was_training = self.model.training
         self.model.eval()
+        device = next(self.model.parameters()).device
+        ctx = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
         try:
-            for s in range(0, len(flat), self.batch_size):
-                out.extend(self._generate_chunk(flat[s:s + self.batch_size], sampling))
+            with ctx:
+                for s in range(0, len(flat), self.batch_size):
+                    out.extend(self._generate_chunk(flat[s:s + self.batch_size], sampling, device))
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, items, sp: SamplingParams):
+    def _generate_chunk(self, items, sp: SamplingParams, device: torch.device = torch.device("cpu")):
         P = max(len(p) for _, p, _ in items)
         ids = torch.full((len(items), P), self.pad_id, dtype=torch.long)
         att = torch.zeros_like(ids)
         for j, (_, p, _) in enumerate(items):
             ids[j, P - len(p):] = torch.tensor(p)
             att[j, P - len(p):] = 1
+        ids, att = ids.to(device), att.to(device)
         # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
         # HF's own sampler would draw every row from one global stream.
         noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
@@ -194,7 +202,8 @@ class TransformersEngine:
         # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         logp_all = torch.log_softmax(scores, dim=-1)
-        logp = logp_all.gather(-1, new[..., None]).squeeze(-1)
+        logp = logp_all.gather(-1, new[..., None]).squeeze(-1).cpu()
+        new = new.cpu()
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -203,7 +212,7 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
-                behavior_logprobs_full=logp_all[j, :end].clone() if self.full_logprobs else None,
+                behavior_logprobs_full=logp_all[j, :end].cpu().clone() if self.full_logprobs else None,
             ))
         return rows
 

@@ -21,6 +21,7 @@ ones padded in), so no collective is left waiting.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -32,6 +33,7 @@ from ..objectives import RatioStats
 from ..objectives.clipped import grpo_zeroed_shares
 from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs, trimmed
+from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
 from .parallel import World
 
@@ -73,17 +75,34 @@ class Learner:
         trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
             than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
             a saving only when micro-batches split a batch of unequal lengths).
+        precision: "float32", or "bf16-mixed": every forward of the learner runs under bf16 autocast
+            (matrix products in bf16) while the weights, gradients and AdamW state stay float32
+            (Lightning's ``bf16-mixed``). The log-probs that feed ratios, ESS and KL are still float32
+            (the forwards upcast the logits before the log-softmax; scale-up.md invariant 1).
+        activation_checkpointing: recompute each decoder layer's activations in backward
+            (``policy.model.enable_activation_checkpointing``: transformers' own, non-reentrant). The
+            shared-prompt forward then falls back to the plain one (checkpointed layers drop the cache).
+
+    The learner trains on the device its model's parameters are on (the recipe moves the model there);
+    batches are moved to it.
 
     Raises:
-        ValueError: an unknown objective, invalid options, or a scope the objective does not support.
+        ValueError: an unknown objective, invalid options, or a scope the objective does not support; an
+            unknown precision; a model without activation checkpointing when it is asked for.
     """
 
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
-                 trim_micro_batches: bool = True):
+                 trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False):
+        if precision not in ("float32", "bf16-mixed"):
+            raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
+        self.device = next(model.parameters()).device
+        self.precision = precision
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.spec = objectives.spec(objective)
         # full behaviour log-probs come with the batch; step() refuses a batch without them
         self.options = objectives.validate_options(objective, dict(options or {}),
@@ -135,21 +154,32 @@ class Learner:
         self.bad_steps = int(state.get("bad_steps", 0))
 
     # ---- forward passes without gradient -------------------------------------------------------
+    def autocast(self):
+        """The context every learner forward runs in: bf16 autocast under ``bf16-mixed``, else nothing."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _chunks(self, n: int) -> list[slice]:
         return [slice(s, min(n, s + self.micro_batch_size)) for s in range(0, n, self.micro_batch_size)]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient)."""
-        return torch.cat([self.forward_fn(self.model, batch.packed.select(c))[0] for c in self._chunks(len(batch))])
+        """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient), on the
+        learner's device."""
+        packed = batch.packed.to(self.device)
+        with self.autocast():
+            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._chunks(len(batch))])
 
     @torch.no_grad()
     def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
         """The declared ``RatioStats`` over the whole (local) batch at the current θ, summed over ranks."""
         stats = {k: RatioStats.zeros() for k in names}
+        batch = batch.to(self.device)
         for c in self._chunks(len(batch)):
             mb = batch.select(c)
-            logp, _ = self.forward_fn(self.model, mb.packed)
+            with self.autocast():
+                logp, _ = self.forward_fn(self.model, mb.packed)
             for k in names:
                 stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
         return self._sum_stats(stats)
@@ -173,9 +203,10 @@ class Learner:
         plus ``optimizer_steps``.
         """
         local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
-        self._pad = _empty_like(batch)
+        local = local.to(self.device)
+        self._pad = _empty_like(batch).to(self.device)  # the global batch: a rank's shard may be empty
         if self.spec.needs_proximal and self.full:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
                          for c in self._chunks(len(local))]
             local.proximal_logprobs = torch.cat([p[0] for p in parts])
@@ -216,6 +247,7 @@ class Learner:
             raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs the "
                              "behaviour's full log-probs, but the batch has none; build the engine with full_logprobs=True")
         self.model.train()
+        batch = batch.to(self.device)
         world = self.world
         mask = batch.packed.response_mask
         n_tokens, n_seqs = world.sum([float(mask.sum()), float((mask.sum(1) > 0).sum())])
@@ -243,20 +275,24 @@ class Learner:
                 # same collectives; a zero loss through the forward gives every weight a zero gradient
                 with skip_sync:
                     pad = self._pad if self._pad is not None else _empty_like(batch)
-                    (response_logprobs(self.wrapped, pad.packed)[0].sum() * 0.0).backward()
+                    with self.autocast():
+                        pad_logp = response_logprobs(self.wrapped, pad.packed)[0]
+                    (pad_logp.sum() * 0.0).backward()
                 continue
             mb = batch.select(chunks[i])
             m = mb.packed.response_mask
             with skip_sync:
                 kw = dict(kw_all)
                 if self.full:
-                    logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                     with_full=True)
+                    with self.autocast():
+                        logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
+                                                                         with_full=True)
                     kw["behavior_logprobs_full"] = mb.behavior_logprobs_full
                     if self.spec.needs_proximal:
                         kw["proximal_logprobs_full"] = mb.proximal_logprobs_full
                 else:
-                    logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
+                    with self.autocast():
+                        logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
                 if mb.proximal_logprobs is not None and self.spec.needs_proximal:
                     kw["proximal_logprobs"] = mb.proximal_logprobs
                 if per_micro_batch_stats:
@@ -272,7 +308,7 @@ class Learner:
                     failure = str(e).splitlines()[0]
                     continue
             if record_ratios:
-                step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float())
+                step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))

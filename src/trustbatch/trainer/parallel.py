@@ -23,40 +23,73 @@ import torch
 import torch.distributed as dist
 
 
+def resolve_device(spec: str = "auto", local_rank: int = 0) -> torch.device:
+    """The torch device that ``train.device`` names for the rank with ``local_rank`` on its node.
+
+    ``auto``: ``cuda:<local_rank>`` when CUDA is available, else ``cpu``. ``cuda``: ``cuda:<local_rank>``
+    (one rank = one GPU under torchrun). ``cuda:N``: that GPU, whatever the rank. ``cpu``: the CPU.
+
+    Raises:
+        ValueError: CUDA is asked for but not available, or ``cuda:N`` names a GPU this machine lacks.
+    """
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"train.device={spec} but torch sees no CUDA device (torch {torch.__version__}); "
+                         "use train.device=cpu or auto, or install a CUDA build of torch")
+    index = local_rank if spec in ("auto", "cuda") else int(spec.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"train.device={spec} needs GPU {index}, but this machine has {torch.cuda.device_count()}; "
+                         "run one rank per GPU (torchrun --nproc-per-node <= GPUs) or name another device")
+    return torch.device("cuda", index)
+
+
 @dataclass
 class World:
-    """This process's place among the data-parallel ranks."""
+    """This process's place among the data-parallel ranks, and the device it trains on."""
 
     rank: int = 0
     size: int = 1
     owns_group: bool = False  # we created the process group, so we destroy it
+    device: torch.device = torch.device("cpu")
 
     @classmethod
-    def from_env(cls) -> "World":
+    def from_env(cls, device: str = "cpu") -> "World":
         """The world torchrun describes in the environment, initialising the process group if needed.
 
+        ``device`` is ``train.device`` (``resolve_device``; each rank takes its ``LOCAL_RANK``'s GPU).
+        The process group uses NCCL when the ranks train on CUDA, gloo on the CPU.
+
         Raises:
+            ValueError: the device cannot be had (``resolve_device``).
             RuntimeError: the process group cannot be initialised (torch.distributed's own message).
         """
         size = int(os.environ.get("WORLD_SIZE", "1"))
+        dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         if size <= 1:
-            return cls()
+            return cls(device=dev)
         owns = False
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
             owns = True
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), owns_group=owns)
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(), owns_group=owns, device=dev)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def _collective_device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only; gloo takes CPU tensors
+        return self.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks, in float64 (identity for one rank)."""
         if self.size == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(t)
         return t.tolist()
 
@@ -64,7 +97,7 @@ class World:
         """Element-wise maximum over ranks (identity for one rank)."""
         if self.size == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
