@@ -1,4 +1,4 @@
-"""Baselines against the per-token weight table of docs/objectives.md §3, re-derived independently."""
+"""Baselines against the per-token weight table of docs/design/objectives.md §3, re-derived independently."""
 
 import math
 
@@ -168,7 +168,7 @@ def test_two_anchor_matches_reference_code_formula():
 
 
 def correction_weight_by_hand(kind, lks, t_index):
-    """Weight of token t_index of one sequence with per-token log k = lks (docs §3.9), by plain loops."""
+    """Weight of token t_index of one sequence with per-token log k = lks (docs/design/objectives.md §3.9), by plain loops."""
     prod = math.exp(sum(lks))
     geo = math.exp(sum(lks) / len(lks))
     k_tok = math.exp(lks[t_index])

@@ -1,4 +1,4 @@
-"""P3O against hand-worked values (docs/objectives.md §1.6) and an independent float64 re-derivation."""
+"""P3O against hand-worked values (docs/design/objectives.md §1.6) and an independent float64 re-derivation."""
 
 import math
 

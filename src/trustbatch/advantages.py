@@ -1,4 +1,4 @@
-"""Group advantage estimators and reward shaping (docs/objectives.md §3.3, §4).
+"""Group advantage estimators and reward shaping (docs/design/objectives.md §3.3, §4).
 
 Rewards arrive as a flat ``[N]`` tensor with ``group_ids`` ``[N]`` (G completions per prompt share
 an id). Each estimator returns ``[N]`` advantages, one scalar per completion; the learner copies it

@@ -1,4 +1,4 @@
-"""Unbiased pass@k (Chen et al. 2021, arXiv 2107.03374, Eq. 1; docs/objectives.md §6)."""
+"""Unbiased pass@k (Chen et al. 2021, arXiv 2107.03374, Eq. 1; docs/design/objectives.md §6)."""
 
 from __future__ import annotations
 

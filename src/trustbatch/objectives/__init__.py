@@ -7,7 +7,7 @@
 Every objective: ``f(logprobs [B,T], behavior_logprobs [B,T], advantages [B,T] or [B], mask [B,T],
 **options) -> ObjectiveOutput(loss: scalar tensor, metrics: dict[str, float])``. The loss is the
 masked token mean unless ``aggregation=`` says otherwise. Formulas and sources:
-shared/docs/objectives.md and each function's docstring.
+docs/design/objectives.md and each function's docstring.
 
 Each objective declares at registration what the caller must supply (``spec(name)``: needs_proximal,
 batch_stats, ess_scopes) and how its user options are checked (``validate_options``). Importing

@@ -1,6 +1,6 @@
 """Shared plumbing for the objectives: input checks, masking, aggregation, regularisers, metrics.
 
-Every objective follows the same tensor contract (docs: shared/docs/objectives.md §0):
+Every objective follows the same tensor contract (docs/design/objectives.md §0):
 ``logprobs``, ``behavior_logprobs``, ``advantages`` and ``mask`` are ``[B, T]``; only ``logprobs``
 carries gradient; ``mask`` marks valid response tokens. Masked positions may hold anything,
 including inf and NaN: they are replaced by 0 *before* any arithmetic, so that 0·inf never
@@ -55,7 +55,7 @@ class CommonOptions:
     num_sequences: global S for the sequence aggregations; None counts this call's non-empty rows.
         Must be ≥ this call's non-empty rows, like ``num_tokens``.
     seq_constant: the Dr.GRPO constant (> 0); None uses T (the padded response length; 1 if T = 0).
-    log_ratio_clip: bound L on |log ρ| before exp (docs §1.8 item 3), in (0, 80]; tokens beyond it
+    log_ratio_clip: bound L on |log ρ| before exp (docs/design/objectives.md §1.8 item 3), in (0, 80]; tokens beyond it
         are counted in the ``log_ratio_clamped`` metric.
     ref_logprobs, ref_kl_coef, ref_kl: optional KL to a frozen reference policy, added per token
         as ref_kl_coef · k(logprobs − ref_logprobs) with estimator ``ref_kl`` (k1, k2, k3).
@@ -248,7 +248,7 @@ def prepare(
 def aggregate(per_token: torch.Tensor, prep: Prepared) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` (already 0 at masked positions) to a scalar.
 
-    Modes (docs §3 shared conventions; §3.4 for Dr.GRPO): see ``CommonOptions.aggregation``.
+    Modes (docs/design/objectives.md §3 shared conventions; §3.4 for Dr.GRPO): see ``CommonOptions.aggregation``.
     An all-masked input gives a zero loss that is still connected to the graph. A given
     ``num_tokens``/``num_sequences`` of 0 is replaced by 1: it can only be right for a call with no
     valid token (``finish`` raises otherwise), whose sum is 0 anyway.
@@ -297,7 +297,7 @@ def ratio_metrics(prep: Prepared, ratio: torch.Tensor, clip_eps: float = 0.2) ->
     """Diagnostics shared by every objective, as 0-dim tensors (converted to floats once, at the end).
 
     ratio: [B, T] detached ρ = exp(clamped log ρ). Keys: ess (normalized ESS of this call's tokens,
-    docs §1.1), ratio_p50/p99/max, abs_log_ratio_mean/max (|logprobs − behavior_logprobs|),
+    docs/design/objectives.md §1.1), ratio_p50/p99/max, abs_log_ratio_mean/max (|logprobs − behavior_logprobs|),
     log_ratio_clamped (fraction beyond ±log_ratio_clip), kl_behavior (k3 vs behaviour, token mean),
     clip_fraction (tokens a PPO clip of ``clip_eps`` would zero), num_tokens.
     """

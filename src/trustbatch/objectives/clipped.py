@@ -3,7 +3,7 @@
 Each is ``f(logprobs, behavior_logprobs, advantages, mask, **options) -> ObjectiveOutput`` with the
 shared contract of ``trustbatch.objectives``. The ratio is r = π_θ/π_old where π_old is
 ``old_logprobs`` when given (a trainer recompute, "decoupled") and ``behavior_logprobs`` otherwise
-("bypass"; docs/objectives.md §1.8 item 6). A mismatch ``correction`` (tis/mis/rej, token/sequence;
+("bypass"; docs/design/objectives.md §1.8 item 6). A mismatch ``correction`` (tis/mis/rej, token/sequence;
 ``trustbatch.objectives.corrections``) weighs the per-token loss by a function of π_old/π_behaviour,
 so it needs ``old_logprobs``.
 
@@ -148,7 +148,7 @@ def grpo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
     dual_clip: float | None = None, **options,
 ) -> ObjectiveOutput:
-    """GRPO / PPO clipped surrogate (arXiv 2402.03300 Eq. 3; arXiv 1707.06347; docs §3.1–3.2).
+    """GRPO / PPO clipped surrogate (arXiv 2402.03300 Eq. 3; arXiv 1707.06347; docs/design/objectives.md §3.1–3.2).
 
     Per token: ℓ = −min(r·A, clip(r, 1−eps_low, 1+eps_high)·A), r = exp(logprobs − old). The gradient
     is exactly 0 where the clipped branch wins: (A > 0, r > 1+eps_high) or (A < 0, r < 1−eps_low).
@@ -167,7 +167,7 @@ def dapo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
     dual_clip: float | None = None, **options,
 ) -> ObjectiveOutput:
-    """DAPO preset (arXiv 2503.14476; docs §3.3): clip-higher (0.2, 0.28) and a token-level mean.
+    """DAPO preset (arXiv 2503.14476; docs/design/objectives.md §3.3): clip-higher (0.2, 0.28) and a token-level mean.
 
     Dynamic sampling and overlong shaping live on the data side (``trustbatch.advantages``).
     """
@@ -182,7 +182,7 @@ def decoupled_ppo(
     eps_low: float = 0.2, eps_high: float = 0.2, behavior_weight_cap: float | None = None,
     dual_clip: float | None = None, **options,
 ) -> ObjectiveOutput:
-    """Decoupled PPO with a proximal policy (Hilton et al., arXiv 2110.00641; docs §3.7).
+    """Decoupled PPO with a proximal policy (Hilton et al., arXiv 2110.00641; docs/design/objectives.md §3.7).
 
     ℓ_t = sg(w_t)·(−min(r^prox·A, clip(r^prox, 1−ε_l, 1+ε_h)·A)), r^prox = π_θ/π_prox,
     w_t = π_prox/π_behaviour, capped at ``behavior_weight_cap`` when set (FeynRL uses 5.0 in async).
@@ -212,7 +212,7 @@ def cispo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float | None = None, eps_high: float = 4.0,
     **options,
 ) -> ObjectiveOutput:
-    """CISPO (MiniMax-M1, arXiv 2506.13585; docs §3.6): ℓ_t = −sg(clip(r, 1−ε_l, 1+ε_h))·A·log π_θ.
+    """CISPO (MiniMax-M1, arXiv 2506.13585; docs/design/objectives.md §3.6): ℓ_t = −sg(clip(r, 1−ε_l, 1+ε_h))·A·log π_θ.
 
     Every token keeps its gradient. ``eps_low=None`` (default) means no lower bound (0), as the
     paper effectively uses; the default upper bound 1 + 4 = 5. Supports ``old_logprobs`` and
@@ -238,7 +238,7 @@ def cispo(
 def gspo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4, **options,
 ) -> ObjectiveOutput:
-    """GSPO, token form (arXiv 2507.18071; docs §3.5).
+    """GSPO, token form (arXiv 2507.18071; docs/design/objectives.md §3.5).
 
     s_i = exp((1/|y_i|) Σ_t log r_i,t) is the length-normalised sequence ratio; each token uses
     s_i,t = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) (value s_i, gradient s_i·∇log π_θ) in the PPO clip, so a
@@ -274,7 +274,7 @@ def reinforce(
 
     Its gradient is ρ·A·∇log π_θ, the unbiased off-policy policy gradient (per token). With
     ``importance_weight=False`` the weight is 1 (on-policy REINFORCE). A reference for the others:
-    P3O on on-policy data equals this (docs §1.2 Limits).
+    P3O on on-policy data equals this (docs/design/objectives.md §1.2 Limits).
     """
     old_logprobs, corr = _split_correction(options)
     prep = prepare("reinforce", logprobs, behavior_logprobs, advantages, mask, options)

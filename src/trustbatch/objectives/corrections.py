@@ -1,4 +1,4 @@
-"""Train/inference mismatch corrections that compose with the clipped objectives (docs/objectives.md §3.9).
+"""Train/inference mismatch corrections that compose with the clipped objectives (docs/design/objectives.md §3.9).
 
 The weight compares the trainer's log-probs at the rollout's parameters (π_learner(θ_old), passed as
 ``old_logprobs``) with the inference engine's (μ, ``behavior_logprobs``): k = π_learner/μ.

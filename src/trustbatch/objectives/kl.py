@@ -10,10 +10,10 @@ and return a per-token value of the same shape. With x = log_ratio and r = π_ot
 - ``k3`` = (r − 1) − log r = e^{−x} − 1 + x. ≥ 0. The estimator of the P3O reference code
   (FeynRL algs/RL/common.py ``compute_kl_distance``) and of GRPO's reference KL (arXiv 2402.03300).
   On samples from π_b its expectation is χ²(π_b‖π_θ) − KL(π_b‖π_θ), and its gradient is
-  (1 − 1/ρ)·∇log π_θ (docs/objectives.md §1.3, §5).
+  (1 − 1/ρ)·∇log π_θ (docs/design/objectives.md §1.3, §5).
 
 Callers clamp ``log_ratio`` first (see ``log_ratio_clip``), which makes the k3 gradient 0, not
-reversed, beyond the bound (the reference's ±10 exponent clamp reverses it; docs §1.3 item 3).
+reversed, beyond the bound (the reference's ±10 exponent clamp reverses it; docs/design/objectives.md §1.3 item 3).
 
 ``exact_kl`` sums over the vocabulary instead: KL(π_θ‖π_b) at each position, the term P3O's paper
 writes (arXiv 2605.12380, Eq. 12). It needs both policies' full log-probs ``[B, T, V]``.

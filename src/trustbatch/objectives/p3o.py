@@ -1,6 +1,6 @@
 """P3O: the batch-adaptive objective of "Trust the Batch" (arXiv 2605.12380), and its two-anchor extension.
 
-Per valid token (Eq. 12 per the read-through; docs/objectives.md §1.2):
+Per valid token (Eq. 12 per the read-through; docs/design/objectives.md §1.2):
 
     w_t = sg(min(ρ_t, e_B))                  one-sided cap, ρ_t = π_θ/π_b
     ℓ_t = −w_t · A_t · log π_θ(y_t)  +  (1 − e_B) · KL_t(π_θ ‖ π_b)
@@ -141,7 +141,7 @@ def p3o(
     behavior_logprobs_full: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
-    """P3O loss (arXiv 2605.12380 Eq. 11–12; docs/objectives.md §1).
+    """P3O loss (arXiv 2605.12380 Eq. 11–12; docs/design/objectives.md §1).
 
     Args:
         logprobs: [B, T] log π_θ(y_t|c_t), with gradient.
@@ -250,7 +250,7 @@ def p3o_two_anchor(
     proximal_logprobs_full: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
-    """Two-anchor P3O (arXiv 2605.12380 §3.1, Eq. 13, App. B per the read-through; docs §2). Experimental.
+    """Two-anchor P3O (arXiv 2605.12380 §3.1, Eq. 13, App. B per the read-through; docs/design/objectives.md §2). Experimental.
 
     Follows the reference code P4O (FeynRL algs/P4O/p4o.py), because the paper's exact e_mix is
     unverified:

@@ -1,11 +1,11 @@
 """Sufficient statistics of the normalized effective sample size (ESS).
 
 ESS(B) = (Σρ)² / (n·Σρ²) over the valid tokens B of a batch (arXiv 2605.12380 Eq. 11 per the
-read-through; docs/objectives.md §1.1). The three sums add over micro-batches and data-parallel
+read-through; docs/design/objectives.md §1.1). The three sums add over micro-batches and data-parallel
 ranks, so the trainer can compute the ESS of the whole optimizer batch in a no-grad pass before
 the first backward, and hand it to the loss of every micro-batch.
 
-Sums are float64, and ρ is cast to float64 *before* squaring (docs §1.8 item 4).
+Sums are float64, and ρ is cast to float64 *before* squaring (docs/design/objectives.md §1.8 item 4).
 """
 
 from __future__ import annotations
