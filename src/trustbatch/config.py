@@ -343,7 +343,7 @@ def _format_error(e: ValidationError) -> str:
         parts.pop()
     loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
-        return f"unknown config key {loc!r}; see `trustbatch train --help` or the README for the keys"
+        return f"unknown config key {loc!r}; see docs/guide/configuration.md for the keys"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"].endswith("_type"):  # every branch refused the type: name them all
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
