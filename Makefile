@@ -86,3 +86,22 @@ $(ADAPTERS_VENV)/.installed: pyproject.toml constraints.txt
 .PHONY: test-adapters
 test-adapters: $(ADAPTERS_VENV)/.installed
 	$(ADAPTERS_BIN)/python -m pytest -q -m adapters tests/test_adapters_trl.py tests/test_adapters_verl.py
+
+# Wheels for the GPU check (bench/gpu_check.py) on a machine with torch + CUDA but no network: what trustbatch
+# needs beyond that machine's image, for CPython 3.12 on manylinux x86-64, into the ignored .whl/ (under 40 MiB).
+WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any
+GPU_SDISTS := cellpylib==2.4.0 zss==1.2.0 pycosat==0.6.6
+PY312 ?= python3.12
+
+.PHONY: gpu-wheels
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl/sdist
+	$(PY) -m pip download -q --no-deps --only-binary=:all: $(WHEEL_PLATFORMS) -d .whl -r bench/gpu-wheels.txt
+	$(PY) -m pip download -q --no-deps --no-binary=:all: -d .whl/sdist $(GPU_SDISTS)
+	$(PY) -m pip wheel -q --no-deps -w .whl .whl/sdist/cellpylib-* .whl/sdist/zss-*
+	rm .whl/sdist/cellpylib-* .whl/sdist/zss-*
+	# pycosat is a C extension: built here when a CPython 3.12 is at hand, else compiled there from .whl/sdist
+	if $(PY312) --version >/dev/null 2>&1; then $(PY312) -m pip wheel -q --no-deps -w .whl .whl/sdist/pycosat-* && \
+		rm .whl/sdist/pycosat-*; fi
+	du -sh .whl

@@ -169,3 +169,15 @@ def test_on_policy_ess_under_bf16_mixed(tiny):
     broken = _on_policy_ess(model, tok, torch.bfloat16, bf16_log_softmax=True)
     assert 1.0 - same < 1e-5, same
     assert 1.0 - broken > 100 * (1.0 - same), (same, broken)
+
+
+def test_eval_device_is_checked_before_the_model_loads():
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    r = CliRunner().invoke(app, ["eval", "--model", "no-such-dir", "-b", "gsm8k", "--device", "gpu"])
+    assert isinstance(r.exception, UserError) and "--device 'gpu'" in str(r.exception)
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(app, ["eval", "--model", "no-such-dir", "-b", "gsm8k", "--device", "cuda"])
+        assert isinstance(r.exception, UserError) and "no CUDA device" in str(r.exception)

