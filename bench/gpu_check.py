@@ -1,0 +1,252 @@
+"""The GPU check: one script, one call, at most ~8 minutes on one H100/H200, with only what that machine has.
+
+    make gpu-wheels                       # here: what trustbatch needs beyond the GPU image, into .whl/
+    # there (the device tool carries .whl; the working tree travels):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
+      PYTHONPATH=/tmp/site:src python3 bench/gpu_check.py --out $OUT
+
+Sections (each one JSON line, also appended to OUT/gpu_check.jsonl; a section that fails prints its error and the
+rest go on):
+
+1. ``env``: torch, CUDA, GPU, transformers, peft.
+2. ``learner``: forward+backward tokens/s and MFU of the learner on a Qwen2.5-0.5B-shaped model (random init) in
+   bf16-mixed with chunked log-probs, with and without activation checkpointing. MFU = 6 · parameters · tokens / s
+   over the bf16 dense peak (989 TFLOP/s, H100/H200 SXM spec; ~790 measured on these machines): the LM head is
+   counted once (tied embeddings), attention's quadratic FLOPs and checkpointing's recompute are not.
+3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast.
+4. ``fsdp2_ws1``: FSDP2 (``fully_shard`` per block and root) at world size 1 on NCCL: one learner step against the
+   unsharded learner (float32: the same update to round-off) and its time.
+5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time).
+6. ``train``: ``trustbatch train train.device=cuda train.steps=3`` of the default job, float32 and bf16-mixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+PEAK_SPEC, PEAK_MEASURED = 989e12, 790e12
+
+
+def emit(out: Path, section: str, **fields) -> None:
+    line = {"section": section, **fields}
+    print(json.dumps(line), flush=True)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def section(fn):
+    def run(out: Path, *a):
+        t = time.perf_counter()
+        try:
+            fn(out, *a)
+        except Exception as e:  # noqa: BLE001 - one section's failure is reported, the others still run
+            emit(out, fn.__name__, error=f"{type(e).__name__}: {e}".splitlines()[0][:400],
+                 trace=traceback.format_exc()[-1500:])
+        print(f"[{fn.__name__}: {time.perf_counter() - t:.1f}s]", flush=True)
+    return run
+
+
+def qwen_05b(seed: int = 0, layers: int = 24):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from scale_rehearsal import QWEN25_05B
+
+    cfg = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        return Qwen2ForCausalLM(cfg)
+
+
+def rl_batch(rows: int, prompt: int, completion: int, vocab: int, seed: int = 0):
+    """Distinct random prompts (no prompt sharing: every token is computed) with full-length completions."""
+    import torch
+
+    from trustbatch.pipeline.batch import TrainBatch
+    from trustbatch.policy.forward import pack
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1] + torch.randint(3, vocab, (prompt - 1,), generator=g).tolist() for _ in range(rows)]
+    comps = [torch.randint(3, vocab, (completion,), generator=g).tolist() for _ in range(rows)]
+    packed = pack(prompts, comps, 0)
+    blp = torch.where(packed.response_mask, -torch.rand(rows, completion, generator=g) * 2 - 8, 0.0)
+    return TrainBatch(packed, blp, torch.randn(rows, generator=g))
+
+
+@section
+def env(out: Path) -> None:
+    import peft
+    import torch
+    import transformers
+
+    emit(out, "env", torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
+         memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+         transformers=transformers.__version__, peft=peft.__version__)
+
+
+def _time_steps(learner, batch, steps: int) -> list[float]:
+    import torch
+
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        learner.step(batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+@section
+def learner(out: Path, a) -> None:
+    import statistics
+
+    import torch
+
+    from trustbatch.trainer import Learner
+
+    rows, prompt, completion = a.rows, a.prompt, a.completion
+    batch = rl_batch(rows, prompt, completion, 151936)
+    tokens = rows * (prompt + completion)
+    for ckpt in (False, True):
+        model = qwen_05b()
+        n_params = sum(p.numel() for p in model.parameters())
+        lr = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision="bf16-mixed",
+                     activation_checkpointing=ckpt, logprob_chunk_size=a.chunk, warmup_steps=0)
+        torch.cuda.reset_peak_memory_stats()
+        times = _time_steps(lr, batch, 2)[1:] + _time_steps(lr, batch, a.steps)
+        s = statistics.median(times[1:])
+        flops = 6 * n_params * tokens / s
+        emit(out, "learner", activation_checkpointing=ckpt, precision="bf16-mixed", logprob_chunk_size=a.chunk,
+             params=n_params, rows=rows, prompt=prompt, completion=completion, micro_batch=a.micro_batch,
+             step_s_median=round(s, 4), step_s=[round(x, 4) for x in times[1:]], tokens_per_s=round(tokens / s),
+             tflops=round(flops / 1e12, 1), mfu_spec=round(flops / PEAK_SPEC, 4),
+             mfu_measured_peak=round(flops / PEAK_MEASURED, 4),
+             peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        del lr, model
+        torch.cuda.empty_cache()
+
+
+@section
+def engine(out: Path, a) -> None:
+    import torch
+
+    from trustbatch.rollout import SamplingParams, TransformersEngine
+
+    model = qwen_05b()
+    eng = TransformersEngine(model, eos_id=2, pad_id=0, autocast=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 151936, (127,), generator=g).tolist() for _ in range(a.engine_prompts)]
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=a.engine_tokens)
+    eng.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8))  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    rollouts = eng.generate(prompts, a.engine_samples, sp)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    new = sum(len(r.completion_ids) for r in rollouts)
+    emit(out, "engine", rows=len(rollouts), prompt=128, max_new_tokens=a.engine_tokens, new_tokens=new,
+         seconds=round(s, 2), new_tokens_per_s=round(new / s), autocast="bf16")
+
+
+@section
+def fsdp2_ws1(out: Path, a) -> None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from trustbatch.parallel import _fully_shard, full_model_state
+    from trustbatch.trainer import Learner
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        batch = rl_batch(8, 128, 384, 151936, seed=1)
+        base = qwen_05b(seed=1)
+        plain = copy.deepcopy(base)
+        sharded = _fully_shard(copy.deepcopy(base), 1, None)
+        res = {}
+        for name, m in (("plain", plain), ("fsdp2", sharded)):
+            lr = Learner(m, "grpo", micro_batch_size=4, logprob_chunk_size=a.chunk, warmup_steps=0)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            lr.step(batch)
+            torch.cuda.synchronize()
+            res[name] = time.perf_counter() - t
+        full = full_model_state(sharded)
+        ref = plain.state_dict()
+        rel = max(float((full[k].to(ref[k].device).float() - ref[k].float()).norm() / ref[k].float().norm().clamp_min(1e-12))
+                  for k in ref)
+        emit(out, "fsdp2_ws1", first_step_s={k: round(v, 3) for k, v in res.items()},
+             max_relative_weight_difference_after_one_step=rel, precision="float32")
+    finally:
+        dist.destroy_process_group()
+
+
+@section
+def logprob_memory(out: Path, a) -> None:
+    script = ROOT / "bench" / "logprob_memory.py"
+    p = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
+                       timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    emit(out, "logprob_memory", returncode=p.returncode, lines=lines, stderr_tail=p.stderr[-600:] if p.returncode else "")
+
+
+@section
+def train(out: Path, a) -> None:
+    for extra in ([], ["train.precision=bf16-mixed", "train.activation_checkpointing=true"]):
+        run_dir = out / f"train-{'bf16' if extra else 'f32'}"
+        cmd = [sys.executable, "-m", "trustbatch", "train", "train.device=cuda", f"train.steps={a.train_steps}",
+               f"run_dir={run_dir}", "eval.every=1000"] + extra
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.section_timeout,
+                           env={**os.environ, "TRUSTBATCH_CACHE": str(out / "cache")})
+        wall = time.perf_counter() - t
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+            if (run_dir / "metrics.jsonl").exists() else []
+        rounds = [{k: r.get(k) for k in ("step", "reward_mean", "ess", "rollout_s", "step_s", "tokens_per_s")}
+                  for r in recs if r.get("step", 0) > 0]
+        emit(out, "train", overrides=extra, returncode=p.returncode, wall_s=round(wall, 1),
+             base_heldout=summary.get("base_heldout_accuracy"), final_heldout=summary.get("final_heldout_accuracy"),
+             rounds=rounds, stderr_tail=p.stderr[-800:] if p.returncode else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--sections", default="env,learner,engine,fsdp2_ws1,logprob_memory,train")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--completion", type=int, default=768)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--engine-prompts", type=int, default=16)
+    ap.add_argument("--engine-samples", type=int, default=8)
+    ap.add_argument("--engine-tokens", type=int, default=256)
+    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--section-timeout", type=int, default=240)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    for name in a.sections.split(","):
+        fn = globals()[name]
+        fn(out) if name == "env" else fn(out, a)
+    print(f"gpu_check done in {time.perf_counter() - t:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
