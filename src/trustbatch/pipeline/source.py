@@ -18,7 +18,7 @@ import torch
 from ..advantages import group_advantages, overlong_penalty
 from ..rollout.engine import SamplingParams
 from ..rollout.transformers_engine import row_seed
-from ..trainer.parallel import World
+from ..parallel import World
 from .batch import TrainBatch, build_batch
 
 

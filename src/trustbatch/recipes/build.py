@@ -23,7 +23,7 @@ from ..policy.base import default_base
 from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
 from ..trainer.learner import Learner
 from ..trainer.loop import Parts
-from ..trainer.parallel import World
+from ..parallel import World
 
 
 def configured_task(cfg: Config):

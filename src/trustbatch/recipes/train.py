@@ -27,7 +27,7 @@ from ..policy import load_policy
 from ..rollout.transformers_engine import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
-from ..trainer.parallel import World
+from ..parallel import World
 from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, log_step_records, plot_run,
                               read_metrics, truncate_records)
 from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check

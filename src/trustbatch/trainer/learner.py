@@ -33,7 +33,7 @@ from ..objectives.clipped import grpo_zeroed_shares
 from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.shared_prompt import grouped_response_logprobs
-from .parallel import World
+from ..parallel import World
 
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.
