@@ -101,7 +101,7 @@ def eval_(
     from .policy import load_policy
     from .rewards import RewardPool, get
     from .rollout import TransformersEngine
-    from .trainer.runlog import atomic_write
+    from .records import atomic_write
 
     try:
         ks = sorted({int(x) for x in k.split(",") if x.strip()})

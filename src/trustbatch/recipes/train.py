@@ -23,13 +23,13 @@ import torch
 from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
+from ..parallel import World
 from ..policy import load_policy
+from ..records import atomic_write, read_metrics, truncate_records
 from ..rollout.transformers_engine import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
-from ..parallel import World
-from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, log_step_records, plot_run,
-                              read_metrics, truncate_records)
+from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
 from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
 
