@@ -26,7 +26,7 @@ from ..eval import evaluate_heldout
 from ..parallel import World
 from ..policy import load_policy
 from ..records import atomic_write, read_metrics, truncate_records
-from ..rollout.transformers_engine import row_seed
+from ..seeding import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
