@@ -14,8 +14,9 @@ from ..config import Config
 from ..data import load_task
 from ..data.benchmarks import fit_prompts, load_file_task
 from ..errors import UserError
+from ..orchestration.process_rollout import AsyncSource
 from ..orchestration.rollout_worker import WorkerSpec
-from ..pipeline.async_source import AsyncSource, BoundedSource
+from ..pipeline.async_source import BoundedSource
 from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
