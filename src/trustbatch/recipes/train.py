@@ -196,6 +196,22 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         world.close()
 
 
+def train_command(config: str | None = None, overrides: list[str] | None = None, resume: str | None = None) -> dict:
+    """``trustbatch train``'s arguments to a run: the CLI's command and a lab run's process both call this.
+
+    ``config`` (a YAML file) and ``overrides`` (``key=value``) make a new run's config; ``resume`` (a run
+    directory) continues that run, with ``overrides`` of its ``RESUMABLE_KEYS`` only. Returns ``train``'s summary.
+
+    Raises:
+        UserError: ``resume`` given with ``config``; anything ``load_config`` or ``train`` raises as one.
+        RunInterrupted: Ctrl-C or SIGTERM (the last checkpoint is intact).
+    """
+    if resume and config:
+        raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
+    cfg = None if resume else load_config(config, overrides)
+    return train(cfg, resume=resume, overrides=overrides if resume else None)
+
+
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console) -> dict:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
