@@ -12,9 +12,8 @@ does not contain the importer (importing ``trustbatch.rollout.engine`` from ``pi
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
-
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trustbatch"
 
@@ -154,19 +153,27 @@ def test_every_module_has_a_floor():
     assert not unplaced, f"add these to FLOORS (and to shared/docs/architecture.md): {unplaced}"
 
 
-# today's tree (ea9ec83), before the moves of issue 35:
-#   lab.launch -> cli; pipeline.async_source -> orchestration(.rollout_worker); pipeline.source -> trainer(.parallel)
-#   cycles: cli -> lab -> lab.runner -> lab.launch -> cli; rewards -> rewards.pool -> rewards (lazy)
-@pytest.mark.xfail(strict=True, reason="known upward imports, fixed by the moves that follow")
 def test_no_module_imports_a_higher_floor():
     up = upward_imports(import_graph())
     assert not up, "upward imports:\n" + "\n".join(up)
 
 
-@pytest.mark.xfail(strict=True, reason="known cycles, fixed by the moves that follow")
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph())
     assert not found, "import cycles (modules of each):\n" + "\n".join(" ".join(c) for c in found)
+
+
+def test_the_ground_floor_needs_only_torch_and_the_standard_library():
+    ground = [p for m, p in _modules().items() if m.count(".") == 1 and FLOOR[m.split(".")[1]] == 1]
+    assert len(ground) == len(FLOORS[0]), ground
+    outside = set()
+    for path in ground:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            outside |= {f"{path.name}: {n}" for n in names
+                        if n.split(".")[0] not in (*sys.stdlib_module_names, "torch", "trustbatch")}
+    assert not outside, sorted(outside)
 
 
 # the checker itself, on small trees written here: each rule must be able to fire
