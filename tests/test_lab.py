@@ -478,6 +478,19 @@ def test_cli_says_a_bare_interrupt_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "trustbatch: interrupted\n"
 
 
+def test_a_lab_run_takes_the_arguments_of_trustbatch_train():
+    """The runner's three shapes of call (``runner._command``, the tests' overrides), parsed as the CLI would."""
+    from trustbatch.lab.launch import train_arguments
+
+    assert train_arguments(["train", "--config", "a/seed0.yaml"]) == {
+        "config": "a/seed0.yaml", "overrides": None, "resume": None}
+    assert train_arguments(["train", "--resume", "a/seed0"]) == {"config": None, "overrides": None, "resume": "a/seed0"}
+    assert train_arguments(["train", "train.steps=2", "-c", "x.yaml", "seed=3"]) == {
+        "config": "x.yaml", "overrides": ["train.steps=2", "seed=3"], "resume": None}
+    with pytest.raises(ValueError, match="trustbatch sft"):
+        train_arguments(["sft", "--out", "d"])
+
+
 def test_launched_run_takes_the_callers_environment_directory_and_exit_code(tmp_path, monkeypatch):
     """``lab.launch.Run`` forks from a server started earlier: the run must still see the environment and working
     directory of the moment it is launched, write its output to its log, and exit with the CLI's code."""

@@ -30,6 +30,25 @@ def test_declarations():
     assert objectives.NEEDS_PROXIMAL == {"p3o_two_anchor", "decoupled_ppo"}
 
 
+def test_an_objective_sets_its_own_default_of_a_common_option_as_a_keyword_default():
+    """gspo's sequence-mean aggregation (its paper's) is in its spec, where the adapters read it, not in code."""
+    from trustbatch.adapters._common import default_aggregation
+
+    assert objectives.spec("gspo").default("aggregation") == "seq_mean_token_mean" == default_aggregation("gspo")
+    assert {default_aggregation(n) for n in objectives.names() if n != "gspo"} == {"token_mean"}
+    with pytest.raises(ValueError, match="the default is 'seq_mean_token_mean'"):
+        objectives.validate_options("gspo", {"aggregation": "sum"})
+    # the default is what runs: rows of 1 and 3 tokens, where the two means differ (hand-worked below)
+    lp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    loss = objectives.get("gspo")(lp, torch.zeros(2, 3), adv, mask).loss
+    # on-policy, every token's clipped surrogate is -A: row means -1 and +1, their mean 0 (the token mean is 0.5)
+    assert loss.item() == pytest.approx(0.0, abs=1e-7)
+    token_mean = objectives.get("gspo")(lp, torch.zeros(2, 3), adv, mask, aggregation="token_mean").loss
+    assert token_mean.item() == pytest.approx(0.5, abs=1e-7)
+
+
 def test_spec_of_unknown_name_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown objective 'ppo2'; choose one of \['cispo'"):
         objectives.spec("ppo2")

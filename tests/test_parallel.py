@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from trustbatch.pipeline.batch import TrainBatch
 from trustbatch.policy.forward import pack
 from trustbatch.trainer.learner import Learner
-from trustbatch.trainer.parallel import World
+from trustbatch.parallel import World
 
 from grad_probe import sgd_recording_grads
 

@@ -16,7 +16,7 @@ from trustbatch.policy.forward import pack, response_logprobs
 from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.trainer import Learner, TrainBatch
-from trustbatch.trainer.parallel import resolve_device
+from trustbatch.parallel import resolve_device
 
 
 @pytest.fixture(scope="module")

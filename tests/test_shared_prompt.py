@@ -24,7 +24,7 @@ from trustbatch.policy import shared_prompt as sp
 from trustbatch.policy.forward import pack, response_logprobs
 from trustbatch.policy.shared_prompt import grouped_response_logprobs, shared_prompt_unsupported, split_prompts
 from trustbatch.trainer.learner import Learner
-from trustbatch.trainer.parallel import World
+from trustbatch.parallel import World
 
 from grad_probe import sgd_recording_grads
 

@@ -6,12 +6,11 @@ Bad input (a config key, a value, a path, a name) ends with one line on stderr a
 from __future__ import annotations
 
 import re
-import sys
 from typing import List, Optional
 
 import typer
 
-from .errors import UserError
+from .errors import UserError, exit_on_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
@@ -24,13 +23,9 @@ def train(
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in RUN_DIR from its last checkpoint"),
 ):
     """Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base."""
-    from .config import load_config
-    from .recipes import train as run
+    from .recipes.train import train_command
 
-    if resume and config:
-        raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
-    cfg = None if resume else load_config(config, overrides)
-    run(cfg, resume=resume, overrides=overrides if resume else None)
+    train_command(config, overrides, resume)
 
 
 @app.command()
@@ -103,8 +98,8 @@ def eval_(
     from .policy import load_policy
     from .rewards import RewardPool, get
     from .rollout import TransformersEngine
-    from .trainer.parallel import resolve_device
-    from .trainer.runlog import atomic_write
+    from .parallel import resolve_device
+    from .records import atomic_write
 
     try:
         ks = sorted({int(x) for x in k.split(",") if x.strip()})
@@ -301,23 +296,7 @@ def _finite_or_null(x):
 
 def main() -> None:
     """Exit codes: 2 for bad input (one line), 130 for Ctrl-C or SIGTERM (one line saying how to resume)."""
-    try:
-        app()
-    except UserError as e:
-        print(f"trustbatch: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (KeyboardInterrupt, SystemExit) as e:
-        # typer turns KeyboardInterrupt into a silent exit 130: find it in the chain to say its message
-        ki = e
-        while ki is not None and not isinstance(ki, KeyboardInterrupt):
-            ki = ki.__cause__ or ki.__context__
-        if ki is None:
-            raise
-        # an exception instance is always truthy: test its message, or a bare Ctrl-C prints "trustbatch: " alone.
-        # What to do next is the interrupted command's to say (train and lab run raise with it); the fallback
-        # covers commands that keep nothing (report, preflight, eval) and a Ctrl-C before or between those
-        print(f"trustbatch: {str(ki) or 'interrupted'}", file=sys.stderr)
-        sys.exit(130)
+    exit_on_error(app)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,6 @@ def ess_kwargs(name: str, scope: str) -> dict:
 
 
 def default_aggregation(name: str) -> str:
-    """The aggregation objective ``name`` uses when none is given: gspo sets the sequence mean itself
-    (``objectives.clipped.gspo``, after its paper), every other objective the token mean."""
-    return "seq_mean_token_mean" if name == "gspo" else "token_mean"
+    """The aggregation objective ``name`` uses when none is given, as its registry spec declares it (gspo's keyword
+    default is the sequence mean, after its paper; the common default is the token mean)."""
+    return objectives.spec(name).default("aggregation")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..trainer.runlog import atomic_write
+from ..records import atomic_write
 
 CALLS = "calls.jsonl"
 WALL = "wall_s.txt"

@@ -1,4 +1,4 @@
-"""Start lab runs as ``trustbatch`` CLI processes forked from a warm server, not as fresh interpreters.
+"""Start lab runs as ``trustbatch train`` processes forked from a warm server, not as fresh interpreters.
 
 A fresh ``python -m trustbatch train`` spends ~6 s of one core importing torch, transformers,
 reasoning-gym, matplotlib and tensorboard before its first round (measured by ``bench/lab_launch.py``);
@@ -6,12 +6,16 @@ a lab experiment starts 24–42 runs. multiprocessing's forkserver imports those
 process that never runs a tensor operation, and forks each run from it: every run is still its own
 process (own memory, own seeds, killed alone), started with the imports already done.
 
+A run is ``recipes.train.train_command`` under the CLI's own guard (``errors.exit_on_error``): the same one
+line and exit code as ``trustbatch train`` for bad input or Ctrl-C, without the command-line app.
+
 Why the server must not compute: a fork of a process whose OpenMP pool has run can deadlock in the
 child. The server only imports; each child sets its own thread count (``threads`` in the run's config).
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import os
 import sys
@@ -26,7 +30,6 @@ PRELOAD = [
     "reasoning_gym",
     "matplotlib.pyplot",
     "torch.utils.tensorboard",
-    "trustbatch.cli",
     "trustbatch.recipes.train",
 ]
 
@@ -37,11 +40,30 @@ def _context():
     return ctx
 
 
-def _cli_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
-    """The child: the caller's environment and directory, stdout and stderr (Python's and the C libraries') to
-    ``log``, then ``trustbatch *argv``.
+def train_arguments(argv: list[str]) -> dict:
+    """``train_command``'s keyword arguments from ``trustbatch`` arguments ``["train", *args]``: ``--config FILE``,
+    ``--resume RUN_DIR`` and ``key=value`` overrides, in any order, as ``trustbatch train`` takes them.
 
-    The exit code is the CLI's (typer raises SystemExit, which multiprocessing turns into the exit code)."""
+    Raises:
+        ValueError: ``argv`` is not a ``train`` call (the lab starts nothing else).
+        SystemExit: an unknown option (code 2, argparse's usage line on stderr), or ``--help`` (code 0).
+    """
+    if argv[:1] != ["train"]:
+        raise ValueError(f"a lab run is a `trustbatch train` call, got `trustbatch {' '.join(argv)}`")
+    parser = argparse.ArgumentParser(prog="trustbatch train", description="a lab run (lab.launch)")
+    parser.add_argument("--config", "-c", help="YAML config file")
+    parser.add_argument("--resume", help="continue the run in RUN_DIR from its last checkpoint")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = parser.parse_intermixed_args(argv[1:])
+    return {"config": args.config, "overrides": args.overrides or None, "resume": args.resume}
+
+
+def _train_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
+    """The child: the caller's environment and directory, stdout and stderr (Python's and the C libraries') to
+    ``log``, then ``trustbatch *argv`` (a ``train`` call) under the CLI's guard.
+
+    The exit code is the CLI's: 0, 2 for bad input, 130 for Ctrl-C (``exit_on_error`` raises SystemExit, which
+    multiprocessing turns into the exit code), 1 for a crash (its traceback in ``log``)."""
     # the server holds the environment and directory of the moment it started; a run gets its launcher's own
     # one thread per run, as the runner's jobs are one per core: torch's and numpy's thread pools are sized on first
     # use, after the fork (a run's config sets torch's own count again)
@@ -57,13 +79,15 @@ def _cli_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = ["trustbatch", *argv]
-    from trustbatch.cli import app
+    from ..errors import exit_on_error
+    from ..recipes.train import train_command
 
-    app()
+    exit_on_error(lambda: train_command(**train_arguments(argv)))
 
 
 class Run:
-    """One ``trustbatch *argv`` process forked from the warm server, its output to ``log``.
+    """One ``trustbatch *argv`` process (``argv``: ``["train", ...]``) forked from the warm server, its output to
+    ``log``.
 
     The subset of ``subprocess.Popen`` the runner uses: ``pid``, ``poll()``, ``returncode``, ``terminate()``,
     ``kill()``, ``wait(timeout)`` (raises ``TimeoutError`` when the process is still running after ``timeout``).
@@ -71,7 +95,7 @@ class Run:
 
     def __init__(self, argv: list[str], log: Path):
         args = (list(argv), str(Path(log).absolute()), dict(os.environ), os.getcwd())
-        self._proc = _context().Process(target=_cli_main, args=args, name=f"trustbatch {argv[0]}")
+        self._proc = _context().Process(target=_train_main, args=args, name=f"trustbatch {argv[0]}")
         self._proc.start()
         self.pid = self._proc.pid
 

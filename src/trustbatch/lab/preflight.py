@@ -335,7 +335,7 @@ def run_preflight(experiment: str, out: Path, *, seeds: list[int] | None = None,
     Raises:
         UserError: the experiment does not load, or no arm could be measured.
     """
-    from ..trainer.runlog import atomic_write
+    from ..records import atomic_write
     from .experiment import load_experiment
 
     exp = load_experiment(experiment, seeds)

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from ..trainer.runlog import atomic_write, iter_metrics, read_metrics
+from ..records import atomic_write, iter_metrics, read_metrics
 from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import _flatten, read_yaml_file  # the dotted keys overrides use
 from ..errors import UserError
-from ..trainer.runlog import atomic_write, read_metrics
+from ..records import atomic_write, read_metrics
 from .calls import load_calls
 
 SCORE_KEY = "heldout_accuracy"  # held-out pass@1, the lab's score

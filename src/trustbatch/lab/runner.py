@@ -19,7 +19,7 @@ import yaml
 
 from ..config import dump_config, load_config
 from ..errors import UserError
-from ..trainer.runlog import atomic_write
+from ..records import atomic_write
 from .calls import record_call
 from .experiment import Experiment
 from .launch import Run

@@ -236,7 +236,8 @@ def cispo(
 
 @register("gspo", options={"eps_low": NONNEG, "eps_high": NONNEG, **CORRECTION_OPTIONS})
 def gspo(
-    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4, **options,
+    logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+    aggregation: str = "seq_mean_token_mean", **options,
 ) -> ObjectiveOutput:
     """GSPO, token form (arXiv 2507.18071; docs/design/objectives.md §3.5).
 
@@ -246,7 +247,7 @@ def gspo(
     equals the GSPO sequence objective when the advantage is constant over a sequence.
     Supports ``old_logprobs`` and ``correction`` like ``grpo``.
     """
-    options.setdefault("aggregation", "seq_mean_token_mean")
+    options["aggregation"] = aggregation
     old_logprobs, corr = _split_correction(options)
     prep = prepare("gspo", logprobs, behavior_logprobs, advantages, mask, options)
     metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())

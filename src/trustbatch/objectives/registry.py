@@ -145,6 +145,11 @@ class ObjectiveSpec:
                 return f"{key}={v!r}"
         return None
 
+    def default(self, option: str):
+        """The value ``option`` takes when the caller gives none: the objective's keyword default (e.g. gspo's
+        ``aggregation``), else the common one (``CommonOptions``); None for an option with neither."""
+        return self.defaults[option] if option in self.defaults else _common_default(option)
+
     def needs_full_logprobs(self, options: Mapping) -> bool:
         """Whether ``options`` make this objective take [B, T, V] full log-probs (see ``full_logprobs_when``)."""
         return self.full_logprobs_cause(options) is not None
@@ -193,7 +198,7 @@ def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = F
         if len(ess_scopes) > 1 and "ess_scope" not in params:
             bad(f"ess_scopes {ess_scopes} need an ess_scope keyword")
         for k in params:
-            if k not in decl and k not in TRAINER_SUPPLIED:
+            if k not in decl and k not in TRAINER_SUPPLIED and k not in COMMON_OPTIONS:
                 bad(f"keyword {k!r} has no option check; pass options={{{k!r}: ...}}")
         full = {k: tuple(v) for k, v in (full_logprobs_when or {}).items()}
         if full:
@@ -268,7 +273,7 @@ def validate_options(name: str, options: dict, *, supplied: Iterable[str] = ()) 
             near = difflib.get_close_matches(str(key), list(s.options), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ValueError(f"objective {name!r}: unknown option {key!r}; {hint}known options: {', '.join(sorted(s.options))}")
-        out[key] = _check(name, key, s.options[key], value, s.defaults.get(key, _common_default(key)))
+        out[key] = _check(name, key, s.options[key], value, s.default(key))
     for tensor, opt in TENSOR_INPUTS.items():
         v = out.get(opt)
         if opt in out and v not in (None, 0, 0.0) and tensor not in supplied:

@@ -11,7 +11,7 @@ environment the driver sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD
   a free port for the process group.
 - Each round: the batch goes into the object store once and every rank trains on its contiguous
   shard (``Learner.train_on``), with token counts, ESS statistics and gradients all-reduced over the
-  ranks (trainer.parallel). Rank 0 returns its named tensors as an object of their own: the rollout
+  ranks (trustbatch.parallel). Rank 0 returns its named tensors as an object of their own: the rollout
   actors fetch that object (``weights_at``, wired into ``RayTransport.weights_from``), and the driver
   copies it into its own module, which evaluation, the log-ratio histogram and checkpoints read.
 - Random streams: rank 0 continues the driver's torch stream, so one learner actor reproduces the
@@ -66,7 +66,7 @@ class LearnerRank:
         from transformers import AutoModelForCausalLM
 
         from ..trainer.learner import Learner
-        from ..trainer.parallel import World
+        from ..parallel import World
 
         os.environ.update(env)
         state = dict(weights)

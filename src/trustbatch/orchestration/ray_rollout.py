@@ -38,10 +38,10 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..orchestration.rollout_worker import RolloutWorker, WorkerSpec
-from ..pipeline.async_source import BoundedSource, Message, describe_error, save_worker_model
+from ..pipeline.async_source import BoundedSource, Message, describe_error
 from ..pipeline.staleness import may_start
 from ..pipeline.weight_sync import named_weights
+from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
 
 INSTALL_HINT = "orchestrator=ray needs Ray, which is not installed: pip install 'trustbatch[ray]'"
 
@@ -275,8 +275,8 @@ class RayTransport:
 
 def ray_source(spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_staleness: int | str = 0,
                steps_per_round: int = 1, worker_timeout_s: float = 300.0, address: str | None = None) -> BoundedSource:
-    """The asynchronous rollout source with Ray actors as workers (arguments as ``AsyncSource``'s, plus
-    ``address``, see ``RayTransport``).
+    """The asynchronous rollout source with Ray actors as workers (arguments as ``process_rollout.AsyncSource``'s,
+    plus ``address``, see ``RayTransport``).
 
     Raises:
         UserError: Ray is not installed; the cluster has too few CPUs.

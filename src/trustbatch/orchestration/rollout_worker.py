@@ -7,6 +7,7 @@ source's own ``make_batch``, so batch ``b`` is the same whichever worker makes i
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -93,3 +94,12 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def save_worker_model(spec: WorkerSpec, policy) -> str:
+    """Write ``policy`` (architecture, tokenizer, current weights) to a new temporary HF directory and
+    point ``spec.model_dir`` at it. Returns the directory; the caller removes it."""
+    model_dir = tempfile.mkdtemp(prefix="trustbatch-rollout-model-")
+    policy.save(model_dir)
+    spec.model_dir = model_dir
+    return model_dir

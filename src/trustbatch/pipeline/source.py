@@ -16,9 +16,9 @@ from typing import Callable, Protocol
 import torch
 
 from ..advantages import group_advantages, overlong_penalty
+from ..parallel import World
 from ..rollout.engine import SamplingParams
-from ..rollout.transformers_engine import row_seed
-from ..trainer.parallel import World
+from ..seeding import row_seed
 from .batch import TrainBatch, build_batch
 
 

@@ -16,8 +16,9 @@ from ..config import Config
 from ..data import load_task
 from ..data.benchmarks import fit_prompts, load_file_task
 from ..errors import UserError
+from ..orchestration.process_rollout import AsyncSource
 from ..orchestration.rollout_worker import WorkerSpec
-from ..pipeline.async_source import AsyncSource, BoundedSource
+from ..pipeline.async_source import BoundedSource
 from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
@@ -25,7 +26,7 @@ from ..policy.base import default_base
 from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
 from ..trainer.learner import Learner
 from ..trainer.loop import Parts
-from ..trainer.parallel import World
+from ..parallel import World
 
 
 def configured_task(cfg: Config):

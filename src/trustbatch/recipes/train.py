@@ -23,13 +23,13 @@ import torch
 from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
+from ..parallel import World
 from ..policy import load_policy
-from ..rollout.transformers_engine import row_seed
+from ..records import atomic_write, read_metrics, truncate_records
+from ..seeding import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
-from ..trainer.parallel import World
-from ..trainer.runlog import (MetricsLog, Progress, atomic_write, log_ratio_histogram, log_step_records, plot_run,
-                              read_metrics, truncate_records)
+from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
 from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
 from .rundir import RunLock, check_resume_changes, record_segment
 
@@ -197,6 +197,22 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     finally:
         signal.signal(signal.SIGTERM, old_handler)
         world.close()
+
+
+def train_command(config: str | None = None, overrides: list[str] | None = None, resume: str | None = None) -> dict:
+    """``trustbatch train``'s arguments to a run: the CLI's command and a lab run's process both call this.
+
+    ``config`` (a YAML file) and ``overrides`` (``key=value``) make a new run's config; ``resume`` (a run
+    directory) continues that run, with ``overrides`` of its ``RESUMABLE_KEYS`` only. Returns ``train``'s summary.
+
+    Raises:
+        UserError: ``resume`` given with ``config``; anything ``load_config`` or ``train`` raises as one.
+        RunInterrupted: Ctrl-C or SIGTERM (the last checkpoint is intact).
+    """
+    if resume and config:
+        raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
+    cfg = None if resume else load_config(config, overrides)
+    return train(cfg, resume=resume, overrides=overrides if resume else None)
 
 
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console) -> dict:

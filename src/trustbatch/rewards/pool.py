@@ -8,7 +8,7 @@ completion). The time limit stays per completion: a worker writes the position a
 the completion it is scoring into a two-slot shared array, and the parent times that completion
 out. When a worker dies or hangs, that completion alone counts as failed and the rest of its chunk
 is scored again by a fresh worker (the finished part's results died with the process).
-Workers build the scorer from its name (``rewards.get``), so user functions need only be importable.
+Workers build the scorer from its name (``scorers.get``), so user functions need only be importable.
 
 Workers die with the process that made them, however it ends (kill -9 included): on Linux the
 kernel sends them SIGKILL (``PR_SET_PDEATHSIG``); elsewhere, and as a fallback, each worker sees
@@ -27,10 +27,10 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from ..processes import die_with_parent
+from .scorers import ScoreResult, get, one_line, score_local, score_one
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
 
@@ -38,27 +38,6 @@ OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the err
 # must close them: a worker holding another worker's parent end keeps that pipe open after the
 # parent dies, and the other worker would never see end-of-file.
 _PARENT_ENDS: set = set()
-
-
-@dataclass
-class ScoreResult:
-    rewards: list[float]  # one per completion, in [0, 1]
-    errors: int  # scorer raised (or exited), returned a non-finite value or a non-number, or its process died
-    timeouts: int  # scorer ran past the time limit
-    clamped: int = 0  # finite rewards outside [0, 1], clamped into it
-    last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
-
-    def __add__(self, other: "ScoreResult") -> "ScoreResult":
-        """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
-        return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
-                           self.clamped + other.clamped, other.last_error or self.last_error)
-
-
-def one_line(text: str, limit: int = 300) -> str:
-    """``text`` with its whitespace runs (newlines included) collapsed to one space, cut to ``limit`` characters
-    (the end is kept: a traceback's last line names the error)."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else "…" + flat[-(limit - 1):]
 
 
 def _read_tail(fd: int | None) -> str:
@@ -110,8 +89,6 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None, pr
         c.close()
     die_with_parent(parent_pid)
     _redirect_output(out_fd)
-
-    from . import get, score_one
 
     try:
         scorer, load_error = get(name), None
@@ -216,8 +193,6 @@ class RewardPool:
     """
 
     def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
-        from . import get
-
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.name, self.workers, self.timeout_s, self.chunk_size = name, workers, timeout_s, chunk_size
@@ -240,8 +215,6 @@ class RewardPool:
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         if self.workers == 0:
-            from . import score_local
-
             return score_local(self._local, completions, references)
         self._ensure_workers()
         res = ScoreResult([0.0] * len(completions), 0, 0)

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
+from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
 from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
 
@@ -49,12 +49,6 @@ from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
 BATCH_SCALED = ("int8", "fp8_e4m3")
 # Of those, the ones whose scales cannot be handed from one forward to the next: no prefill once.
 PLAIN_ONLY = ("int8",)
-
-
-def row_seed(*parts: int) -> int:
-    """A 63-bit seed mixed from integers (e.g. group seed and sample index), stable across processes."""
-    h = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 1
 
 
 class _GumbelPerRow(LogitsProcessor):

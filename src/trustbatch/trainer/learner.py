@@ -13,7 +13,7 @@ Options that need full distributions (``spec.needs_full_logprobs``, e.g. P3O's k
 learner pass its [B, C, V] log-softmax and the batch's ``behavior_logprobs_full`` (and a [B, C, V]
 proximal snapshot) with every micro-batch.
 
-Data parallel (``trainer.parallel``): every rank receives the same global batch and trains on its
+Data parallel (``trustbatch.parallel``): every rank receives the same global batch and trains on its
 shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
 world size (DDP averages gradients), and every rank runs the same number of micro-batches (empty
 ones padded in), so no collective is left waiting.
@@ -35,7 +35,7 @@ from ..pipeline.batch import TrainBatch
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
-from .parallel import World
+from ..parallel import World
 
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.

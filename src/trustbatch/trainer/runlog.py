@@ -1,29 +1,12 @@
-"""Run-directory output: metrics as JSONL and TensorBoard events, atomic file writes, the final plot."""
+"""Run-directory output: metrics as JSONL and TensorBoard events, the final plot (file records: ``records``)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write to a temporary file in the same folder, then rename: readers see old or new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+from ..records import atomic_write, truncate_records
 
 
 class MetricsLog:
@@ -62,36 +45,6 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
-
-
-def truncate_records(path: Path, step: int) -> None:
-    """Drop the JSONL records of ``path`` past ``step`` and any torn line (a resume redoes those rounds)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("step", 0) <= step:
-            keep.append(line)
-    atomic_write(path, "".join(k + "\n" for k in keep))
-
-
-def iter_metrics(path: Path):
-    """The JSONL records of ``path`` one at a time, skipping lines that do not parse (a torn last write)."""
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                pass
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return list(iter_metrics(path))
 
 
 def plot_run(records: list[dict], path: Path, title: str = "") -> None:

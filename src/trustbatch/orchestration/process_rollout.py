@@ -1,0 +1,189 @@
+"""Rollout workers in spawned processes on this machine: the process transport of ``pipeline.async_source``.
+
+After each round the learner copies its state into one shared-memory copy of the named tensors and bumps a
+shared version (``ProcessTransport.push``); a worker loads them with its engine's ``load_weights`` before each
+batch when the version moved. Workers claim batch indices from a shared counter and evaluate the capacity rule
+themselves, so one that finishes while the learner trains starts the next allowed batch at once.
+
+The rules (batch order, capacity bound, drop rule, restarts, metrics) are ``BoundedSource``'s. Process workers
+ignore Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close`` stops and reaps them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from ..pipeline.async_source import BoundedSource, Message, describe_error
+from ..pipeline.staleness import may_start
+from ..pipeline.weight_sync import named_weights
+from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
+
+
+class _Shared:
+    """The state learner and workers share: weights, versions, the capacity gate, the batch counter."""
+
+    def __init__(self, ctx, model: torch.nn.Module, version: int, n_workers: int, k: int):
+        self.weights = {name: t.detach().clone().share_memory_() for name, t in named_weights(model)}
+        self.version = ctx.Value("q", version, lock=False)
+        self.weights_lock = ctx.Lock()
+        self.requested = ctx.Value("q", 0, lock=False)  # the batch index the learner asks for now
+        self.k = ctx.Value("q", k, lock=False)  # the current staleness bound, in versions
+        self.next_index = ctx.Value("q", 0, lock=False)
+        self.claim_lock = ctx.Lock()
+        self.claimed = ctx.Array("q", [-1] * n_workers, lock=False)
+        self.started = ctx.Array("d", [0.0] * n_workers, lock=False)  # when each began its batch; 0: not making one
+        self.out = ctx.Queue()
+        self.stop = ctx.Event()
+
+
+def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, first: int, parent: int) -> None:
+    from ..processes import die_with_parent
+
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and stops us
+    try:
+        worker = RolloutWorker(spec)
+    except BaseException as e:  # report why, then exit: the learner raises it
+        shared.out.put(("error", wid, -1, describe_error(e)))
+        return
+    j = first
+    try:
+        while not shared.stop.is_set():
+            if j < 0:
+                with shared.claim_lock:
+                    j = shared.next_index.value
+                    shared.next_index.value = j + 1
+            shared.claimed[wid] = j
+            while not (shared.stop.is_set() or may_start(j, shared.requested.value, shared.k.value, steps_per_round)):
+                time.sleep(0.002)
+            if shared.stop.is_set():
+                break
+            with shared.weights_lock:
+                if shared.version.value != worker.version:
+                    worker.load_weights(shared.weights.items(), shared.version.value)
+            shared.started[wid] = time.time()
+            batch, metrics = worker.make_batch(j)
+            # plain pickle copies the tensors into the message: torch's queue pickler would pass them as
+            # file descriptors fetched from this process later, lost if it is killed in between
+            shared.out.put(("batch", wid, j, pickle.dumps((batch, metrics))))
+            shared.started[wid] = 0.0
+            j = -1
+    except BaseException as e:
+        shared.out.put(("error", wid, j, describe_error(e)))
+    finally:
+        worker.close()
+
+
+class ProcessTransport:
+    """Rollout workers in spawned processes on this machine; weights and gate in shared memory.
+
+    Args:
+        spec: what each worker builds (``spec.model_dir`` already written).
+        model: the learner's module (its current tensors are the workers' first weights).
+        version: the learner's policy version now.
+        workers: processes (one torch thread each).
+        steps_per_round: optimizer steps per batch, for the capacity rule.
+
+    The bound starts at 0 (nothing runs ahead) until the first ``request`` sets it.
+    """
+
+    def __init__(self, spec: WorkerSpec, model: torch.nn.Module, *, version: int, workers: int,
+                 steps_per_round: int):
+        self.ctx = mp.get_context("spawn")
+        self.spec, self.n, self.m = spec, workers, steps_per_round
+        self.shared = _Shared(self.ctx, model, version, workers, 0)
+        self.procs: list = [None] * workers
+        self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
+
+    def _start(self, wid: int, first: int = -1) -> None:
+        p = self.ctx.Process(target=_worker_main, args=(wid, self.spec, self.shared, self.m, first, os.getpid()),
+                             daemon=False, name=f"trustbatch-rollout-{wid}")  # it owns a reward pool
+        p.start()
+        self.procs[wid] = p
+
+    def start(self, first_index: int) -> None:
+        self.shared.next_index.value = first_index
+        for wid in range(self.n):
+            self._start(wid)
+
+    def request(self, b: int, k: int) -> None:
+        self.shared.k.value = k
+        self.shared.requested.value = b
+
+    def poll(self, timeout_s: float) -> Message | None:
+        try:
+            kind, wid, j, payload = self.shared.out.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        return kind, wid, j, pickle.loads(payload) if kind == "batch" else payload
+
+    def held(self, wid: int) -> int:
+        claimed = self.shared.claimed[wid]
+        return claimed if claimed >= 0 else self.first[wid]
+
+    def alive(self, wid: int) -> bool:
+        return self.procs[wid].is_alive()
+
+    def busy_since(self, wid: int) -> float | None:
+        return self.shared.started[wid] or None
+
+    def restart(self, wid: int, first: int) -> str:
+        p = self.procs[wid]
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+        # the new process claims ``first`` once it has started; until then it holds nothing
+        self.shared.claimed[wid] = -1
+        self.shared.started[wid] = 0.0
+        self.first[wid] = first
+        self._start(wid, first)
+        return f"exited with code {p.exitcode}"
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Copy the state into shared memory, then publish the version (under the lock workers load under)."""
+        with self.shared.weights_lock:
+            for name, t in named_weights(model):
+                self.shared.weights[name].copy_(t)
+            self.shared.version.value = version
+
+    def close(self) -> None:
+        self.shared.stop.set()
+        for p in self.procs:
+            if p is not None:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+
+
+class AsyncSource(BoundedSource):
+    """Rollout workers in spawned processes that run ahead of the learner by at most ``max_staleness`` versions.
+
+    Args:
+        spec: what each worker builds (the policy is written to a temporary HF directory for it).
+        policy: the learner's policy (its current weights are the workers' first weights).
+        version: the learner's policy version now.
+        workers: rollout processes (one torch thread each).
+        max_staleness: k in policy versions, or "auto" (``StalenessController``, starting at 1).
+        steps_per_round: optimizer steps the learner takes per batch (epochs × minibatches).
+        worker_timeout_s: a worker that has been making the awaited batch this long is restarted.
+
+    Raises:
+        UserError: from ``next_batch``, when a worker fails for a reason the user must fix (a scorer
+            over its failure limit, a model that does not load).
+    """
+
+    def __init__(self, spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_staleness: int | str = 0,
+                 steps_per_round: int = 1, worker_timeout_s: float = 300.0):
+        model_dir = save_worker_model(spec, policy)
+        transport = ProcessTransport(spec, policy.model, version=version, workers=workers,
+                                     steps_per_round=steps_per_round)
+        super().__init__(transport, max_staleness=max_staleness, worker_timeout_s=worker_timeout_s,
+                         model_dir=model_dir)

@@ -1,0 +1,192 @@
+"""Reward scorers by name, and scoring in this process: the scores, errors and clamps of a round, and its verdict.
+
+``get`` (names: the package docstring) returns a scorer; ``score_one``/``score_local`` score in this process,
+counting a scorer's errors instead of raising; ``check_scoring`` judges a round's ``ScoreResult``.
+``pool.RewardPool`` runs the same scorers in worker processes with a time limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import UserError
+from .countdown import countdown_reward
+from .gsm8k import gsm8k_reward
+from .math_answer import math_reward
+
+Scorer = Callable[[str, str], float]
+
+
+@dataclass
+class ScoreResult:
+    """What one scoring call (``score_local``, ``RewardPool.score``) gives: rewards in order and its failure counts."""
+
+    rewards: list[float]  # one per completion, in [0, 1]
+    errors: int  # scorer raised (or exited), returned a non-finite value or a non-number, or its process died
+    timeouts: int  # scorer ran past the time limit
+    clamped: int = 0  # finite rewards outside [0, 1], clamped into it
+    last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
+
+    def __add__(self, other: "ScoreResult") -> "ScoreResult":
+        """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
+        return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
+                           self.clamped + other.clamped, other.last_error or self.last_error)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` with its whitespace runs (newlines included) collapsed to one space, cut to ``limit`` characters
+    (the end is kept: a traceback's last line names the error)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else "…" + flat[-(limit - 1):]
+
+
+BUILTIN: dict[str, Scorer] = {"math": math_reward, "gsm8k": gsm8k_reward, "countdown": countdown_reward}
+
+
+class ReasoningGymScorer:
+    """Scores with the reasoning-gym task's ``score_answer(answer, entry)``; the reference is the entry as JSON."""
+
+    def __init__(self, task: str):
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
+        if task not in DATASETS:
+            raise UserError(f"unknown reasoning-gym task {task!r} in reward 'rg:{task}'")
+        self.task = task
+        self._ds = reasoning_gym.create_dataset(task, size=1, seed=0)
+
+    def __call__(self, completion: str, reference: str) -> float:
+        entry = json.loads(reference)
+        return float(self._ds.score_answer(completion.strip(), entry))
+
+
+class FinalAnswerScorer:
+    """Worked steps that end in ``answer X``: the reasoning-gym task's ``score_answer`` of X alone.
+
+    The steps are not checked (only the outcome is rewarded, as in RL with a verifier). A completion with
+    no ``answer``, or with anything but a number after the last one, is malformed and scores 0.
+    """
+
+    _FINAL = re.compile(r"answer\s*:?\s*([+-]?\d[\d,]*(?:\.\d+)?)\s*\.?\s*$")
+
+    def __init__(self, task: str):
+        self.inner = ReasoningGymScorer(task)
+
+    def __call__(self, completion: str, reference: str) -> float:
+        m = self._FINAL.search(completion)
+        return self.inner(m.group(1), reference) if m else 0.0
+
+
+def get(name: str) -> Scorer:
+    """The scorer named ``name`` (see the module docstring).
+
+    Raises:
+        UserError: unknown name, a reasoning-gym task that does not exist, or a ``module:function``
+            whose module is missing or raises on import (any exception, or ``sys.exit``), or that
+            is missing or not callable. The message is one line and names the module.
+    """
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if name.startswith("rg:"):
+        return ReasoningGymScorer(name[3:])
+    if name.startswith("rg-final:"):
+        return FinalAnswerScorer(name[len("rg-final:"):])
+    if ":" in name:
+        return _user_function(name)
+    raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
+
+
+def _user_function(name: str) -> Scorer:
+    mod, _, fn = name.partition(":")
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (mod == e.name or mod.startswith(e.name + ".")):
+            raise UserError(f"reward {name!r}: no module named {e.name!r}; check the spelling, or put its "
+                            "directory on PYTHONPATH") from None
+        raise UserError(f"reward {name!r}: importing module {mod!r} failed: {one_line(str(e))}; install "
+                        f"{e.name!r} or fix the import") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - any error (or sys.exit) in user code at import is bad input
+        raise UserError(f"reward {name!r}: importing module {mod!r} raised {type(e).__name__}: "
+                        f"{one_line(str(e), 200)}; fix the module") from None
+    f = getattr(module, fn, None)
+    if f is None:
+        raise UserError(f"reward {name!r}: module {mod!r} has no {fn!r}; name a function as module:function")
+    if not callable(f):
+        raise UserError(f"reward {name!r} is not callable")
+    return f
+
+
+def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, str, str | None]:
+    """Score one completion in this process: ``(reward, status, cause)``.
+
+    ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it) or
+    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-number or a non-finite
+    value; the reward is 0). ``cause`` is a one-line description for ``"error"``, else None.
+    Only KeyboardInterrupt propagates.
+    """
+    try:
+        v = float(scorer(completion, reference))
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - sys.exit() in a scorer must not end the run silently
+        return 0.0, "error", one_line(f"{type(e).__name__}: {e}")
+    if not math.isfinite(v):
+        return 0.0, "error", f"the scorer returned {v}"
+    if 0.0 <= v <= 1.0:
+        return v, "ok", None
+    return min(1.0, max(0.0, v)), "clamped", None
+
+
+def score_local(scorer: Scorer, completions: list[str], references: list[str]) -> ScoreResult:
+    """Score each completion in this process with ``score_one``, counting errors and clamped rewards (no time limit)."""
+    res = ScoreResult([], 0, 0)
+    for c, r in zip(completions, references):
+        v, status, cause = score_one(scorer, c, r)
+        res.rewards.append(v)
+        res.errors += status == "error"
+        res.clamped += status == "clamped"
+        res.last_error = cause or res.last_error
+    return res
+
+
+def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, where: str,
+                  n: int | None = None) -> str | None:
+    """Judge one round of scoring: None if clean, a one-line warning if anything failed or was clamped.
+
+    Args:
+        result: the round's scores (add up several ``ScoreResult`` with ``+``).
+        scorer: the reward name, for the message.
+        max_failure_rate: ``reward.max_failure_rate``, a fraction in [0, 1].
+        where: what was scored, e.g. ``"round 12"``, for the message.
+        n: completions scored (default ``len(result.rewards)``).
+
+    Raises:
+        UserError: (errors + timeouts) / n is above ``max_failure_rate``; the message names the
+            counts, the scorer, its last error and the config keys to change.
+    """
+    n = len(result.rewards) if n is None else n
+    failed = result.errors + result.timeouts
+    if n <= 0 or failed + result.clamped == 0:
+        return None
+    last = f"; last error: {result.last_error}" if result.last_error else ""
+    counts = f"{result.errors} errors and {result.timeouts} timeouts in {n} completions"
+    if failed / n > max_failure_rate:
+        raise UserError(f"{where}: reward {scorer!r} failed on {failed / n:.0%} of completions ({counts}), above "
+                        f"reward.max_failure_rate={max_failure_rate:g}{last}; fix the scorer, or raise "
+                        "reward.timeout_s or reward.max_failure_rate")
+    clamped = f", {result.clamped} rewards clamped into [0, 1]" if result.clamped else ""
+    return f"{where}: reward {scorer!r}: {counts} (scored 0){clamped}{last}"
+
+
+def score_all(scorer: Scorer, completions: list[str], references: list[str]) -> tuple[list[float], int]:
+    """``score_local``'s rewards and error count, as ``(rewards, errors)``; kept for existing callers."""
+    res = score_local(scorer, completions, references)
+    return res.rewards, res.errors
