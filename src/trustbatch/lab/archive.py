@@ -1,8 +1,10 @@
-"""``trustbatch lab archive``: keep what the report reads, drop the checkpoints.
+"""``trustbatch lab archive``: keep what the report reads, drop the checkpoints, pack the runs.
 
 A lab run directory is mostly checkpoints (about 1 GB per session); the report reads only small
 files. Archiving those into a folder that can be committed lets ``trustbatch lab report --runs
-ARCHIVE`` rebuild the report after the machine that ran the experiments is gone.
+ARCHIVE`` rebuild the report after the machine that ran the experiments is gone. The per-round traces
+are most of what is left (tens of MB for a lab), so each experiment's run files go into one
+``runs.tar.xz`` (``lab.records``, which the report and ``lab compare`` read through).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from . import records
 
 # What load_runs, experiment_section and the pre-flight table read, relative to OUT/EXPERIMENT/.
 EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt", "calls.jsonl")
@@ -20,14 +23,15 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl", "steps.jsonl")
 
 
 def archive_experiment(exp_dir: Path, dest: Path) -> int:
-    """Copy one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes copied.
+    """Archive one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes written.
 
-    Copied: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``; each arm's
-    ``seedK.yaml`` (the resolved config); each run's ``summary.json``, ``metrics.jsonl`` and
-    ``ratios.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are copied
-    as files. Runs without a ``summary.json`` (unfinished) are left out.
+    Copied as files: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``.
+    Packed into ``dest/runs.tar.xz`` (``records.PACK``) under their relative names: each finished run's
+    ``ARM/seedK.yaml`` (the resolved config), ``summary.json``, ``metrics.jsonl``, ``ratios.jsonl`` and
+    ``steps.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are packed as files. Runs
+    without a ``summary.json`` (unfinished) are left out. ``exp_dir`` may itself be an archived (packed) folder.
 
-    The copy is built in a temporary sibling folder and renamed over ``dest``, so an interrupted
+    The archive is built in a temporary sibling folder and renamed over ``dest``, so an interrupted
     archive leaves the previous one whole.
 
     Raises:
@@ -39,20 +43,19 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    copied = 0
+    written = 0
     try:
         for f in EXPERIMENT_FILES:
             if (exp_dir / f).exists():
-                copied += _copy(exp_dir / f, tmp / f)
-        for arm in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
-            for summary in sorted(arm.glob("seed*/summary.json")):
-                run = summary.parent
-                for f in RUN_FILES:
-                    if (run / f).exists():
-                        copied += _copy(run / f, tmp / arm.name / run.name / f)
-                cfg = arm / f"{run.name}.yaml"
-                if cfg.exists():
-                    copied += _copy(cfg, tmp / arm.name / cfg.name)
+                shutil.copyfile(exp_dir / f, tmp / f)
+                written += (tmp / f).stat().st_size
+        packed: dict[str, bytes] = {}
+        for run in records.finished_runs(exp_dir):
+            for src in (run.parent / f"{run.name}.yaml", *(run / f for f in RUN_FILES)):
+                if records.exists(src):
+                    packed[src.relative_to(exp_dir).as_posix()] = records.read_bytes(src)  # follows symlinks
+        if packed:
+            written += records.write_pack(tmp / records.PACK, packed)
         old = None
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
@@ -63,13 +66,7 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return copied
-
-
-def _copy(src: Path, dst: Path) -> int:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)  # follows symlinks: a linked reference arm becomes real files
-    return dst.stat().st_size
+    return written
 
 
 def archive_runs(runs: Path, out: Path, experiments: list[str] | None = None) -> dict[str, int]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from ..trainer.runlog import atomic_write, iter_metrics, read_metrics
+from ..trainer.runlog import atomic_write
+from . import records
 from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
@@ -50,15 +51,14 @@ def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
     one from before the file existed)."""
     arms: dict[str, list[dict]] = {}
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
-    order = list((spec or {}).get("arms", {})) or sorted(p.name for p in exp_dir.iterdir() if p.is_dir())
+    order = list((spec or {}).get("arms", {})) or records.arm_names(exp_dir)
     for arm in order:
-        for run in sorted((exp_dir / arm).glob("seed*/summary.json")):
-            d = run.parent
-            ratios = [json.loads(line) for line in (d / "ratios.jsonl").read_text().splitlines()] if (d / "ratios.jsonl").exists() else []
+        for d in records.finished_runs(exp_dir, arm):
             arms.setdefault(arm, []).append({
-                "seed": int(d.name.removeprefix("seed")), "metrics": read_metrics(d / "metrics.jsonl"),
-                "ratios": ratios, "summary": json.loads(run.read_text()),
-                "steps": read_metrics(d / "steps.jsonl") if (d / "steps.jsonl").exists() else [],
+                "seed": int(d.name.removeprefix("seed")), "metrics": records.read_jsonl(d / "metrics.jsonl"),
+                "ratios": records.read_jsonl(d / "ratios.jsonl") if records.exists(d / "ratios.jsonl") else [],
+                "summary": json.loads(records.read_text(d / "summary.json")),
+                "steps": records.read_jsonl(d / "steps.jsonl") if records.exists(d / "steps.jsonl") else [],
             })
     return arms
 
@@ -145,13 +145,23 @@ def _smooth(xs: list[float], w: int = 5) -> list[float]:
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
 
 
+# Colours a figure is reduced to: the plots draw at most 8 series colours plus their anti-aliased edges, and a
+# 64-colour palette PNG is about a quarter of matplotlib's RGBA one (issue 38 item 5: committed reports stay small).
+PALETTE = 64
+
+
 def _save(fig, out: Path, fname: str) -> str:
-    """Lay out, write ``out/fname`` and free ``fig``; returns ``fname`` for the Markdown link."""
+    """Lay out, write ``out/fname`` as a ``PALETTE``-colour PNG and free ``fig``; returns ``fname`` for the Markdown link."""
+    import io
+
     import matplotlib.pyplot as plt
+    from PIL import Image  # matplotlib's own dependency
 
     fig.tight_layout()
-    fig.savefig(out / fname)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    Image.open(buf).convert("RGB").quantize(PALETTE).save(out / fname, optimize=True)
     return fname
 
 
@@ -493,15 +503,14 @@ def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
     Round 0 is the base policy scored before any update, with the evaluation's own seed, so two runs from the same
     base weights score exactly alike. A different score therefore means a different base (rebuilt on another
     machine or with other packages) or a different evaluation; an equal score does not prove equal weights. A run
-    without a finite round-0 score has no fingerprint. Reads each ``metrics.jsonl`` only up to its first
-    held-out record.
+    without a finite round-0 score has no fingerprint. Reads each ``metrics.jsonl`` through ``lab.records`` (a file
+    or a member of the experiment's ``runs.tar.xz``).
     """
     out: dict[int, dict[str, float]] = {}
-    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
-        run = summary.parent
+    for run in records.finished_runs(exp_dir):
         seed = run.name.removeprefix("seed")
-        if seed.isdigit() and (run / "metrics.jsonl").exists():
-            if (v := _round0_score(iter_metrics(run / "metrics.jsonl"))) is not None:
+        if seed.isdigit() and records.exists(run / "metrics.jsonl"):
+            if (v := _round0_score(records.read_jsonl(run / "metrics.jsonl"))) is not None:
                 out.setdefault(int(seed), {})[run.parent.name] = v
     return out
 
@@ -613,14 +622,20 @@ def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
     return "."
 
 
+def _run_config(path: Path) -> dict:
+    """A run's resolved config (``ARM/seedK.yaml``, a file or packed), parsed with libyaml where PyYAML has it: the
+    report reads two per run, hundreds in all, and the pure-Python parser spent most of the report's time on them."""
+    return yaml.load(records.read_text(path), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+
+
 def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool | None:
     """Whether a run was trained in another experiment's folder and copied or linked here (an ``onpolicy``
     reference): its resolved config's ``run_dir`` names another experiment (``.../EXPERIMENT/ARM/seedK``).
     None when the run has no config beside it (``ARM/seedK.yaml``), so its origin is unknown."""
     cfg = arm_dir / f"{run_name}.yaml"
-    if not cfg.exists():
+    if not records.exists(cfg):
         return None
-    run_dir = (yaml.safe_load(cfg.read_text()) or {}).get("run_dir")
+    run_dir = _run_config(cfg).get("run_dir")
     parts = Path(str(run_dir)).parts if run_dir else ()
     return len(parts) >= 3 and parts[-3] != exp_dir.name
 
@@ -641,9 +656,8 @@ def experiment_cost(exp_dir: Path) -> dict | None:
     exp_dir = Path(exp_dir)
     own: list[float] = []
     reused, reused_s, unknown = 0, 0.0, 0
-    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
-        run = summary.parent
-        wall = float(json.loads(summary.read_text()).get("wall_s") or 0.0)
+    for run in records.finished_runs(exp_dir):
+        wall = float(json.loads(records.read_text(run / "summary.json")).get("wall_s") or 0.0)
         origin = _reused(exp_dir, run.parent, run.name)
         if origin is None:
             unknown += 1
@@ -694,8 +708,8 @@ def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
     for arm, runs in arms.items():
         for run in runs:
             f = exp_dir / arm / f"seed{run['seed']}.yaml"
-            if f.exists():
-                sizes.add((yaml.safe_load(f.read_text()) or {}).get("rollout", {}).get("prompts_per_step"))
+            if records.exists(f):
+                sizes.add(_run_config(f).get("rollout", {}).get("prompts_per_step"))
     sizes.discard(None)
     return f" × {'/'.join(str(x) for x in sorted(sizes))} prompts" if sizes else ""
 
