@@ -58,6 +58,7 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
             written += records.write_pack(tmp / records.PACK, packed)
         old = None
         if dest.exists():
+            _inline_links_into(dest)
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
             os.replace(dest, old / dest.name)
         os.replace(tmp, dest)
@@ -69,8 +70,67 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
     return written
 
 
+def link_duplicates(out: Path) -> list[str]:
+    """Keep each trace (``*.jsonl``) that several experiments of the archive ``out`` hold byte for byte in one pack,
+    and a link to it (``records.LINKS``) in the others. Returns the experiments whose pack was rewritten.
+
+    The holder of a trace is the experiment its run was trained in (the run's config names it in ``run_dir``), else
+    the first experiment by name. Configs and summaries are never linked: they are small, and they say which runs an
+    experiment has. Run again after any experiment of ``out`` is re-archived (``archive_runs`` does).
+
+    Raises:
+        UserError: a pack links to a holder that is gone or changed (``records.read_bytes``).
+    """
+    out = Path(out)
+    exps = sorted(p.name for p in out.iterdir() if (p / records.PACK).is_file())
+    content = {e: {n: records.read_bytes(out / e / n) for n in records.names(out / e / records.PACK)} for e in exps}
+    holders: dict[str, tuple] = {}
+    for e in exps:
+        for name, data in content[e].items():
+            if name.endswith(".jsonl"):
+                arm, run = name.split("/")[:2]
+                cfg = content[e].get(f"{arm}/{run}.yaml", b"").decode()
+                origin = next((Path(line[8:].strip()).parts[-3:-2] for line in cfg.splitlines() if line.startswith("run_dir:")), ())
+                key = (origin != (e,), e, name)  # where the run was trained first, then by name
+                sha = records.digest(data)
+                holders[sha] = min(holders.get(sha, key), key)
+    changed = []
+    for e in exps:
+        files, linked = {}, {}
+        for name, data in content[e].items():
+            sha = records.digest(data) if name.endswith(".jsonl") else None
+            if sha is not None and holders[sha][1:] != (e, name):
+                linked[name] = [f"{holders[sha][1]}/{holders[sha][2]}", sha]
+            else:
+                files[name] = data
+        pack = out / e / records.PACK
+        if linked != records.links(pack) or set(files) != set(records.packed(pack)) - {records.LINKS}:
+            _rewrite(pack, files, linked)
+            changed.append(e)
+    return changed
+
+
+def _rewrite(pack: Path, files: dict[str, bytes], linked: dict[str, list[str]]) -> None:
+    tmp = pack.with_name(f".{pack.name}.tmp")
+    records.write_pack(tmp, files, linked)
+    os.replace(tmp, pack)
+
+
+def _inline_links_into(exp: Path) -> None:
+    """Rewrite the sibling packs that link into ``exp`` with the linked bytes themselves, before ``exp`` is
+    replaced: an experiment never loses a trace that only ``exp`` held (``link_duplicates`` links it again)."""
+    for pack in sorted(exp.parent.glob(f"*/{records.PACK}")):
+        linked = records.links(pack)
+        into = {n for n, (target, _) in linked.items() if target.startswith(f"{exp.name}/")}
+        if into and pack.parent != exp:
+            files = {n: d for n, d in records.packed(pack).items() if n != records.LINKS}
+            files.update({n: records.read_bytes(pack.parent / n) for n in into})
+            _rewrite(pack, files, {n: v for n, v in linked.items() if n not in into})
+
+
 def archive_runs(runs: Path, out: Path, experiments: list[str] | None = None) -> dict[str, int]:
-    """Archive each experiment under ``runs`` (all by default) into ``out/EXPERIMENT``. Returns {experiment: bytes}.
+    """Archive each experiment under ``runs`` (all by default) into ``out/EXPERIMENT``, then link the traces the
+    archive's experiments share (``link_duplicates``). Returns {experiment: bytes of its archived folder}.
 
     Raises:
         UserError: ``runs`` does not exist, or a named experiment is not under it.
@@ -82,4 +142,7 @@ def archive_runs(runs: Path, out: Path, experiments: list[str] | None = None) ->
     missing = [n for n in names if not (runs / n).is_dir()]
     if missing:
         raise UserError(f"no experiment folder {', '.join(missing)} under {runs}; run `trustbatch lab run` first or fix the name")
-    return {n: archive_experiment(runs / n, out / n) for n in names}
+    for n in names:
+        archive_experiment(runs / n, out / n)
+    link_duplicates(out)
+    return {n: sum(p.stat().st_size for p in (out / n).rglob("*") if p.is_file()) for n in names}
