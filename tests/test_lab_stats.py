@@ -121,3 +121,15 @@ def test_grpo_zeroed_share_by_hand():
                       (torch.tensor([-1.0, 1.0]), {0.2: 2 / 7, 0.4: 1 / 7})):  # A<0: 0.7, 0.5 < 0.8; 0.5 < 0.6
         got = grpo_zeroed_shares(r.log(), torch.zeros_like(r), adv, mask)
         assert got["grpo_zeroed_0.2"] == pytest.approx(want[0.2]) and got["grpo_zeroed_0.4"] == pytest.approx(want[0.4])
+
+
+def test_post_hoc_both_collapse_says_what_the_rules_fixed_before_the_runs_read():
+    from trustbatch.lab.stats import POST_HOC_RULE, Paired
+
+    # temperature at T = 1.5 (the archive's numbers): interval wholly below 0, every seed collapsed in both arms
+    p = Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4, both_collapsed=True)
+    assert p.verdict() == "both collapse" and p.verdict_fixed_before_runs() == "grpo ahead"
+    assert POST_HOC_RULE in p.post_hoc_note() and p.post_hoc_note().endswith("reads 'grpo ahead'.")
+    at_floor = Paired("p3o", "grpo", 6, -0.0, -0.0001, 0.0001, 1 - 0.05 / 4, both_collapsed=True)
+    assert at_floor.verdict_fixed_before_runs() == "match"  # what the post-hoc rule was written to prevent
+    assert Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4).post_hoc_note() is None

@@ -1,7 +1,9 @@
 """``trustbatch lab report``: pre-flight table, dose–response, curves, per-step traces, ratio histograms, verdicts.
 
 Everything in the report is computed from the run directories; the findings are the rules of
-``trustbatch.lab.stats`` (fixed before the runs) applied to the numbers, not hand-written.
+``trustbatch.lab.stats`` applied to the numbers, not hand-written. Those rules were fixed before the runs except
+one, "both collapse" (``stats.POST_HOC_RULE``), which is post hoc: the report says so in its header and, beside
+each verdict that rule decided, what the rules fixed before the runs read.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .preflight import CONTROL_COSINE, CONTROL_ZEROED
-from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
+from .stats import MARGIN, POST_HOC_RULE, collapse_reason, paired_interval, pick_tuned, primary_score
 
 # Issue 14's budget: each experiment at most 40 minutes wall-clock on the 2-core machine.
 BUDGET_MIN = 40.0
@@ -786,8 +788,9 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
             mark += f" (bases differ at seeds {broken}: not a clean pairing)"
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
-            findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs),
-                                            collapsed_both=both).sentence() + mark)
+            result = paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs), collapsed_both=both)
+            note = result.post_hoc_note()
+            findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
     if tuned and not any(tuned in p for p in pairs):
@@ -846,10 +849,14 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         "The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps per "
         "round that has `steps.jsonl` shows every step; one from before that file existed "
         "shows its round means, each at the round's last step.", "",
-        "The rules were fixed before the runs (`src/trustbatch/lab/stats.py`): the primary score is the mean of the last "
+        "The rules (`src/trustbatch/lab/stats.py`, each with the commit that introduced it) were fixed before the runs "
+        "but one: the primary score is the mean of the last "
         "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
         "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
-        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
+        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
+        f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
+        "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
+        "rules fixed before the runs read.", "",
         *preflight_summary(runs),
         *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",

@@ -1,25 +1,36 @@
-"""The lab's statistics, fixed before any run: primary score, collapse rule, paired intervals, verdicts.
+"""The lab's statistics: primary score, collapse rule, paired intervals, verdicts, tuned baseline.
 
-Every rule here was written down before the Lab II runs and is not tuned afterwards:
+Each rule names the commit that introduced it. A rule is **fixed before the runs** it judges when every one of
+those runs was made at a commit that descends from it (each archived run's commit is in its experiment's
+``calls.jsonl`` or ``experiment.yaml``); otherwise it is **post hoc**, and says which verdicts it changed.
 
-- **Primary score** of a run: the mean held-out pass@1 of its last two evaluations (a single final
-  evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
-- **Collapse** of a run: its primary score falls below half of its own base (the round-0 evaluation of the
-  same seed's base), or its training reward (10-round moving mean) falls below half of its peak and is
-  still below at the last round. The first catches a policy that lost the task; the second, one whose
-  reward fell apart late and did not recover before the held-out points caught it.
-- **Paired intervals**: arms share seeds (same base, same prompts, same evaluation stream), so arms are
-  compared through the per-seed differences d_s = score_A(s) − score_B(s); the interval is
-  mean(d) ± t_{1 − α/(2m), n−1} · sd(d)/√n, a paired t-interval with a Bonferroni correction over the
+- **Primary score** of a run (``65a2513``, before every Lab II run): the mean held-out pass@1 of its last two
+  evaluations (a single final evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
+- **Collapse** of a run (``65a2513``, before every Lab II run): its primary score falls below half of its own base
+  (the round-0 evaluation of the same seed's base), or its training reward (10-round moving mean) falls below
+  half of its peak and is still below at the last round. The first catches a policy that lost the task; the
+  second, one whose reward fell apart late and did not recover before the held-out points caught it.
+- **Paired intervals** (``65a2513``, before every Lab II run): arms share seeds (same base, same prompts, same
+  evaluation stream), so arms are compared through the per-seed differences d_s = score_A(s) − score_B(s); the
+  interval is mean(d) ± t_{1 − α/(2m), n−1} · sd(d)/√n, a paired t-interval with a Bonferroni correction over the
   m comparisons of one experiment (α = 0.05).
-- **Verdicts**: A ahead when the whole interval is above 0, behind when below; "matches" only when the
-  whole interval lies inside ±``margin`` (0.02 by default); otherwise the test could not tell.
-  Two arms that both collapse in every common seed are "both collapse", never "match": scores at
-  the floor agree without saying anything about the objectives (added after the first Lab II run in
-  which every arm collapsed; it changes no other verdict).
-- **Tuned baseline** (where the claim is "matches tuned baselines"): among a grid of arms, the one with the
-  highest mean primary score over tuning seeds that the comparison never uses (the first listed on a tie).
-  It is then compared on the experiment's own seeds like any other arm, inside the same Bonferroni family.
+- **Verdicts** (``65a2513``, before every Lab II run): A ahead when the whole interval is above 0, behind when
+  below; "matches" only when the whole interval lies inside ±``margin`` (0.02 by default); otherwise the test
+  could not tell.
+- **Both collapse** (``8e394b5``, **post hoc**): two arms that both collapse in every common seed read "both
+  collapse", never "match": scores at the floor agree without saying anything about the objectives. It was
+  written after the first Lab II run in which every arm collapsed (``temperature_steps`` at T = 1.5, on the
+  evening of 2026-11-22), so it was chosen knowing that run's outcome. It changed four verdicts, all at T = 1.5:
+  on ``temperature``, P3O − GRPO ε = 0.2 from "grpo_eps0.2@T1.5 ahead" (−0.043 [−0.048, −0.037]) and P3O − GRPO
+  ε = 0.4 from "cannot tell"; on ``temperature_steps``, both comparisons from "match". (Its first wording said it
+  changed no other verdict; the short-task loss is one it changed.) ``Paired.verdict_fixed_before_runs`` gives
+  the verdict without it, and the report prints that beside each "both collapse".
+- **Tuned baseline** (``35c598b``, before ``clip``'s runs at ``01de356``, the one experiment that uses it; where
+  the claim is "matches tuned baselines"): among a grid of arms, the one with the highest mean primary score over
+  tuning seeds that the comparison never uses (the first listed on a tie). It is then compared on the
+  experiment's own seeds like any other arm, inside the same Bonferroni family.
+
+Formulas: the textbook paired t-interval and Bonferroni correction.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from dataclasses import dataclass
 
 ALPHA = 0.05
 MARGIN = 0.02
+# the commit of the one rule added after runs it judges had been seen (module docstring)
+POST_HOC_RULE = "8e394b5"
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10
 
@@ -102,6 +115,10 @@ class Paired:
         """'a ahead' | 'b ahead' | 'match' | 'cannot tell' | 'both collapse' (module docstring)."""
         if self.both_collapsed:
             return "both collapse"
+        return self.verdict_fixed_before_runs(margin)
+
+    def verdict_fixed_before_runs(self, margin: float = MARGIN) -> str:
+        """The verdict by the rules of ``65a2513`` alone, without the post-hoc "both collapse" (``POST_HOC_RULE``)."""
         if self.lo > 0:
             return f"{self.a} ahead"
         if self.hi < 0:
@@ -117,6 +134,13 @@ class Paired:
                 }.get(v, f"**{v}**")
         return (f"{self.a} − {self.b} = {self.mean:+.3f}, paired {100 * self.level:.2f}% interval "
                 f"[{self.lo:+.3f}, {self.hi:+.3f}] over {self.n} seeds: {text}.")
+
+    def post_hoc_note(self, margin: float = MARGIN) -> str | None:
+        """A line saying what the rules fixed before the runs read, where the post-hoc rule decided; else None."""
+        if self.verdict(margin) == self.verdict_fixed_before_runs(margin):
+            return None
+        return (f"post hoc: 'both collapse' is the rule of `{POST_HOC_RULE}`, written after runs had been seen; by the "
+                f"rules fixed before the runs this comparison reads '{self.verdict_fixed_before_runs(margin)}'.")
 
 
 def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,
