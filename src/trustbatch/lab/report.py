@@ -24,7 +24,8 @@ from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .preflight import CONTROL_COSINE, CONTROL_ZEROED
-from .stats import MARGIN, POST_HOC_RULE, collapse_reason, paired_interval, pick_tuned, primary_score
+from .stats import (EQUIVALENCE_RULE, MARGIN, POST_HOC_RULE, POWER, collapse_reason, paired_interval, pick_tuned,
+                    primary_score, tost)
 
 # Issue 14's budget: each experiment at most 40 minutes wall-clock on the 2-core machine.
 BUDGET_MIN = 40.0
@@ -781,7 +782,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scores and b in scores]
     tuned, tuned_lines = _tuned_baseline(tune, tuning)
-    findings = []
+    findings, equivalence = [], []
     for a, b in pairs:
         mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
         if broken := sorted(s for s, arms in mixed.items() if a in arms and b in arms and arms[a] != arms[b]):
@@ -791,6 +792,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
             result = paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs), collapsed_both=both)
             note = result.post_hoc_note()
             findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
+            if not result.both_collapsed:  # scores at the floor: not a question of equivalence
+                equivalence.append((tost(a, b, scores[a], scores[b], comparisons=len(pairs)), result.verdict() == "match"))
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
     if tuned and not any(tuned in p for p in pairs):
@@ -798,9 +801,27 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
+    lines += _equivalence_lines(equivalence)
     step_line = _step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + _within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
+
+
+def _equivalence_lines(results: list[tuple]) -> list[str]:
+    """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
+    read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
+    no more than 'no difference found'."""
+    if not results:
+        return []
+    unresolved = (" The interval rule's 'match' above rests on a margin this design does not resolve: read it as 'no "
+                  "difference found', not as equivalence.")
+    lo, hi = min(r.resolvable for r, _ in results), max(r.resolvable for r, _ in results)
+    span = f"±{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"±{lo:.3f} to ±{hi:.3f}"
+    return [f"**Equivalence** (rule of `{EQUIVALENCE_RULE}`, written after these runs: post hoc here). The smallest margin "
+            f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
+            f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{MARGIN}' is tested "
+            "only where ±" f"{MARGIN} is at or above a pair's resolvable margin:", ""] + [
+        f"- {r.sentence()}" + (unresolved if matched and r.verdict() == "beyond the design" else "") for r, matched in results] + [""]
 
 
 def _tuned_baseline(tune: dict, tuning: dict[str, list[dict]]) -> tuple[str | None, list[str]]:
@@ -856,7 +877,9 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
         f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
         "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
-        "rules fixed before the runs read.", "",
+        "rules fixed before the runs read. Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
+        f"design resolves; rule of `{EQUIVALENCE_RULE}`) were added after all these runs: post hoc, and they change "
+        "no verdict.", "",
         *preflight_summary(runs),
         *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",
