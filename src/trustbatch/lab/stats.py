@@ -25,7 +25,7 @@ those runs was made at a commit that descends from it (each archived run's commi
   ε = 0.4 from "cannot tell"; on ``temperature_steps``, both comparisons from "match". (Its first wording said it
   changed no other verdict; the short-task loss is one it changed.) ``Paired.verdict_fixed_before_runs`` gives
   the verdict without it, and the report prints that beside each "both collapse".
-- **Equivalence** (issue 38, ``EQUIVALENCE_RULE``; **post hoc** for every archived Lab II experiment, written after
+- **Equivalence** (``21f970c``, issue 38; **post hoc** for every archived Lab II experiment, written after
   all of them had been seen; fixed before the runs of ``examples/lab/confirm_fp8.yaml``): the two one-sided tests
   (TOST, Schuirmann 1987) at the experiment's Bonferroni level α/m. The design's **resolvable margin** is the
   smallest δ at which TOST has ``POWER`` (80 %) to show equivalence when the true difference is 0:
@@ -53,7 +53,7 @@ MARGIN = 0.02
 # the commit of the one verdict rule added after runs it judges had been seen (module docstring)
 POST_HOC_RULE = "8e394b5"
 # the commit that introduced the equivalence rule (TOST and the resolvable margin; module docstring)
-EQUIVALENCE_RULE = "issue 38"
+EQUIVALENCE_RULE = "21f970c"
 POWER = 0.8
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10
