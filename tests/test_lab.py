@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -98,10 +99,15 @@ def test_archive_follows_linked_arms_skips_unfinished_runs_and_replaces_whole(tm
     (dest / "shift" / "stale.txt").write_text("from an older archive")
     sizes = archive_runs(tmp_path / "runs", dest, ["shift"])
     got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
-    assert got == ["shift/experiment.yaml", "shift/onpolicy/seed0.yaml", "shift/onpolicy/seed0/metrics.jsonl",
-                   "shift/onpolicy/seed0/summary.json"]
-    assert not (dest / "shift" / "onpolicy").is_symlink() and (dest / "shift" / "onpolicy" / "seed0" / "summary.json").read_text() == '{"steps": 1}'
+    assert got == ["shift/experiment.yaml", "shift/runs.tar.xz"]  # the run files are packed, one file per experiment
+    with tarfile.open(dest / "shift" / "runs.tar.xz") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert members == {"onpolicy/seed0.yaml": b"train: {seed: 0}\n", "onpolicy/seed0/metrics.jsonl": b'{"step": 0}\n',
+                       "onpolicy/seed0/summary.json": b'{"steps": 1}'}  # the linked arm's files, not a link
     assert sizes == {"shift": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())}
+    first = (dest / "shift" / "runs.tar.xz").read_bytes()
+    archive_runs(tmp_path / "runs", dest, ["shift"])  # the same runs pack to the same bytes: nothing new for git
+    assert (dest / "shift" / "runs.tar.xz").read_bytes() == first
     assert not [p for p in dest.iterdir() if p.name.startswith(".")]  # no temporary folders left behind
     with pytest.raises(UserError, match="no experiment folder nope"):
         archive_runs(tmp_path / "runs", dest, ["nope"])

@@ -121,3 +121,77 @@ def test_grpo_zeroed_share_by_hand():
                       (torch.tensor([-1.0, 1.0]), {0.2: 2 / 7, 0.4: 1 / 7})):  # A<0: 0.7, 0.5 < 0.8; 0.5 < 0.6
         got = grpo_zeroed_shares(r.log(), torch.zeros_like(r), adv, mask)
         assert got["grpo_zeroed_0.2"] == pytest.approx(want[0.2]) and got["grpo_zeroed_0.4"] == pytest.approx(want[0.4])
+
+
+def test_post_hoc_both_collapse_says_what_the_rules_fixed_before_the_runs_read():
+    from trustbatch.lab.stats import POST_HOC_RULE, Paired
+
+    # temperature at T = 1.5 (the archive's numbers): interval wholly below 0, every seed collapsed in both arms
+    p = Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4, both_collapsed=True)
+    assert p.verdict() == "both collapse" and p.verdict_fixed_before_runs() == "grpo ahead"
+    assert POST_HOC_RULE in p.post_hoc_note() and p.post_hoc_note().endswith("reads 'grpo ahead'.")
+    at_floor = Paired("p3o", "grpo", 6, -0.0, -0.0001, 0.0001, 1 - 0.05 / 4, both_collapsed=True)
+    assert at_floor.verdict_fixed_before_runs() == "match"  # what the post-hoc rule was written to prevent
+    assert Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4).post_hoc_note() is None
+
+
+def test_tost_by_hand_and_against_scipy_one_sided_t_tests():
+    from scipy.stats import ttest_1samp
+
+    from trustbatch.lab.stats import tost
+
+    d = [0.010, -0.004, 0.002, 0.006, -0.002, 0.000]
+    a, b = {s: 0.5 + x for s, x in enumerate(d)}, {s: 0.5 for s in range(6)}
+    # by hand: mean 0.002, squared deviations sum 136e-6, sd = sqrt(27.2e-6), se = sd / sqrt(6)
+    sd, se = math.sqrt(27.2e-6), math.sqrt(27.2e-6 / 6)
+    e = tost("a", "b", a, b, comparisons=1, margin=0.02)
+    assert e.mean == pytest.approx(0.002, abs=1e-12) and e.sd == pytest.approx(sd, rel=1e-9)
+    # t-table values: t_{0.95,5} = 2.0150, t_{0.90,5} = 1.4759 (80% power at a true difference of 0)
+    assert e.resolvable == pytest.approx((2.0150 + 1.4759) * se, rel=1e-4)  # 0.00743
+    lower = ttest_1samp(d, -0.02, alternative="greater").pvalue  # H0: mean <= -0.02
+    upper = ttest_1samp(d, 0.02, alternative="less").pvalue  # H0: mean >= +0.02
+    assert e.p == pytest.approx(max(lower, upper), rel=1e-9) and e.verdict() == "equivalent"
+    assert "**equivalent within ±0.02**" in e.sentence()
+    # a tighter margin than the design resolves is not tested, whatever the p-value would be
+    tight = tost("a", "b", a, b, comparisons=1, margin=0.005)
+    assert tight.verdict() == "beyond the design" and "no equivalence is tested" in tight.sentence()
+    # shifted differences inside a resolvable margin but too close to its edge: not shown
+    far = tost("a", "b", {s: v + 0.015 for s, v in a.items()}, b, comparisons=1, margin=0.02)
+    assert far.p == pytest.approx(ttest_1samp([x + 0.015 for x in d], 0.02, alternative="less").pvalue, rel=1e-9)
+    assert far.p > 0.05 and far.verdict() == "not shown equivalent"
+
+
+def test_resolvable_margin_grows_with_the_correction_and_shrinks_with_seeds():
+    from trustbatch.lab.stats import resolvable_margin
+
+    # Bonferroni over 4 at n = 6: t_{1-0.0125,5} = 3.1634 (t table, two-sided 0.025), t_{0.90,5} = 1.4759
+    assert resolvable_margin(0.03, 6, 4) == pytest.approx((3.1634 + 1.4759) * 0.03 / math.sqrt(6), rel=1e-4)
+    q = t_quantile(1 - 0.05 / 4, 5)
+    assert _t_cdf(q, 5) == pytest.approx(1 - 0.05 / 4, abs=1e-7)  # the quantile against an independent integral
+    assert resolvable_margin(0.03, 6, 1) < resolvable_margin(0.03, 6, 4)
+    assert resolvable_margin(0.03, 12, 4) < resolvable_margin(0.03, 6, 4)
+    with pytest.raises(ValueError, match="n >= 2"):
+        resolvable_margin(0.03, 1, 1)
+
+
+def test_tost_with_equal_differences_everywhere():
+    from trustbatch.lab.stats import tost
+
+    same = {0: 0.3, 1: 0.4, 2: 0.5}
+    e = tost("a", "b", same, same, comparisons=2)
+    assert e.sd == 0 and e.resolvable == 0 and e.p == 0 and e.verdict() == "equivalent"
+    off = tost("a", "b", {s: v + 0.05 for s, v in same.items()}, same, comparisons=2)
+    assert off.p == 1 and off.verdict() == "not shown equivalent"
+
+
+def test_report_says_a_match_at_an_unresolved_margin_is_no_difference_found():
+    from trustbatch.lab.report import _equivalence_lines
+    from trustbatch.lab.stats import Equivalence
+
+    wide = Equivalence("a", "b", 6, 0.001, 0.012, 0.02, 0.025, 0.001, 0.0125)  # resolvable ±0.025 > ±0.02
+    narrow = Equivalence("a", "c", 6, 0.001, 0.005, 0.02, 0.010, 0.001, 0.0125)
+    lines = _equivalence_lines([(wide, True), (narrow, True)])
+    assert "±0.010 to ±0.025" in lines[0]
+    assert lines[2].endswith("read it as 'no difference found', not as equivalence.") and "beyond it" in lines[2]
+    assert lines[3].endswith("**equivalent within ±0.02**.")
+    assert _equivalence_lines([]) == []

@@ -244,7 +244,7 @@ def lab_archive(
     runs: str = typer.Option("lab_runs", "--runs", help="the --out of lab run"),
     out: str = typer.Option(..., "--out", help="archive folder: OUT/EXPERIMENT gets what the report reads"),
 ):
-    """Copy what `lab report` reads (configs, metrics, summaries, pre-flights), without checkpoints, to a folder you can commit."""
+    """Copy what `lab report` reads (configs, metrics, summaries, pre-flights), without checkpoints, to a folder you can commit; each experiment's run files are packed into one runs.tar.xz."""
     from pathlib import Path
 
     from rich.console import Console

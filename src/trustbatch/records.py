@@ -47,11 +47,16 @@ def truncate_records(path: Path, step: int) -> None:
 def iter_metrics(path: Path):
     """The JSONL records of ``path`` one at a time, skipping lines that do not parse (a torn last write)."""
     with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                pass
+        yield from parse_records(f)
+
+
+def parse_records(lines):
+    """The JSON records of an iterable of JSONL lines one at a time, skipping lines that do not parse."""
+    for line in lines:
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            pass
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,8 +1,10 @@
-"""``trustbatch lab archive``: keep what the report reads, drop the checkpoints.
+"""``trustbatch lab archive``: keep what the report reads, drop the checkpoints, pack the runs.
 
 A lab run directory is mostly checkpoints (about 1 GB per session); the report reads only small
 files. Archiving those into a folder that can be committed lets ``trustbatch lab report --runs
-ARCHIVE`` rebuild the report after the machine that ran the experiments is gone.
+ARCHIVE`` rebuild the report after the machine that ran the experiments is gone. The per-round traces
+are most of what is left (tens of MB for a lab), so each experiment's run files go into one
+``runs.tar.xz`` (``lab.records``, which the report and ``lab compare`` read through).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from . import records
 
 # What load_runs, experiment_section and the pre-flight table read, relative to OUT/EXPERIMENT/.
 EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt", "calls.jsonl")
@@ -20,14 +23,15 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl", "steps.jsonl")
 
 
 def archive_experiment(exp_dir: Path, dest: Path) -> int:
-    """Copy one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes copied.
+    """Archive one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes written.
 
-    Copied: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``; each arm's
-    ``seedK.yaml`` (the resolved config); each run's ``summary.json``, ``metrics.jsonl`` and
-    ``ratios.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are copied
-    as files. Runs without a ``summary.json`` (unfinished) are left out.
+    Copied as files: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``.
+    Packed into ``dest/runs.tar.xz`` (``records.PACK``) under their relative names: each finished run's
+    ``ARM/seedK.yaml`` (the resolved config), ``summary.json``, ``metrics.jsonl``, ``ratios.jsonl`` and
+    ``steps.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are packed as files. Runs
+    without a ``summary.json`` (unfinished) are left out. ``exp_dir`` may itself be an archived (packed) folder.
 
-    The copy is built in a temporary sibling folder and renamed over ``dest``, so an interrupted
+    The archive is built in a temporary sibling folder and renamed over ``dest``, so an interrupted
     archive leaves the previous one whole.
 
     Raises:
@@ -39,22 +43,22 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    copied = 0
+    written = 0
     try:
         for f in EXPERIMENT_FILES:
             if (exp_dir / f).exists():
-                copied += _copy(exp_dir / f, tmp / f)
-        for arm in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
-            for summary in sorted(arm.glob("seed*/summary.json")):
-                run = summary.parent
-                for f in RUN_FILES:
-                    if (run / f).exists():
-                        copied += _copy(run / f, tmp / arm.name / run.name / f)
-                cfg = arm / f"{run.name}.yaml"
-                if cfg.exists():
-                    copied += _copy(cfg, tmp / arm.name / cfg.name)
+                shutil.copyfile(exp_dir / f, tmp / f)
+                written += (tmp / f).stat().st_size
+        packed: dict[str, bytes] = {}
+        for run in records.finished_runs(exp_dir):
+            for src in (run.parent / f"{run.name}.yaml", *(run / f for f in RUN_FILES)):
+                if records.exists(src):
+                    packed[src.relative_to(exp_dir).as_posix()] = records.read_bytes(src)  # follows symlinks
+        if packed:
+            written += records.write_pack(tmp / records.PACK, packed)
         old = None
         if dest.exists():
+            _inline_links_into(dest)
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
             os.replace(dest, old / dest.name)
         os.replace(tmp, dest)
@@ -63,17 +67,70 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return copied
+    return written
 
 
-def _copy(src: Path, dst: Path) -> int:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)  # follows symlinks: a linked reference arm becomes real files
-    return dst.stat().st_size
+def link_duplicates(out: Path) -> list[str]:
+    """Keep each trace (``*.jsonl``) that several experiments of the archive ``out`` hold byte for byte in one pack,
+    and a link to it (``records.LINKS``) in the others. Returns the experiments whose pack was rewritten.
+
+    The holder of a trace is the experiment its run was trained in (the run's config names it in ``run_dir``), else
+    the first experiment by name. Configs and summaries are never linked: they are small, and they say which runs an
+    experiment has. Run again after any experiment of ``out`` is re-archived (``archive_runs`` does).
+
+    Raises:
+        UserError: a pack links to a holder that is gone or changed (``records.read_bytes``).
+    """
+    out = Path(out)
+    exps = sorted(p.name for p in out.iterdir() if (p / records.PACK).is_file())
+    content = {e: {n: records.read_bytes(out / e / n) for n in records.names(out / e / records.PACK)} for e in exps}
+    holders: dict[str, tuple] = {}
+    for e in exps:
+        for name, data in content[e].items():
+            if name.endswith(".jsonl"):
+                arm, run = name.split("/")[:2]
+                cfg = content[e].get(f"{arm}/{run}.yaml", b"").decode()
+                origin = next((Path(line[8:].strip()).parts[-3:-2] for line in cfg.splitlines() if line.startswith("run_dir:")), ())
+                key = (origin != (e,), e, name)  # where the run was trained first, then by name
+                sha = records.digest(data)
+                holders[sha] = min(holders.get(sha, key), key)
+    changed = []
+    for e in exps:
+        files, linked = {}, {}
+        for name, data in content[e].items():
+            sha = records.digest(data) if name.endswith(".jsonl") else None
+            if sha is not None and holders[sha][1:] != (e, name):
+                linked[name] = [f"{holders[sha][1]}/{holders[sha][2]}", sha]
+            else:
+                files[name] = data
+        pack = out / e / records.PACK
+        if linked != records.links(pack) or set(files) != set(records.packed(pack)) - {records.LINKS}:
+            _rewrite(pack, files, linked)
+            changed.append(e)
+    return changed
+
+
+def _rewrite(pack: Path, files: dict[str, bytes], linked: dict[str, list[str]]) -> None:
+    tmp = pack.with_name(f".{pack.name}.tmp")
+    records.write_pack(tmp, files, linked)
+    os.replace(tmp, pack)
+
+
+def _inline_links_into(exp: Path) -> None:
+    """Rewrite the sibling packs that link into ``exp`` with the linked bytes themselves, before ``exp`` is
+    replaced: an experiment never loses a trace that only ``exp`` held (``link_duplicates`` links it again)."""
+    for pack in sorted(exp.parent.glob(f"*/{records.PACK}")):
+        linked = records.links(pack)
+        into = {n for n, (target, _) in linked.items() if target.startswith(f"{exp.name}/")}
+        if into and pack.parent != exp:
+            files = {n: d for n, d in records.packed(pack).items() if n != records.LINKS}
+            files.update({n: records.read_bytes(pack.parent / n) for n in into})
+            _rewrite(pack, files, {n: v for n, v in linked.items() if n not in into})
 
 
 def archive_runs(runs: Path, out: Path, experiments: list[str] | None = None) -> dict[str, int]:
-    """Archive each experiment under ``runs`` (all by default) into ``out/EXPERIMENT``. Returns {experiment: bytes}.
+    """Archive each experiment under ``runs`` (all by default) into ``out/EXPERIMENT``, then link the traces the
+    archive's experiments share (``link_duplicates``). Returns {experiment: bytes of its archived folder}.
 
     Raises:
         UserError: ``runs`` does not exist, or a named experiment is not under it.
@@ -85,4 +142,7 @@ def archive_runs(runs: Path, out: Path, experiments: list[str] | None = None) ->
     missing = [n for n in names if not (runs / n).is_dir()]
     if missing:
         raise UserError(f"no experiment folder {', '.join(missing)} under {runs}; run `trustbatch lab run` first or fix the name")
-    return {n: archive_experiment(runs / n, out / n) for n in names}
+    for n in names:
+        archive_experiment(runs / n, out / n)
+    link_duplicates(out)
+    return {n: sum(p.stat().st_size for p in (out / n).rglob("*") if p.is_file()) for n in names}

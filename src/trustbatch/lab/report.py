@@ -1,7 +1,9 @@
 """``trustbatch lab report``: pre-flight table, dose–response, curves, per-step traces, ratio histograms, verdicts.
 
 Everything in the report is computed from the run directories; the findings are the rules of
-``trustbatch.lab.stats`` (fixed before the runs) applied to the numbers, not hand-written.
+``trustbatch.lab.stats`` applied to the numbers, not hand-written. Those rules were fixed before the runs except
+one, "both collapse" (``stats.POST_HOC_RULE``), which is post hoc: the report says so in its header and, beside
+each verdict that rule decided, what the rules fixed before the runs read.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from ..records import atomic_write, iter_metrics, read_metrics
+from ..records import atomic_write
+from . import records
 from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from .experiment import LAB_COMMON, default_comparisons, family_and_dose
 from .preflight import CONTROL_COSINE, CONTROL_ZEROED
-from .stats import MARGIN, collapse_reason, paired_interval, pick_tuned, primary_score
+from .stats import (EQUIVALENCE_RULE, MARGIN, POST_HOC_RULE, POWER, collapse_reason, paired_interval, pick_tuned,
+                    primary_score, tost)
 
 # Issue 14's budget: each experiment at most 40 minutes wall-clock on the 2-core machine.
 BUDGET_MIN = 40.0
@@ -50,15 +54,14 @@ def load_runs(exp_dir: Path) -> dict[str, list[dict]]:
     one from before the file existed)."""
     arms: dict[str, list[dict]] = {}
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
-    order = list((spec or {}).get("arms", {})) or sorted(p.name for p in exp_dir.iterdir() if p.is_dir())
+    order = list((spec or {}).get("arms", {})) or records.arm_names(exp_dir)
     for arm in order:
-        for run in sorted((exp_dir / arm).glob("seed*/summary.json")):
-            d = run.parent
-            ratios = [json.loads(line) for line in (d / "ratios.jsonl").read_text().splitlines()] if (d / "ratios.jsonl").exists() else []
+        for d in records.finished_runs(exp_dir, arm):
             arms.setdefault(arm, []).append({
-                "seed": int(d.name.removeprefix("seed")), "metrics": read_metrics(d / "metrics.jsonl"),
-                "ratios": ratios, "summary": json.loads(run.read_text()),
-                "steps": read_metrics(d / "steps.jsonl") if (d / "steps.jsonl").exists() else [],
+                "seed": int(d.name.removeprefix("seed")), "metrics": records.read_jsonl(d / "metrics.jsonl"),
+                "ratios": records.read_jsonl(d / "ratios.jsonl") if records.exists(d / "ratios.jsonl") else [],
+                "summary": json.loads(records.read_text(d / "summary.json")),
+                "steps": records.read_jsonl(d / "steps.jsonl") if records.exists(d / "steps.jsonl") else [],
             })
     return arms
 
@@ -145,13 +148,23 @@ def _smooth(xs: list[float], w: int = 5) -> list[float]:
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
 
 
+# Colours a figure is reduced to: the plots draw at most 8 series colours plus their anti-aliased edges, and a
+# 64-colour palette PNG is about a quarter of matplotlib's RGBA one (issue 38 item 5: committed reports stay small).
+PALETTE = 64
+
+
 def _save(fig, out: Path, fname: str) -> str:
-    """Lay out, write ``out/fname`` and free ``fig``; returns ``fname`` for the Markdown link."""
+    """Lay out, write ``out/fname`` as a ``PALETTE``-colour PNG and free ``fig``; returns ``fname`` for the Markdown link."""
+    import io
+
     import matplotlib.pyplot as plt
+    from PIL import Image  # matplotlib's own dependency
 
     fig.tight_layout()
-    fig.savefig(out / fname)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    Image.open(buf).convert("RGB").quantize(PALETTE).save(out / fname, optimize=True)
     return fname
 
 
@@ -493,15 +506,14 @@ def base_fingerprints(exp_dir: Path) -> dict[int, dict[str, float]]:
     Round 0 is the base policy scored before any update, with the evaluation's own seed, so two runs from the same
     base weights score exactly alike. A different score therefore means a different base (rebuilt on another
     machine or with other packages) or a different evaluation; an equal score does not prove equal weights. A run
-    without a finite round-0 score has no fingerprint. Reads each ``metrics.jsonl`` only up to its first
-    held-out record.
+    without a finite round-0 score has no fingerprint. Reads each ``metrics.jsonl`` through ``lab.records`` (a file
+    or a member of the experiment's ``runs.tar.xz``).
     """
     out: dict[int, dict[str, float]] = {}
-    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
-        run = summary.parent
+    for run in records.finished_runs(exp_dir):
         seed = run.name.removeprefix("seed")
-        if seed.isdigit() and (run / "metrics.jsonl").exists():
-            if (v := _round0_score(iter_metrics(run / "metrics.jsonl"))) is not None:
+        if seed.isdigit() and records.exists(run / "metrics.jsonl"):
+            if (v := _round0_score(records.read_jsonl(run / "metrics.jsonl"))) is not None:
                 out.setdefault(int(seed), {})[run.parent.name] = v
     return out
 
@@ -613,14 +625,20 @@ def _experiment_time(exp_dir: Path, calls: list[dict]) -> str:
     return "."
 
 
+def _run_config(path: Path) -> dict:
+    """A run's resolved config (``ARM/seedK.yaml``, a file or packed), parsed with libyaml where PyYAML has it: the
+    report reads two per run, hundreds in all, and the pure-Python parser spent most of the report's time on them."""
+    return yaml.load(records.read_text(path), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+
+
 def _reused(exp_dir: Path, arm_dir: Path, run_name: str) -> bool | None:
     """Whether a run was trained in another experiment's folder and copied or linked here (an ``onpolicy``
     reference): its resolved config's ``run_dir`` names another experiment (``.../EXPERIMENT/ARM/seedK``).
     None when the run has no config beside it (``ARM/seedK.yaml``), so its origin is unknown."""
     cfg = arm_dir / f"{run_name}.yaml"
-    if not cfg.exists():
+    if not records.exists(cfg):
         return None
-    run_dir = (yaml.safe_load(cfg.read_text()) or {}).get("run_dir")
+    run_dir = _run_config(cfg).get("run_dir")
     parts = Path(str(run_dir)).parts if run_dir else ()
     return len(parts) >= 3 and parts[-3] != exp_dir.name
 
@@ -641,9 +659,8 @@ def experiment_cost(exp_dir: Path) -> dict | None:
     exp_dir = Path(exp_dir)
     own: list[float] = []
     reused, reused_s, unknown = 0, 0.0, 0
-    for summary in sorted(exp_dir.glob("*/seed*/summary.json")):
-        run = summary.parent
-        wall = float(json.loads(summary.read_text()).get("wall_s") or 0.0)
+    for run in records.finished_runs(exp_dir):
+        wall = float(json.loads(records.read_text(run / "summary.json")).get("wall_s") or 0.0)
         origin = _reused(exp_dir, run.parent, run.name)
         if origin is None:
             unknown += 1
@@ -694,8 +711,8 @@ def _prompts_per_round(exp_dir: Path, arms: dict[str, list[dict]]) -> str:
     for arm, runs in arms.items():
         for run in runs:
             f = exp_dir / arm / f"seed{run['seed']}.yaml"
-            if f.exists():
-                sizes.add((yaml.safe_load(f.read_text()) or {}).get("rollout", {}).get("prompts_per_step"))
+            if records.exists(f):
+                sizes.add(_run_config(f).get("rollout", {}).get("prompts_per_step"))
     sizes.discard(None)
     return f" × {'/'.join(str(x) for x in sorted(sizes))} prompts" if sizes else ""
 
@@ -765,15 +782,18 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scores and b in scores]
     tuned, tuned_lines = _tuned_baseline(tune, tuning)
-    findings = []
+    findings, equivalence = [], []
     for a, b in pairs:
         mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
         if broken := sorted(s for s, arms in mixed.items() if a in arms and b in arms and arms[a] != arms[b]):
             mark += f" (bases differ at seeds {broken}: not a clean pairing)"
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
-            findings.append(paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs),
-                                            collapsed_both=both).sentence() + mark)
+            result = paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs), collapsed_both=both)
+            note = result.post_hoc_note()
+            findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
+            if not result.both_collapsed:  # scores at the floor: not a question of equivalence
+                equivalence.append((tost(a, b, scores[a], scores[b], comparisons=len(pairs)), result.verdict() == "match"))
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
     if tuned and not any(tuned in p for p in pairs):
@@ -781,9 +801,27 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
+    lines += _equivalence_lines(equivalence)
     step_line = _step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + _within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
+
+
+def _equivalence_lines(results: list[tuple]) -> list[str]:
+    """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
+    read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
+    no more than 'no difference found'."""
+    if not results:
+        return []
+    unresolved = (" The interval rule's 'match' above rests on a margin this design does not resolve: read it as 'no "
+                  "difference found', not as equivalence.")
+    lo, hi = min(r.resolvable for r, _ in results), max(r.resolvable for r, _ in results)
+    span = f"±{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"±{lo:.3f} to ±{hi:.3f}"
+    return [f"**Equivalence** (rule of `{EQUIVALENCE_RULE}`, written after these runs: post hoc here). The smallest margin "
+            f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
+            f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{MARGIN}' is tested "
+            "only where ±" f"{MARGIN} is at or above a pair's resolvable margin:", ""] + [
+        f"- {r.sentence()}" + (unresolved if matched and r.verdict() == "beyond the design" else "") for r, matched in results] + [""]
 
 
 def _tuned_baseline(tune: dict, tuning: dict[str, list[dict]]) -> tuple[str | None, list[str]]:
@@ -832,10 +870,16 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         "The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps per "
         "round that has `steps.jsonl` shows every step; one from before that file existed "
         "shows its round means, each at the round's last step.", "",
-        "The rules were fixed before the runs (`src/trustbatch/lab/stats.py`): the primary score is the mean of the last "
+        "The rules (`src/trustbatch/lab/stats.py`, each with the commit that introduced it) were fixed before the runs "
+        "but one: the primary score is the mean of the last "
         "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
         "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
-        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}.", "",
+        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
+        f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
+        "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
+        "rules fixed before the runs read. Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
+        f"design resolves; rule of `{EQUIVALENCE_RULE}`) were added after all these runs: post hoc, and they change "
+        "no verdict.", "",
         *preflight_summary(runs),
         *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",

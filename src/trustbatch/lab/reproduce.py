@@ -19,9 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config import _flatten, read_yaml_file  # the dotted keys overrides use
+from ..config import _flatten  # the dotted keys overrides use
 from ..errors import UserError
-from ..records import atomic_write, read_metrics
+from ..records import atomic_write
+from . import records
 from .calls import load_calls
 
 SCORE_KEY = "heldout_accuracy"  # held-out pass@1, the lab's score
@@ -75,16 +76,16 @@ def _same(a, b) -> bool:
 def config_diff(archived: Path, rerun: Path) -> list[str]:
     """Dotted keys whose values differ between two resolved run configs (``run_dir`` ignored; a missing file
     on either side is reported as ``"FILE missing"``, naming it)."""
-    gone = [f"{p} missing" for p in (archived, rerun) if not p.exists()]
+    gone = [f"{p} missing" for p in (archived, rerun) if not records.exists(p)]
     if gone:
         return gone
-    a, b = _flatten(read_yaml_file(archived) or {}), _flatten(read_yaml_file(rerun) or {})
+    a, b = _flatten(records.read_yaml(archived) or {}), _flatten(records.read_yaml(rerun) or {})
     return sorted(k for k in a.keys() | b.keys() if k != "run_dir" and not (k in a and k in b and _same(a[k], b[k])))
 
 
 def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = "", seed: str = "") -> RunComparison:
     """Compare the run folder ``rerun`` with ``archived`` (each holding ``metrics.jsonl``; their configs sit
-    beside them as ``../seedK.yaml``).
+    beside them as ``../seedK.yaml``; either side's files may be packed, ``lab.records``).
 
     Records are paired in file order; a run that logged more records than the other counts each extra
     record's values as differing. Exact equality: a re-run on the same machine at a commit whose training
@@ -94,9 +95,9 @@ def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = ""
         UserError: either folder has no ``metrics.jsonl``.
     """
     for p in (archived, rerun):
-        if not (p / "metrics.jsonl").exists():
+        if not records.exists(p / "metrics.jsonl"):
             raise UserError(f"{p} has no metrics.jsonl; pass run folders of `trustbatch lab run` (OUT/EXPERIMENT/ARM/seedK)")
-    old, new = read_metrics(archived / "metrics.jsonl"), read_metrics(rerun / "metrics.jsonl")
+    old, new = records.read_jsonl(archived / "metrics.jsonl"), records.read_jsonl(rerun / "metrics.jsonl")
     values = differing = 0
     first = None
     score_diffs = []
@@ -145,11 +146,10 @@ def compare_runs(runs: Path, archive: Path, experiments: list[str] | None = None
         names = sorted(p.name for p in runs.iterdir() if p.is_dir() and (archive / p.name).is_dir())
     out, seen = [], set()
     for name in names:
-        for summary in sorted((runs / name).glob("*/seed*/summary.json")):
-            run = summary.parent
+        for run in records.finished_runs(runs / name):
             arm = run.parent.name
             old = archive / name / arm / run.name
-            if (old / "metrics.jsonl").exists() and run.resolve() not in seen:
+            if records.exists(old / "metrics.jsonl") and run.resolve() not in seen:
                 seen.add(run.resolve())
                 out.append(compare_run(old, run, name, arm, run.name))
     if not out:

@@ -1,25 +1,46 @@
-"""The lab's statistics, fixed before any run: primary score, collapse rule, paired intervals, verdicts.
+"""The lab's statistics: primary score, collapse rule, paired intervals, verdicts, tuned baseline.
 
-Every rule here was written down before the Lab II runs and is not tuned afterwards:
+Each rule names the commit that introduced it. A rule is **fixed before the runs** it judges when every one of
+those runs was made at a commit that descends from it (each archived run's commit is in its experiment's
+``calls.jsonl`` or ``experiment.yaml``); otherwise it is **post hoc**, and says which verdicts it changed.
 
-- **Primary score** of a run: the mean held-out pass@1 of its last two evaluations (a single final
-  evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
-- **Collapse** of a run: its primary score falls below half of its own base (the round-0 evaluation of the
-  same seed's base), or its training reward (10-round moving mean) falls below half of its peak and is
-  still below at the last round. The first catches a policy that lost the task; the second, one whose
-  reward fell apart late and did not recover before the held-out points caught it.
-- **Paired intervals**: arms share seeds (same base, same prompts, same evaluation stream), so arms are
-  compared through the per-seed differences d_s = score_A(s) − score_B(s); the interval is
-  mean(d) ± t_{1 − α/(2m), n−1} · sd(d)/√n, a paired t-interval with a Bonferroni correction over the
+- **Primary score** of a run (``65a2513``, before every Lab II run): the mean held-out pass@1 of its last two
+  evaluations (a single final evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
+- **Collapse** of a run (``65a2513``, before every Lab II run): its primary score falls below half of its own base
+  (the round-0 evaluation of the same seed's base), or its training reward (10-round moving mean) falls below
+  half of its peak and is still below at the last round. The first catches a policy that lost the task; the
+  second, one whose reward fell apart late and did not recover before the held-out points caught it.
+- **Paired intervals** (``65a2513``, before every Lab II run): arms share seeds (same base, same prompts, same
+  evaluation stream), so arms are compared through the per-seed differences d_s = score_A(s) − score_B(s); the
+  interval is mean(d) ± t_{1 − α/(2m), n−1} · sd(d)/√n, a paired t-interval with a Bonferroni correction over the
   m comparisons of one experiment (α = 0.05).
-- **Verdicts**: A ahead when the whole interval is above 0, behind when below; "matches" only when the
-  whole interval lies inside ±``margin`` (0.02 by default); otherwise the test could not tell.
-  Two arms that both collapse in every common seed are "both collapse", never "match": scores at
-  the floor agree without saying anything about the objectives (added after the first Lab II run in
-  which every arm collapsed; it changes no other verdict).
-- **Tuned baseline** (where the claim is "matches tuned baselines"): among a grid of arms, the one with the
-  highest mean primary score over tuning seeds that the comparison never uses (the first listed on a tie).
-  It is then compared on the experiment's own seeds like any other arm, inside the same Bonferroni family.
+- **Verdicts** (``65a2513``, before every Lab II run): A ahead when the whole interval is above 0, behind when
+  below; "matches" only when the whole interval lies inside ±``margin`` (0.02 by default); otherwise the test
+  could not tell.
+- **Both collapse** (``8e394b5``, **post hoc**): two arms that both collapse in every common seed read "both
+  collapse", never "match": scores at the floor agree without saying anything about the objectives. It was
+  written after the first Lab II run in which every arm collapsed (``temperature_steps`` at T = 1.5, on the
+  evening of 2026-11-22), so it was chosen knowing that run's outcome. It changed four verdicts, all at T = 1.5:
+  on ``temperature``, P3O − GRPO ε = 0.2 from "grpo_eps0.2@T1.5 ahead" (−0.043 [−0.048, −0.037]) and P3O − GRPO
+  ε = 0.4 from "cannot tell"; on ``temperature_steps``, both comparisons from "match". (Its first wording said it
+  changed no other verdict; the short-task loss is one it changed.) ``Paired.verdict_fixed_before_runs`` gives
+  the verdict without it, and the report prints that beside each "both collapse".
+- **Equivalence** (``21f970c``, issue 38; **post hoc** for every archived Lab II experiment, written after
+  all of them had been seen; fixed before the runs of ``examples/lab/confirm_fp8.yaml``): the two one-sided tests
+  (TOST, Schuirmann 1987) at the experiment's Bonferroni level α/m. The design's **resolvable margin** is the
+  smallest δ at which TOST has ``POWER`` (80 %) to show equivalence when the true difference is 0:
+  δ_min = (t_{1 − α/m, n−1} + t_{1 − (1 − POWER)/2, n−1}) · sd(d)/√n, the usual sample-size relation for
+  equivalence at a zero true difference (Chow, Shao & Wang, *Sample Size Calculations in Clinical Research*,
+  one-sample design).
+  "Equivalent within δ" is claimed only when δ ≥ δ_min and both one-sided p-values are below α/m; where δ < δ_min
+  the report says the margin is beyond the design instead of testing it. It decides no earlier verdict: "match"
+  stays the interval rule above, and a match implies TOST equivalence at the same δ.
+- **Tuned baseline** (``35c598b``, before ``clip``'s runs at ``01de356``, the one experiment that uses it; where
+  the claim is "matches tuned baselines"): among a grid of arms, the one with the highest mean primary score over
+  tuning seeds that the comparison never uses (the first listed on a tie). It is then compared on the
+  experiment's own seeds like any other arm, inside the same Bonferroni family.
+
+Formulas: the textbook paired t-interval and Bonferroni correction.
 """
 
 from __future__ import annotations
@@ -29,6 +50,11 @@ from dataclasses import dataclass
 
 ALPHA = 0.05
 MARGIN = 0.02
+# the commit of the one verdict rule added after runs it judges had been seen (module docstring)
+POST_HOC_RULE = "8e394b5"
+# the commit that introduced the equivalence rule (TOST and the resolvable margin; module docstring)
+EQUIVALENCE_RULE = "21f970c"
+POWER = 0.8
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10
 
@@ -102,6 +128,10 @@ class Paired:
         """'a ahead' | 'b ahead' | 'match' | 'cannot tell' | 'both collapse' (module docstring)."""
         if self.both_collapsed:
             return "both collapse"
+        return self.verdict_fixed_before_runs(margin)
+
+    def verdict_fixed_before_runs(self, margin: float = MARGIN) -> str:
+        """The verdict by the rules of ``65a2513`` alone, without the post-hoc "both collapse" (``POST_HOC_RULE``)."""
         if self.lo > 0:
             return f"{self.a} ahead"
         if self.hi < 0:
@@ -117,6 +147,13 @@ class Paired:
                 }.get(v, f"**{v}**")
         return (f"{self.a} − {self.b} = {self.mean:+.3f}, paired {100 * self.level:.2f}% interval "
                 f"[{self.lo:+.3f}, {self.hi:+.3f}] over {self.n} seeds: {text}.")
+
+    def post_hoc_note(self, margin: float = MARGIN) -> str | None:
+        """A line saying what the rules fixed before the runs read, where the post-hoc rule decided; else None."""
+        if self.verdict(margin) == self.verdict_fixed_before_runs(margin):
+            return None
+        return (f"post hoc: 'both collapse' is the rule of `{POST_HOC_RULE}`, written after runs had been seen; by the "
+                f"rules fixed before the runs this comparison reads '{self.verdict_fixed_before_runs(margin)}'.")
 
 
 def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,
@@ -134,16 +171,11 @@ def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[i
     """
     if comparisons < 1:
         raise ValueError(f"comparisons must be >= 1, got {comparisons}")
-    seeds = sorted(set(scores_a) & set(scores_b))
-    if len(seeds) < 2:
-        raise ValueError(f"a paired interval of {a} and {b} needs two common seeds, got {len(seeds)}")
-    d = [scores_a[s] - scores_b[s] for s in seeds]
-    n = len(d)
-    m = sum(d) / n
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
+    n, m, sd = _paired_differences(a, b, scores_a, scores_b)
     half = t_quantile(1 - alpha / (2 * comparisons), n - 1) * sd / math.sqrt(n)
+    seeds = set(scores_a) & set(scores_b)
     return Paired(a, b, n, m, m - half, m + half, 1 - alpha / comparisons,
-                  both_collapsed=set(seeds) <= set(collapsed_both))
+                  both_collapsed=seeds <= set(collapsed_both))
 
 
 def pick_tuned(grid: list[str], scores: dict[str, dict[int, float]], seeds: list[int]) -> tuple[str, dict[str, float]]:
@@ -170,3 +202,87 @@ def pick_tuned(grid: list[str], scores: dict[str, dict[int, float]], seeds: list
     means = {a: sum(scores[a][s] for s in seeds) / len(seeds) for a in grid}
     best = max(grid, key=means.__getitem__)  # max keeps the first of equal maxima
     return best, means
+
+
+def _paired_differences(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float]) -> tuple[int, float, float]:
+    """(n, mean, sd) of the per-seed differences score_a − score_b over the common seeds.
+
+    Raises:
+        ValueError: fewer than two common seeds.
+    """
+    seeds = sorted(set(scores_a) & set(scores_b))
+    if len(seeds) < 2:
+        raise ValueError(f"a paired comparison of {a} and {b} needs two common seeds, got {len(seeds)}")
+    d = [scores_a[s] - scores_b[s] for s in seeds]
+    n = len(d)
+    m = sum(d) / n
+    return n, m, math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
+
+
+def resolvable_margin(sd: float, n: int, comparisons: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest equivalence margin δ (score units) that TOST at level α/m resolves with probability ``power``
+    when the true paired difference is 0: (t_{1 − α/m, n−1} + t_{1 − (1 − power)/2, n−1}) · sd/√n.
+
+    Args:
+        sd: standard deviation of the per-seed differences; n: seeds (n ≥ 2); comparisons: m, the Bonferroni family.
+
+    Raises:
+        ValueError: n < 2, comparisons < 1, or power outside (0, 1).
+    """
+    if n < 2 or comparisons < 1 or not 0 < power < 1:
+        raise ValueError(f"resolvable_margin needs n >= 2, comparisons >= 1 and 0 < power < 1; got {n}, {comparisons}, {power}")
+    return (t_quantile(1 - alpha / comparisons, n - 1) + t_quantile(1 - (1 - power) / 2, n - 1)) * sd / math.sqrt(n)
+
+
+@dataclass
+class Equivalence:
+    """TOST of arm ``a`` against ``b`` within ±``margin`` at level ``level`` (α/m), with the design's resolvable margin."""
+
+    a: str
+    b: str
+    n: int
+    mean: float  # mean of score_a − score_b
+    sd: float  # of the per-seed differences
+    margin: float
+    resolvable: float  # resolvable_margin at this n, sd and family
+    p: float  # the larger of the two one-sided p-values
+    level: float  # α/m: each one-sided test's level
+
+    def verdict(self) -> str:
+        """'beyond the design' (margin < resolvable) | 'equivalent' | 'not shown equivalent'."""
+        if self.margin < self.resolvable:
+            return "beyond the design"
+        return "equivalent" if self.p < self.level else "not shown equivalent"
+
+    def sentence(self) -> str:
+        v = self.verdict()
+        head = f"{self.a} − {self.b}: resolvable margin ±{self.resolvable:.3f} (paired SD {self.sd:.3f}, {self.n} seeds)"
+        if v == "beyond the design":
+            return f"{head}; ±{self.margin} is beyond it, so no equivalence is tested."
+        return (f"{head}; TOST p = {self.p:.3g} against {self.level:.4g}: "
+                + (f"**equivalent within ±{self.margin}**." if v == "equivalent" else f"not shown equivalent within ±{self.margin}."))
+
+
+def tost(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,
+         margin: float = MARGIN, alpha: float = ALPHA, power: float = POWER) -> Equivalence:
+    """Two one-sided paired t-tests of H0: mean(score_a − score_b) ≤ −margin and H0: ≥ +margin, each at α/m.
+
+    p = max(P(T ≥ (mean + margin)/se), P(T ≥ (margin − mean)/se)), T ~ t_{n−1}, se = sd/√n (Schuirmann 1987). With
+    sd = 0 the differences are all equal: p is 0 inside the margin, 1 outside.
+
+    Args:
+        scores_a, scores_b: {seed: primary score}; comparisons: m, the experiment's Bonferroni family.
+
+    Raises:
+        ValueError: fewer than two common seeds, comparisons < 1 (``resolvable_margin``).
+    """
+    from scipy.stats import t
+
+    n, m, sd = _paired_differences(a, b, scores_a, scores_b)
+    resolvable = resolvable_margin(sd, n, comparisons, alpha, power)
+    if sd == 0:
+        p = 0.0 if abs(m) < margin else 1.0
+    else:
+        se = sd / math.sqrt(n)
+        p = float(max(t.sf((m + margin) / se, n - 1), t.sf((margin - m) / se, n - 1)))
+    return Equivalence(a, b, n, m, sd, margin, resolvable, p, alpha / comparisons)
