@@ -29,8 +29,25 @@ def test_bundled_experiments_load_with_their_seeds(name):
     exp = load_experiment(name)
     assert len(exp.seeds) >= FEW_SEEDS.get(name, 6) and len(exp.arms) >= (1 if name in ONE_ARM else 2)
     assert all(len(a.split("@")) <= 2 for a in exp.arms)  # family@dose
-    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps"):
+    # confirm_fp8: a registered design with one primary comparison and no on-policy arm (docs/lab3/registration.md)
+    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps", "confirm_fp8"):
         assert "onpolicy" in exp.arms  # every shift experiment has the on-policy reference
+
+
+def test_the_registered_confirmatory_experiment_has_the_registered_design():
+    """docs/lab3/registration.md: 8 seeds (10-17) each with its own base, 50 rounds, held-out 256 x 8 at rounds 0, 25,
+    50, one primary comparison, P3O with k3 as the secondary arm, FP8-E4M3 rollouts on chain_sum_steps."""
+    exp = load_experiment("confirm_fp8")
+    assert exp.seeds == list(range(10, 18)) and exp.per_seed_base and not exp.preflight_only and not exp.tune_arms
+    assert set(exp.arms) == {"p3o_exact@fp8", "grpo_eps0.4@fp8", "p3o@fp8"}
+    assert exp.compare == [("p3o_exact@fp8", "grpo_eps0.4@fp8")] and len(exp.runs) == 24
+    for arm in exp.arms:
+        o = dict(x.split("=", 1) for x in exp.overrides(arm, 13))
+        assert (o["train.steps"], o["eval.every"], o["eval.samples_per_prompt"]) == ("50", "25", "8")  # rounds 0, 25, 50
+        assert (o["task.name"], o["rollout.precision"], o["model.seed"]) == ("chain_sum_steps", "fp8_e4m3", "13")
+    assert exp.arms["p3o_exact@fp8"]["objective.options"] == {"kl": "exact"}
+    assert exp.arms["grpo_eps0.4@fp8"]["objective.options"] == {"eps_low": 0.4, "eps_high": 0.4}
+    assert "objective.options" not in exp.arms["p3o@fp8"]  # P3O's default, the k3 estimator
 
 
 def test_bad_experiment_is_one_clear_error(tmp_path):
