@@ -29,8 +29,54 @@ def test_bundled_experiments_load_with_their_seeds(name):
     exp = load_experiment(name)
     assert len(exp.seeds) >= FEW_SEEDS.get(name, 6) and len(exp.arms) >= (1 if name in ONE_ARM else 2)
     assert all(len(a.split("@")) <= 2 for a in exp.arms)  # family@dose
-    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps"):
+    # confirm_fp8: a registered design with one primary comparison and no on-policy arm (docs/lab3/registration.md)
+    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps", "confirm_fp8"):
         assert "onpolicy" in exp.arms  # every shift experiment has the on-policy reference
+
+
+def test_the_registered_confirmatory_experiment_has_the_registered_design():
+    """docs/lab3/registration.md: 8 seeds (10-17) each with its own base, 50 rounds, held-out 256 x 8 at rounds 0, 25,
+    50, one primary comparison, P3O with k3 as the secondary arm, FP8-E4M3 rollouts on chain_sum_steps."""
+    exp = load_experiment("confirm_fp8")
+    assert exp.seeds == list(range(10, 18)) and exp.per_seed_base and not exp.preflight_only and not exp.tune_arms
+    assert set(exp.arms) == {"p3o_exact@fp8", "grpo_eps0.4@fp8", "p3o@fp8"}
+    assert exp.compare == [("p3o_exact@fp8", "grpo_eps0.4@fp8")] and len(exp.runs) == 24
+    for arm in exp.arms:
+        o = dict(x.split("=", 1) for x in exp.overrides(arm, 13))
+        assert (o["train.steps"], o["eval.every"], o["eval.samples_per_prompt"]) == ("50", "25", "8")  # rounds 0, 25, 50
+        assert (o["task.name"], o["rollout.precision"], o["model.seed"]) == ("chain_sum_steps", "fp8_e4m3", "13")
+    assert exp.arms["p3o_exact@fp8"]["objective.options"] == {"kl": "exact"}
+    assert exp.arms["grpo_eps0.4@fp8"]["objective.options"] == {"eps_low": 0.4, "eps_high": 0.4}
+    assert "objective.options" not in exp.arms["p3o@fp8"]  # P3O's default, the k3 estimator
+    assert exp.registered == "c168f4f"  # the commit that added the registration, before any run
+
+
+def test_report_checks_a_registered_design_against_its_calls(monkeypatch):
+    from trustbatch.lab import report
+    from trustbatch.lab.stats import EQUIVALENCE_RULE, POST_HOC_RULE
+
+    history = {"reg": {POST_HOC_RULE, EQUIVALENCE_RULE}, "b": {"reg"}, "c": {"b", "reg"}, "old": set()}
+    monkeypatch.setattr(report, "descends", lambda commit, ancestor: commit == ancestor or ancestor in history[commit])
+    calls = [{"start": 1, "commit": "c"}, {"start": 2, "commit": "b"}, {"legacy_wall_s": 5.0}]
+    line, before = report._registration("reg", calls)
+    assert line == "**Registered** at `reg` before any run: every `lab run` call's commit (`b`, `c`) descends from it."
+    assert before  # the post-hoc rules predate this registration: fixed before its runs
+    line, _ = report._registration("reg", calls + [{"start": 3, "commit": "old"}])
+    assert "**not before every run**: the calls at `old` do not descend from it" in line
+    assert report._registration("reg", [])[0].endswith("no `lab run` call recorded yet.")
+    assert report._registration(None, calls) == (None, False)
+    assert not report._registration("old", [])[1]  # registered before the rules existed: they are post hoc there
+    lines = report._equivalence_lines([(report.tost("a", "b", {0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.6}, 1), False)], fixed_before=True)
+    assert "fixed before these runs" in lines[0] and "post hoc" not in lines[0]
+
+
+def test_descends_reads_this_checkout_history():
+    from trustbatch.lab.report import descends, git_commit
+
+    head = git_commit()
+    if descends(head, head) is None:
+        pytest.skip("no git history here")
+    assert descends(head, "65a2513") is True and descends("65a2513", head) is False  # the rules' commit is old
 
 
 def test_bad_experiment_is_one_clear_error(tmp_path):
@@ -46,7 +92,7 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
     common = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in TINY)}
     common.update({"train.steps": 2, "eval.every": 1, "checkpoint_every": 1})
-    spec = {"description": "tiny", "common": common, "seeds": [0, 1],
+    spec = {"description": "tiny", "common": common, "seeds": [0, 1], "registered": "65a2513",
             "arms": {"onpolicy": {},
                      "p3o@T1.2": {"objective.name": "p3o", "rollout.temperature": 1.2},
                      "grpo@T1.2": {"objective.name": "grpo", "rollout.temperature": 1.2}}}
@@ -71,6 +117,8 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     # one comparison (p3o vs grpo at the same dose; the reference is not a contestant), over the two seeds
     assert "## tiny_exp" in text and "p3o@T1.2 − grpo@T1.2" in text and "over 2 seeds" in text
     assert "1 paired comparisons" in text and "| onpolicy |" in text
+    assert yaml.safe_load((out / "tiny_exp" / "experiment.yaml").read_text())["registered"] == "65a2513"
+    assert "**Registered** at `65a2513` before any run: " in text  # the runner carried it, the report checked it
     assert "6 runs of 2 rounds × 4 prompts;" in text  # read from the runs' own configs (TINY: 4 per round)
     for fig in ("tiny_exp_dose.png", "tiny_exp_curves.png", "tiny_exp_traces.png", "tiny_exp_ratios.png"):
         assert (tmp_path / "report" / fig).stat().st_size > 1000 and f"]({fig})" in text

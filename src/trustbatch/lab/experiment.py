@@ -15,6 +15,8 @@ YAML form (see examples/lab/)::
     tune: {arms: [grpo_eps0.2@T0.6, grpo_eps0.4@T0.6], seeds: [6, 7, 8]}
                                               # optional: a grid whose best arm (on its own seeds) is the
                                               # tuned baseline; see ``trustbatch.lab.stats.pick_tuned``
+    registered: c168f4f                       # optional: the commit that registered the design before any
+                                              # run; the report checks every run's commit descends from it
 
 An arm is named ``family@dose``: the family is the objective setting (compared across doses), the
 dose the strength of the shift (in the order the arms list them). An arm without ``@`` has no dose.
@@ -61,6 +63,7 @@ class Experiment:
     preflight_only: list[str] = field(default_factory=list)
     tune_arms: list[str] = field(default_factory=list)  # the grid a tuned baseline is picked from
     tune_seeds: list[int] = field(default_factory=list)  # the seeds it is picked on, disjoint from ``seeds``
+    registered: str | None = None  # the commit that registered the design before any run (a confirmatory experiment)
     selected: list[str] | None = None  # ``lab run --arms``: train only these arms; the folder still lists every arm
 
     @property
@@ -143,7 +146,8 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     exp = Experiment(name=path.stem, description=str(spec.get("description", "")),
                      seeds=main_seeds, arms=arms, source=path,
                      per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare],
-                     preflight_only=[str(a) for a in only], tune_arms=t_arms, tune_seeds=t_seeds)
+                     preflight_only=[str(a) for a in only], tune_arms=t_arms, tune_seeds=t_seeds,
+                     registered=str(spec["registered"]) if spec.get("registered") else None)
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))

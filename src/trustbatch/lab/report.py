@@ -588,6 +588,37 @@ def git_commit() -> str:
         return "unknown"
 
 
+def descends(commit: str, ancestor: str) -> bool | None:
+    """Whether ``commit`` is ``ancestor`` or descends from it in this checkout's git history; None when git cannot
+    say (no git, no history, an unknown commit)."""
+    try:
+        r = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], capture_output=True,
+                           cwd=Path(__file__).parent)
+    except OSError:
+        return None
+    return {0: True, 1: False}.get(r.returncode)
+
+
+def _registration(registered: str | None, calls: list[dict]) -> tuple[str | None, bool]:
+    """(the report's line on a registered design, whether the rules of ``POST_HOC_RULE`` and ``EQUIVALENCE_RULE``
+    were fixed before it). No line and False for an experiment without ``registered``."""
+    if not registered:
+        return None, False
+    commits = sorted({str(c["commit"]) for c in calls if "start" in c and "commit" in c})
+    later = {c: descends(c, registered) for c in commits}
+    if not commits:
+        check = "no `lab run` call recorded yet"
+    elif all(later.values()):
+        check = f"every `lab run` call's commit ({', '.join(f'`{c}`' for c in commits)}) descends from it"
+    elif any(v is False for v in later.values()):
+        check = ("**not before every run**: the calls at " + ", ".join(f"`{c}`" for c, v in later.items() if v is False)
+                 + " do not descend from it")
+    else:
+        check = "git could not check the calls' commits against it here"
+    rules_before = all(descends(registered, r) for r in (POST_HOC_RULE, EQUIVALENCE_RULE))
+    return f"**Registered** at `{registered}` before any run: {check}.", rules_before
+
+
 def _calls_line(calls: list[dict]) -> str:
     """One sentence per ``lab run`` call (``lab.calls``): its seeds, commit, command, start and length."""
     parts = []
@@ -741,6 +772,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     rerun = reproduced_line(exp_dir)
     lines += [rerun, ""] if rerun else []
+    registration, rules_before = _registration(spec.get("registered"), calls)
+    lines += [registration, ""] if registration else []
     wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
     n_tuning = sum(len(r) for a, r in tuning.items() if a in (tune.get("arms") or []))
@@ -790,7 +823,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
             result = paired_interval(a, b, scores[a], scores[b], comparisons=len(pairs), collapsed_both=both)
-            note = result.post_hoc_note()
+            note = None if rules_before else result.post_hoc_note()
             findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
             if not result.both_collapsed:  # scores at the floor: not a question of equivalence
                 equivalence.append((tost(a, b, scores[a], scores[b], comparisons=len(pairs)), result.verdict() == "match"))
@@ -801,23 +834,24 @@ def experiment_section(name: str, exp_dir: Path, out: Path) -> tuple[str, list[s
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
-    lines += _equivalence_lines(equivalence)
+    lines += _equivalence_lines(equivalence, fixed_before=rules_before)
     step_line = _step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + _within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
 
 
-def _equivalence_lines(results: list[tuple]) -> list[str]:
+def _equivalence_lines(results: list[tuple], fixed_before: bool = False) -> list[str]:
     """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
     read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
-    no more than 'no difference found'."""
+    no more than 'no difference found'. ``fixed_before``: the experiment was registered after the rule existed."""
     if not results:
         return []
     unresolved = (" The interval rule's 'match' above rests on a margin this design does not resolve: read it as 'no "
                   "difference found', not as equivalence.")
     lo, hi = min(r.resolvable for r, _ in results), max(r.resolvable for r, _ in results)
     span = f"±{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"±{lo:.3f} to ±{hi:.3f}"
-    return [f"**Equivalence** (rule of `{EQUIVALENCE_RULE}`, written after these runs: post hoc here). The smallest margin "
+    when = "fixed before these runs" if fixed_before else "written after these runs: post hoc here"
+    return [f"**Equivalence** (rule of `{EQUIVALENCE_RULE}`, {when}). The smallest margin "
             f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
             f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{MARGIN}' is tested "
             "only where ±" f"{MARGIN} is at or above a pair's resolvable margin:", ""] + [
@@ -877,7 +911,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None) ->
         f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
         f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
         "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
-        "rules fixed before the runs read. Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
+        "rules fixed before the runs read (an experiment registered after the rule existed says so in its section). Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
         f"design resolves; rule of `{EQUIVALENCE_RULE}`) were added after all these runs: post hoc, and they change "
         "no verdict.", "",
         *preflight_summary(runs),

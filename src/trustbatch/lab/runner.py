@@ -180,7 +180,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     atomic_write(root / "experiment.yaml", yaml.safe_dump(
         {"description": exp.description, "seeds": seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
          "compare": [list(c) for c in exp.compare], "preflight_only": exp.preflight_only,
-         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), "commit": commit,
+         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}),
+         **({"registered": exp.registered} if exp.registered else {}), "commit": commit,
          "command": command}, sort_keys=False))
     todo = exp.runs
     t0 = None
