@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import objectives, rewards
 from ..config import Config
@@ -20,6 +21,7 @@ from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
 from ..policy.base import default_base
+from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
 from ..trainer.learner import Learner
 from ..trainer.loop import Parts
@@ -135,19 +137,54 @@ def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
     Prompts that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
+    With ``model.lora`` the policy gets LoRA adapters (``policy.lora.apply_lora``; only they train),
+    naming the base directory (``model.path`` or the default base's cache folder) for checkpoints.
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
     """
     task = configured_task(cfg)
     pool = rewards.RewardPool(cfg.reward.name or task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path), cfg.model.path
+        base = str(Path(cfg.model.path).expanduser().resolve())
     else:
         if console:
             console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
         policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
-        source = f"{path} ({'built now' if built else 'cached'})"
+        source, base = f"{path} ({'built now' if built else 'cached'})", str(path)
     fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+    if cfg.model.lora is not None:
+        lo = cfg.model.lora
+        try:
+            apply_lora(policy, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
+                       base=base, seed=cfg.model.seed)
+        except BaseException:
+            pool.close()
+            raise
+        source += f" + LoRA r={lo.r} alpha={lo.alpha:g}"
     return task, policy, pool, source
+
+
+def checkpoint_loader(cfg: Config):
+    """What ``trainer.checkpoint.load_latest`` reads a checkpoint's policy with: the full policy, or with
+    ``model.lora`` the adapter's tensors (``restore_checkpoint_policy`` puts them into the run's policy)."""
+    return read_adapter if cfg.model.lora is not None else load_policy
+
+
+def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
+    """The policy a resume continues from: the checkpoint's (full fine-tuning), or the run's own base
+    (``prepare_run``) with the checkpoint's adapter restored exactly (``model.lora``).
+
+    Raises:
+        UserError: the checkpoint's adapter names another base than this run's (a moved cache or model.path).
+    """
+    if cfg.model.lora is None:
+        return loaded
+    saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path
+    if saved != now:
+        raise UserError(f"the LoRA checkpoint {ckpt.name} was trained on base {saved!r} but this run's base is "
+                        f"{now!r}; put the base back there (model.path, or TRUSTBATCH_CACHE for the default base)")
+    restore_adapter(policy, loaded)
+    return policy
 
 
 def _full_logprobs(cfg: Config) -> bool:
@@ -196,6 +233,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
                       epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
+        if policy.adapter is not None:
+            raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
         from ..orchestration.ray_learner import RayLearnerGroup
 
         learner = RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
@@ -217,7 +256,11 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     if ro.engine == "vllm":
         engine = vllm_engine(cfg, policy, version)
     else:
-        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
+        # an engine with its own copy gets the merged weights under the base's names (LoRA: a plain merged
+        # copy to start from, then CopySync/LaggedSync push named_weights, merged); a shared one runs
+        # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x
+        engine = TransformersEngine(merged_copy(policy.model) if shifted and policy.adapter is not None else policy.model,
+                                    policy.eos_id, policy.pad_id, precision=ro.precision,
                                     share=not shifted, version=version, full_logprobs=_full_logprobs(cfg))
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
