@@ -177,3 +177,14 @@ def test_resume_restores_the_adapter_and_optimizer_exactly(tmp_path, cache):
     assert records(run) == records(ref)
     base = json.loads((a / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert (cache / "base") in Path(base).parents
+
+
+def test_a_lora_run_trains_on_the_full_fine_tuning_base():
+    """The adapters sit on top of the base: model.lora does not enter the default base's cache key."""
+    from trustbatch.policy.base import base_key
+    from trustbatch.recipes.build import task_key
+
+    full, lora = (load_config(None, TINY + extra) for extra in ([], ["model.lora.r=8"]))
+    assert full.model.model_dump(mode="json") != lora.model.model_dump(mode="json")
+    assert base_key(task_key(lora), lora.model.model_dump(mode="json")) == \
+        base_key(task_key(full), full.model.model_dump(mode="json"))
