@@ -16,9 +16,18 @@ from typing import Iterator, Protocol
 
 import torch
 
+from ..policy.lora import has_lora, merged_state_dict
+
 
 def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full state of ``model`` as detached ``(name, tensor)`` pairs, tied weights included."""
+    """The full state of ``model`` as detached ``(name, tensor)`` pairs, tied weights included.
+
+    A model with LoRA adapters gives its merged state, ``W + (α/r)·B·A`` under the base model's names
+    (``policy.lora.merged_state_dict``): engines always receive the policy being trained, never adapters.
+    """
+    if has_lora(model):
+        yield from merged_state_dict(model).items()
+        return
     for name, t in model.state_dict().items():
         yield name, t.detach()
 

@@ -31,7 +31,13 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+# model settings that act on top of the base and do not determine it: a LoRA run trains adapters on the
+# same cached base as full fine-tuning (and the key stays what it was before the setting existed)
+NOT_BASE_KEYS = ("lora",)
+
+
 def base_key(task_cfg: dict, model_cfg: dict) -> str:
+    model_cfg = {k: v for k, v in model_cfg.items() if k not in NOT_BASE_KEYS}
     blob = json.dumps({"format": BASE_FORMAT, "task": task_cfg, "model": model_cfg}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -21,6 +21,8 @@ class Policy:
     tokenizer: object  # a transformers tokenizer
     eos_id: int
     pad_id: int
+    # the peft.PeftModel wrapping ``model`` when LoRA adapters train (policy.lora.apply_lora), else None
+    adapter: object | None = None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids, with the tokenizer's special prefix (e.g. BOS) and chat template if it has one."""
@@ -37,7 +39,14 @@ class Policy:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def save(self, path: Path) -> None:
-        self.model.save_pretrained(path)
+        """A Hugging Face model directory of the policy: with LoRA adapters, the base with them merged
+        (``policy.lora.merged_copy``), loadable with no peft; a checkpoint stores the adapter instead."""
+        if self.adapter is not None:
+            from .lora import merged_copy
+
+            merged_copy(self.model).save_pretrained(path)
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
 
@@ -50,7 +59,9 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
     A tokenizer without a pad token pads with EOS (stories260K has none). Loading is checked, so
     that a broken directory never yields a silently different model: every tensor the config
     asks for must be in the weights with its shape, no weight may be left over, every weight
-    must be finite, and the tokenizer's ids must fit the embedding.
+    must be finite, and the tokenizer's ids must fit the embedding. A LoRA checkpoint directory
+    (``adapter_config.json``, no ``config.json``) loads as its base with the adapter merged
+    (``policy.lora.load_merged``).
 
     Raises:
         UserError: one line naming the directory and the cause: it is missing or not a model
@@ -63,6 +74,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
     where = repr(str(p))
     if not p.is_dir():
         raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory (model.path=DIR)")
+    if not (p / "config.json").exists() and (p / "adapter_config.json").exists():
+        from .lora import load_merged  # a LoRA checkpoint: its base with the adapter merged
+
+        return load_merged(p, load_policy, dtype=dtype)
     if not (p / "config.json").exists():
         raise UserError(f"{where} has no config.json; it is not a Hugging Face model directory")
     try:

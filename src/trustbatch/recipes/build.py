@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from ..pipeline.source import SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync
 from ..policy import load_policy
 from ..policy.base import default_base
+from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
 from ..trainer.learner import Learner
 from ..trainer.loop import Parts
@@ -138,19 +140,54 @@ def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
     Prompts that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
+    With ``model.lora`` the policy gets LoRA adapters (``policy.lora.apply_lora``; only they train),
+    naming the base directory (``model.path`` or the default base's cache folder) for checkpoints.
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
     """
     task = configured_task(cfg)
     pool = rewards.RewardPool(cfg.reward.name or task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path), cfg.model.path
+        base = str(Path(cfg.model.path).expanduser().resolve())
     else:
         if console:
             console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
         policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
-        source = f"{path} ({'built now' if built else 'cached'})"
+        source, base = f"{path} ({'built now' if built else 'cached'})", str(path)
     fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+    if cfg.model.lora is not None:
+        lo = cfg.model.lora
+        try:
+            apply_lora(policy, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
+                       base=base, seed=cfg.model.seed)
+        except BaseException:
+            pool.close()
+            raise
+        source += f" + LoRA r={lo.r} alpha={lo.alpha:g}"
     return task, policy, pool, source
+
+
+def checkpoint_loader(cfg: Config):
+    """What ``trainer.checkpoint.load_latest`` reads a checkpoint's policy with: the full policy, or with
+    ``model.lora`` the adapter's tensors (``restore_checkpoint_policy`` puts them into the run's policy)."""
+    return read_adapter if cfg.model.lora is not None else load_policy
+
+
+def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
+    """The policy a resume continues from: the checkpoint's (full fine-tuning), or the run's own base
+    (``prepare_run``) with the checkpoint's adapter restored exactly (``model.lora``).
+
+    Raises:
+        UserError: the checkpoint's adapter names another base than this run's (a moved cache or model.path).
+    """
+    if cfg.model.lora is None:
+        return loaded
+    saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path
+    if saved != now:
+        raise UserError(f"the LoRA checkpoint {ckpt.name} was trained on base {saved!r} but this run's base is "
+                        f"{now!r}; put the base back there (model.path, or TRUSTBATCH_CACHE for the default base)")
+    restore_adapter(policy, loaded)
+    return policy
 
 
 def _full_logprobs(cfg: Config) -> bool:
@@ -188,30 +225,70 @@ class Built:
     eval_engine: TransformersEngine  # the learner's own float32 policy, for held-out evaluation
 
 
-def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
-                version: int = 0, check_round=None) -> Built:
-    """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``.
+def build_learner(cfg: Config, policy, world: World, version: int):
+    """The learner (``Learner``, or Ray learner actors with ``orchestrator=ray`` and ``ray_learners > 0``).
 
-    The behaviour policy is the learner's own module (on-policy float32), or a copy in another
-    precision, or the policy of ``rollout.staleness`` optimizer steps ago (the lab's shifts).
+    Raises:
+        UserError: LoRA with Ray learner actors.
     """
-    world = world or World()
     ro, tr = cfg.rollout, cfg.train
-    check_orchestrator(cfg)
     learner_kw = dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
                       epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps,
                       precision=tr.precision, activation_checkpointing=tr.activation_checkpointing)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
+        if policy.adapter is not None:
+            raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
         from ..orchestration.ray_learner import RayLearnerGroup
 
-        learner = RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
-                                  seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
+        return RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
+                               seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
+    return Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
+
+
+def _learner_autocast(cfg: Config):
+    """The learner's autocast dtype, which engines sampling from its own module share (bf16-mixed), else None."""
+    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
+
+
+def sync_engine(cfg: Config, policy, learner, version: int):
+    """The behaviour policy of a sync run and its weight sync: ``(engine, sync)``, the sync pushed at ``version``.
+
+    The engine is the learner's own module (on-policy: ``SharedSync``), or a copy in another precision or on vLLM
+    (``CopySync``), or the policy of ``rollout.staleness`` optimizer steps ago (``LaggedSync``, the lab's shifts).
+    """
+    ro, tr = cfg.rollout, cfg.train
+    shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
+    if ro.engine == "vllm":
+        engine = vllm_engine(cfg, policy, version)
     else:
-        learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
-    # engines that sample from the learner's own module run its forward as the learner does (bf16-mixed autocast)
-    autocast = torch.bfloat16 if tr.precision == "bf16-mixed" else None
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, autocast=autocast)
+        # an engine with its own copy gets the merged weights under the base's names (LoRA: a plain merged
+        # copy to start from, then CopySync/LaggedSync push named_weights, merged); a shared one runs
+        # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x
+        engine = TransformersEngine(merged_copy(policy.model) if shifted and policy.adapter is not None else policy.model,
+                                    policy.eos_id, policy.pad_id, precision=ro.precision,
+                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg),
+                                    autocast=None if shifted else _learner_autocast(cfg))
+    if ro.staleness > 0:
+        sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
+        learner.on_step.append(sync.record)
+    elif shifted:
+        sync = CopySync(engine)
+    else:
+        sync = SharedSync(engine)
+    sync.push(policy.model, version)
+    return engine, sync
+
+
+def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
+                version: int = 0, check_round=None) -> Built:
+    """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``."""
+    world = world or World()
+    ro, tr = cfg.rollout, cfg.train
+    check_orchestrator(cfg)
+    learner = build_learner(cfg, policy, world, version)
+    # the held-out evaluation samples from the learner's own module, as the learner computes (its autocast)
+    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, autocast=_learner_autocast(cfg))
     if ro.mode == "async":
         try:
             source = async_source(cfg, task, policy, version, world)
@@ -222,21 +299,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
             source.transport.weights_from = learner.weights_at
             source.on_close.append(learner.close)
         return Built(Parts(source, learner, source.sync), eval_engine)
-    shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
-    if ro.engine == "vllm":
-        engine = vllm_engine(cfg, policy, version)
-    else:
-        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
-                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg),
-                                    autocast=None if shifted else autocast)
-    if ro.staleness > 0:
-        sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
-        learner.on_step.append(sync.record)
-    elif shifted:
-        sync = CopySync(engine)
-    else:
-        sync = SharedSync(engine)
-    sync.push(policy.model, version)
+    engine, sync = sync_engine(cfg, policy, learner, version)
     source = SyncSource(
         engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], pool,
         policy.decode, sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p,

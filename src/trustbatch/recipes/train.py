@@ -24,13 +24,13 @@ from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
 from ..parallel import World
-from ..policy import load_policy
 from ..records import atomic_write, read_metrics, truncate_records
 from ..seeding import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
 from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
-from .build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
+from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
+                    restore_checkpoint_policy, scoring_check)
 from .rundir import RunLock, check_resume_changes, record_segment
 
 
@@ -219,7 +219,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_temporaries(run_dir)
-    found = load_latest(run_dir, load_policy) if resuming else None
+    found = load_latest(run_dir, checkpoint_loader(cfg)) if resuming else None
     if resuming and found is not None and (run_dir / "summary.json").exists():
         done = int(found[2]["step"])
         if cfg.train.steps <= done:
@@ -244,7 +244,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         start = 0
         state = None
         if found is not None:
-            ckpt, policy, state = found
+            ckpt, loaded, state = found
+            policy = restore_checkpoint_policy(cfg, policy, ckpt, loaded)
             policy.model.to(world.device)
             start = int(state["step"])
         version = state["learner"]["policy_version"] if state else 0

@@ -1,5 +1,9 @@
 """Checkpoints: the policy in HF format plus every state a bit-identical resume needs, written atomically.
 
+A LoRA policy (``policy.adapter``) is checkpointed as its adapter (``policy.lora.save_adapter``: peft's
+``adapter_config.json``, which names the base, and ``adapter_model.safetensors``); resume reads it back
+with ``policy.lora.read_adapter`` as ``load_latest``'s loader.
+
 ``trainer_state.pt`` holds the round, the learner's optimizer, scheduler and policy version, the
 rollout source's prompt sampler, the weight sync's snapshots (lagged sync), and the torch and Python
 random states. A checkpoint is written to a temporary folder and renamed, so a kill at any moment
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
 
 _FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
@@ -47,7 +52,10 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         with _quiet_transformers():  # no "Writing model shards" progress bar on stderr at every checkpoint
-            policy.save(tmp)
+            if getattr(policy, "adapter", None) is not None:
+                save_adapter(policy, tmp)  # LoRA: the adapter and its base's name, not the merged model
+            else:
+                policy.save(tmp)
         torch.save({
             "step": step,
             "torch_rng": torch.get_rng_state(),

@@ -135,7 +135,9 @@ class Learner:
         # per-step traces of a replayed round, which the round's record (their mean) hides
         self.step_records: list[dict[str, float]] = []
         self._pad: TrainBatch | None = None
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # only what trains: with LoRA (policy.lora) the adapters, the frozen base has neither grads nor Adam state
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
         # a large random kick to a warmed-up policy when the policy gradient is noisy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -1,0 +1,190 @@
+"""LoRA through peft (model.lora): only the adapters train, engines get W + (α/r)·B·A, checkpoints hold the adapter.
+
+Independent references: the merged weight written out from the layer's own tensors (W + (alpha/r) * B @ A),
+peft's ``merge_and_unload`` on a copy, the base model's tensors saved before the run, and an uninterrupted run.
+"""
+
+import copy
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from trustbatch.config import load_config
+from trustbatch.errors import UserError
+from trustbatch.pipeline.weight_sync import named_weights
+from trustbatch.policy import Policy, load_policy
+from trustbatch.policy.lora import apply_lora, merged_copy, save_adapter
+from trustbatch.policy.model import build_small_llama
+from trustbatch.policy.tokenizer import train_tokenizer
+from trustbatch.recipes import prepare_run, train
+from trustbatch.recipes.build import build_parts
+from trustbatch.rollout import TransformersEngine
+
+from runproc import cache, records  # noqa: F401
+from tiny import TINY
+
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "reward.workers=0"]
+
+
+def _perturb_b(model, seed=1, scale=0.02):
+    """peft starts B at 0 (the policy is the base); a nonzero B makes a missing merge visible. Small, so that
+    the tiny base still solves a prompt now and then (scale 0.1 leaves every reward 0, every advantage 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture
+def tiny_policy(tmp_path):
+    tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3", "State the answer"], vocab_size=300)
+    model = build_small_llama(len(tok), hidden=16, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok)
+    policy = Policy(model, tok, tok.eos_token_id, tok.pad_token_id)
+    base = tmp_path / "base"
+    policy.save(base)
+    return load_policy(base), base
+
+
+@pytest.mark.parametrize("targets,alpha", [("all-linear", 8.0), (["q_proj", "v_proj"], 6.0)])
+def test_engines_receive_w_plus_scaled_ba_under_the_base_names(tiny_policy, tmp_path, targets, alpha):
+    policy, base_dir = tiny_policy
+    base = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    apply_lora(policy, r=4, alpha=alpha, dropout=0.0, target_modules=targets, base=str(base_dir))
+    _perturb_b(policy.model)
+    params = dict(policy.model.named_parameters())
+    sent = dict(named_weights(policy.model))  # what CopySync / LaggedSync / async workers / vLLM receive
+    assert sorted(sent) == sorted(base)  # no base_model. prefix, no lora_A/B keys, no base_layer
+    adapted = {k for k in base if any(f".{t}." in k for t in (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                   "up_proj", "down_proj"]
+                                                                  if targets == "all-linear" else targets))}
+    assert len(adapted) == (7 if targets == "all-linear" else 2)
+    for k in base:
+        if k in adapted:
+            stem = k.removesuffix(".weight")
+            A, B = params[f"{stem}.lora_A.default.weight"], params[f"{stem}.lora_B.default.weight"]
+            want = base[k] + (alpha / 4) * (B @ A)
+            assert not torch.equal(want, base[k])
+            torch.testing.assert_close(sent[k], want, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(sent[k], base[k]), k
+    peft_merged = copy.deepcopy(policy.adapter).merge_and_unload().state_dict()
+    assert sorted(peft_merged) == sorted(sent)
+    for k in sent:
+        torch.testing.assert_close(sent[k], peft_merged[k], rtol=0, atol=1e-6)
+    # an engine holding its own plain copy loads them strictly, and an export (Policy.save) is the merged model
+    engine = TransformersEngine(merged_copy(policy.model), policy.eos_id, policy.pad_id, share=False)
+    engine.load_weights(named_weights(policy.model), 1)
+    policy.save(tmp_path / "export")
+    exported = load_policy(tmp_path / "export").model.state_dict()
+    assert all(torch.equal(exported[k], sent[k]) for k in sent)
+    # a checkpoint holds the adapter and names the base; loading it merges onto that base
+    save_adapter(policy, tmp_path / "ckpt")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    reloaded = load_policy(tmp_path / "ckpt").model.state_dict()
+    assert sorted(reloaded) == sorted(sent) and all(torch.equal(reloaded[k], sent[k]) for k in sent)
+
+
+def test_target_modules_that_match_nothing_are_one_user_error(tiny_policy):
+    policy, base_dir = tiny_policy
+    with pytest.raises(UserError, match="target_modules"):
+        apply_lora(policy, r=4, alpha=8, dropout=0.0, target_modules=["no_such_proj"], base=str(base_dir))
+
+
+def _lora_run(extra=()):
+    cfg = load_config(None, TINY + LORA + list(extra))
+    task, policy, pool, _ = prepare_run(cfg)
+    _perturb_b(policy.model)
+    return cfg, task, policy, pool
+
+
+@pytest.mark.parametrize("extra", [[], ["rollout.staleness=1"]], ids=["shared_module", "merged_copy_lagged"])
+def test_on_policy_ess_is_one_with_a_nonzero_adapter(cache, extra):
+    """The engine samples from the policy being trained: the shared module (W x + (α/r)·B A x) or a plain copy
+    loaded with the merged weights (LaggedSync: lag 1 serves the current policy in round 1)."""
+    cfg, task, policy, pool = _lora_run(extra)
+    parts = build_parts(cfg, task, policy, pool).parts
+    learner = parts.learner
+    try:
+        assert (parts.source.engine.model is policy.model) == (not extra)
+        batch = parts.source.next_batch(learner.version)
+        mask = batch.packed.response_mask
+        with policy.adapter.disable_adapter():  # the base alone: the test fails if the engine lacked B·A
+            base_logp = learner.logprobs(batch)
+        assert float((base_logp - batch.behavior_logprobs)[mask].abs().max()) > 1e-2
+        m = learner.train_on(batch)
+        assert abs(m["ess"] - 1.0) < 1e-6, m["ess"]
+        if not extra:  # after an optimizer step and a push, the next round is on-policy again
+            parts.sync.push(learner.model, learner.version)
+            m2 = learner.train_on(parts.source.next_batch(learner.version))
+            assert abs(m2["ess"] - 1.0) < 1e-6, m2["ess"]
+    finally:
+        parts.source.close()
+        pool.close()
+
+
+def test_training_moves_only_the_adapters(cache):
+    cfg, task, policy, pool = _lora_run(["rollout.prompts_per_step=16"])
+    try:
+        before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        parts = build_parts(cfg, task, policy, pool).parts
+        optimized = {id(p) for g in parts.learner.optimizer.param_groups for p in g["params"]}
+        named = dict(policy.model.named_parameters())
+        assert optimized == {id(p) for n, p in named.items() if "lora_" in n}
+        for _ in range(2):
+            batch = parts.source.next_batch(parts.learner.version)
+            assert batch.advantages.abs().sum() > 0  # else nothing could move
+            parts.learner.train_on(batch)
+            parts.sync.push(parts.learner.model, parts.learner.version)
+        after = policy.model.state_dict()
+        for k in before:
+            if "lora_" in k:
+                assert not torch.equal(before[k], after[k]), k
+            else:
+                assert torch.equal(before[k], after[k]), k
+    finally:
+        pool.close()
+
+
+def _adapter(ckpt):
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "adapter_model.safetensors"))
+
+
+def test_resume_restores_the_adapter_and_optimizer_exactly(tmp_path, cache):
+    quiet = Console(file=io.StringIO())
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    args = TINY + LORA + ["train.steps=4"]
+    train(load_config(None, args + [f"run_dir={ref}"]), console=quiet)
+    train(load_config(None, args + [f"run_dir={run}", "train.steps=2"]), console=quiet)
+    train(resume=str(run), overrides=["train.steps=4"], console=quiet)
+    a, b = ref / "checkpoints" / "step_000004", run / "checkpoints" / "step_000004"
+    assert not (a / "model.safetensors").exists()
+    wa, wb = _adapter(a), _adapter(b)
+    assert sorted(wa) == sorted(wb) and wa and all("lora_" in k for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    w0 = _adapter(run / "checkpoints" / "step_000002")
+    assert not all(torch.equal(wa[k], w0[k]) for k in wa)  # rounds 3-4 trained the adapter
+    sa, sb = (torch.load(c / "trainer_state.pt", weights_only=False)["learner"]["optimizer"]["state"] for c in (a, b))
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+    assert records(run) == records(ref)
+    base = json.loads((a / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (cache / "base") in Path(base).parents
+
+
+def test_a_lora_run_trains_on_the_full_fine_tuning_base():
+    """The adapters sit on top of the base: model.lora does not enter the default base's cache key."""
+    from trustbatch.policy.base import base_key
+    from trustbatch.recipes.build import task_key
+
+    full, lora = (load_config(None, TINY + extra) for extra in ([], ["model.lora.r=8"]))
+    assert full.model.model_dump(mode="json") != lora.model.model_dump(mode="json")
+    assert base_key(task_key(lora), lora.model.model_dump(mode="json")) == \
+        base_key(task_key(full), full.model.model_dump(mode="json"))
