@@ -16,13 +16,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
 
 
-@app.command()
+_TRAIN_HELP = (
+    "Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base.\n\n"
+    "Configuration sections, set as section.key=value or in a --config YAML file: task, data, reward, model (and "
+    "model.lora), rollout, objective, train, eval; top-level keys: run_dir, checkpoint_every, orchestrator, "
+    "ray_address, ray_learners, threads. Every key with its type, default and meaning: docs/config.md."
+)
+
+
+@app.command(help=_TRAIN_HELP)
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. objective.name=grpo)"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in RUN_DIR from its last checkpoint"),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved configuration (YAML) and "
+                                      "exit, without starting a run or touching its directory"),
 ):
-    """Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base."""
+    """``_TRAIN_HELP``; ``--print-config`` prints the configuration a run would use and exits."""
+    if print_config:
+        from .config import dump_config
+        from .recipes.train import resolved_config
+
+        typer.echo(dump_config(resolved_config(config, overrides, resume)), nl=False)
+        return
     from .recipes.train import train_command
 
     train_command(config, overrides, resume)
