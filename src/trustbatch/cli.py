@@ -1,4 +1,4 @@
-"""The ``trustbatch`` command: ``train``, ``sft`` and ``eval``.
+"""The ``trustbatch`` command: ``train``, ``sft``, ``eval``, ``report`` and the lab's commands.
 
 Bad input (a config key, a value, a path, a name) ends with one line on stderr and exit code 2.
 """
@@ -177,6 +177,20 @@ def eval_(
     atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
     errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
     console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
+
+
+@app.command()
+def report(
+    runs: List[str] = typer.Argument(..., help="run directories of trustbatch train (their run_dir)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder for README.md (the table) and runs.png (the figure)"),
+):
+    """Compare runs: their curves overlaid in one figure, and a Markdown table of the config keys in which they
+    differ, base / final / best held-out accuracy and wall time."""
+    from rich.console import Console
+
+    from .recipes.compare import write_comparison
+
+    Console().print(f"report: {write_comparison(runs, out)}")
 
 
 lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report.")
