@@ -23,7 +23,7 @@ FLOORS = [
     ("objectives", "advantages"),
     ("rewards", "adapters"),
     ("data",),
-    ("config", "policy"),
+    ("config", "config_doc", "policy"),
     ("rollout",),
     ("pipeline", "eval"),
     ("trainer",),

@@ -1,4 +1,4 @@
-"""The ``trustbatch`` command: ``train``, ``sft`` and ``eval``.
+"""The ``trustbatch`` command: ``train``, ``sft``, ``eval``, ``report`` and the lab's commands.
 
 Bad input (a config key, a value, a path, a name) ends with one line on stderr and exit code 2.
 """
@@ -16,13 +16,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
 
 
-@app.command()
+_TRAIN_HELP = (
+    "Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base.\n\n"
+    "Configuration sections, set as section.key=value or in a --config YAML file: task, data, reward, model (and "
+    "model.lora), rollout, objective, train, eval; top-level keys: run_dir, checkpoint_every, orchestrator, "
+    "ray_address, ray_learners, threads. Every key with its type, default and meaning: docs/config.md."
+)
+
+
+@app.command(help=_TRAIN_HELP)
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. objective.name=grpo)"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in RUN_DIR from its last checkpoint"),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved configuration (YAML) and "
+                                      "exit, without starting a run or touching its directory"),
 ):
-    """Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base."""
+    """``_TRAIN_HELP``; ``--print-config`` prints the configuration a run would use and exits."""
+    if print_config:
+        from .config import dump_config
+        from .recipes.train import resolved_config
+
+        typer.echo(dump_config(resolved_config(config, overrides, resume)), nl=False)
+        return
     from .recipes.train import train_command
 
     train_command(config, overrides, resume)
@@ -161,6 +177,20 @@ def eval_(
     atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
     errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
     console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
+
+
+@app.command()
+def report(
+    runs: List[str] = typer.Argument(..., help="run directories of trustbatch train (their run_dir)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder for README.md (the table) and runs.png (the figure)"),
+):
+    """Compare runs: their curves overlaid in one figure, and a Markdown table of the config keys in which they
+    differ, base / final / best held-out accuracy and wall time."""
+    from rich.console import Console
+
+    from .recipes.compare import write_comparison
+
+    Console().print(f"report: {write_comparison(runs, out)}")
 
 
 lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report.")

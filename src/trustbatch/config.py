@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import copy
-
+import difflib
 import math
 import re
 from pathlib import Path
@@ -98,11 +98,11 @@ class _Strict(BaseModel):
 class TaskConfig(_Strict):
     """A reasoning-gym task, generated from ``seed``, split into disjoint train and held-out prompts."""
 
-    name: str = "chain_sum"
+    name: str = Field("chain_sum", description="a reasoning-gym task; chain_sum_steps is the lab's long-completion variant")
     params: FreeDict = Field(default_factory=dict, description="merged over the task's defaults")
-    train_size: Int = Field(3500, ge=1)
-    heldout_size: Int = Field(256, ge=1)
-    seed: Int = 1
+    train_size: Int = Field(3500, ge=1, description="training prompts")
+    heldout_size: Int = Field(256, ge=1, description="held-out prompts")
+    seed: Int = Field(1, description="generation seed")
 
     @model_validator(mode="after")
     def _merge_default_params(self) -> "TaskConfig":
@@ -123,11 +123,13 @@ class DataConfig(_Strict):
     train: str | None = Field(None, description="JSONL file or benchmark name to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
-    format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = "auto"
-    prompt_field: str | None = None
-    answer_field: str | None = None
+    format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
+        "auto", description="row format; auto: from the first row's fields (jsonl when prompt_field or answer_field "
+                            "is set)")
+    prompt_field: str | None = Field(None, description="prompt field of a plain JSONL")
+    answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
-    heldout_size: Int = Field(256, ge=1)
+    heldout_size: Int = Field(256, ge=1, description="held-out rows")
 
 
 class RewardConfig(_Strict):
@@ -135,7 +137,7 @@ class RewardConfig(_Strict):
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
-    timeout_s: Float = Field(10.0, gt=0)
+    timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
     max_failure_rate: Float = Field(
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions fail to "
                                      "score (errors + timeouts); any failure is reported as a warning")
@@ -144,20 +146,20 @@ class RewardConfig(_Strict):
 class ModelConfig(_Strict):
     """``path`` loads any local HF model directory; without it the default small base is built (and cached)."""
 
-    path: str | None = None
-    hidden: Int = Field(128, ge=8)
-    layers: Int = Field(4, ge=1)
-    heads: Int = Field(4, ge=1)
-    vocab_size: Int = Field(384, ge=260)
-    max_len: Int = Field(64, ge=8)
+    path: str | None = Field(None, description="local Hugging Face model directory")
+    hidden: Int = Field(128, ge=8, description="default base: width")
+    layers: Int = Field(4, ge=1, description="default base: decoder layers")
+    heads: Int = Field(4, ge=1, description="default base: attention heads")
+    vocab_size: Int = Field(384, ge=260, description="default base: tokenizer vocabulary budget")
+    max_len: Int = Field(64, ge=8, description="default base: positions")
     sft_examples: Int | None = Field(None, ge=1, description="demonstrations for SFT: the first N train prompts (None: all)")
     sft_teacher_error: Float = Field(
         0.25, ge=0, lt=1, description="fraction of SFT demonstrations whose answer is another prompt's (a weak teacher)"
     )
-    sft_steps: Int = Field(600, ge=0)
-    sft_batch_size: Int = Field(64, ge=1)
-    sft_lr: Float = Field(3e-3, gt=0)
-    seed: Int = 0
+    sft_steps: Int = Field(600, ge=0, description="SFT optimizer steps")
+    sft_batch_size: Int = Field(64, ge=1, description="SFT batch (demonstrations per optimizer step)")
+    sft_lr: Float = Field(3e-3, gt=0, description="SFT learning rate")
+    seed: Int = Field(0, description="default base: initialisation and SFT seed (the lab sets it per seed)")
     lora: "LoraConfig | None" = Field(None, description="train LoRA adapters (peft) instead of every weight; "
                                                        "engines receive the merged weights")
 
@@ -173,11 +175,13 @@ class LoraConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
+    """Sampling the training completions: group size, temperature, behaviour shifts, the async pipeline."""
+
     group_size: Int = Field(8, ge=2, description="G completions per prompt")
-    prompts_per_step: Int = Field(64, ge=1)
-    temperature: Float = Field(1.0, gt=0)
-    top_p: Float = Field(1.0, gt=0, le=1)
-    max_new_tokens: Int = Field(8, ge=1)
+    prompts_per_step: Int = Field(64, ge=1, description="prompts per rollout round")
+    temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
+    top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens")
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
     max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
@@ -211,10 +215,14 @@ class RolloutConfig(_Strict):
 
 
 class ObjectiveConfig(_Strict):
-    name: str = "p3o"
-    options: FreeDict = Field(default_factory=dict)
-    advantage: Literal["zscore", "mean", "rloo"] = "zscore"
-    std: Literal["population", "sample"] = "population"
+    """The loss: an objective by name, its options, and the group advantage (docs/design/objectives.md)."""
+
+    name: str = Field("p3o", description="a registered objective (trustbatch.objectives.register)")
+    options: FreeDict = Field(default_factory=dict, description="the objective's options, checked by name, type and "
+                                                                "range (e.g. {kl: exact}, {eps_low: 0.2, eps_high: 0.28})")
+    advantage: Literal["zscore", "mean", "rloo"] = Field("zscore", description="zscore (GRPO), mean (Dr.GRPO) or rloo")
+    std: Literal["population", "sample"] = Field(
+        "population", description="z-score σ: population (the paper's Eq. 3) or sample (the reference code's)")
 
     @field_validator("name")
     @classmethod
@@ -241,16 +249,20 @@ class ObjectiveConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    """The learner: optimizer, batching, replay, precision and data parallelism."""
+
     steps: Int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
-    lr: Float = Field(3e-4, gt=0)
+    lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
-    weight_decay: Float = Field(0.0, ge=0)
-    grad_clip: Float = Field(1.0, gt=0)
-    micro_batch_size: Int = Field(512, ge=1)
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")
+    micro_batch_size: Int = Field(512, ge=1, description="rows per micro-batch (gradient accumulation within an "
+                                                         "optimizer step)")
     minibatches: Int = Field(1, ge=1, description="optimizer steps per epoch over one rollout batch")
     epochs: Int = Field(1, ge=1, description="passes over one rollout batch (replay)")
-    ess_scope: Literal["batch", "micro_batch", "sequence"] = "batch"
-    seed: Int = 0
+    ess_scope: Literal["batch", "micro_batch", "sequence"] = Field(
+        "batch", description="where P3O's ESS is measured: batch, micro_batch (the reference code) or sequence")
+    seed: Int = Field(0, description="training seed")
     max_bad_steps: Int = Field(
         3, ge=1, description="consecutive optimizer steps with a non-finite loss or gradient norm that are skipped "
                              "before the run stops")
@@ -277,9 +289,11 @@ class TrainConfig(_Strict):
 
 
 class EvalConfig(_Strict):
+    """Held-out evaluation during training, on a random stream of its own (it cannot move training)."""
+
     every: Int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
-    samples_per_prompt: Int = Field(4, ge=1)
-    temperature: Float = Field(1.0, gt=0)
+    samples_per_prompt: Int = Field(4, ge=1, description="samples per held-out prompt")
+    temperature: Float = Field(1.0, gt=0, description="sampling temperature of the evaluation")
 
 
 ModelConfig.model_rebuild()
@@ -294,8 +308,9 @@ class Config(_Strict):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    run_dir: str | None = None
-    checkpoint_every: Int = Field(50, ge=1)
+    run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
+    checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
+                                                        "base evaluation)")
     orchestrator: Literal["local", "ray"] = Field(
         "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
                              "existing cluster (with rollout.mode=async; needs trustbatch[ray])")
@@ -330,6 +345,41 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
+def config_fields(model: type[BaseModel] | None = None, prefix: str = ""):
+    """Yield ``(dotted key, field, sections)`` for every field of ``Config`` (default) and its sections, depth first.
+
+    ``sections`` are the pydantic models the field's annotation holds (``[LoraConfig]`` for ``model.lora``, empty for
+    a plain value); their fields follow the section's own entry, prefixed ``key.``.
+    """
+    for name, field in (model or Config).model_fields.items():
+        subs = _models_in(field.annotation)
+        yield prefix + name, field, subs
+        for sub in subs:
+            yield from config_fields(sub, f"{prefix}{name}.")
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in getattr(annotation, "__args__", ()) for m in _models_in(a)]  # a union, list[...], Literal
+
+
+def nearest_key(key: str) -> str | None:
+    """The known config key a mistyped ``key`` most likely meant (difflib), or None.
+
+    First a close name in the same section (``train.step`` -> ``train.steps``, ``trian`` -> ``train``), else the one
+    key of that name in another section (``rollout.lr`` -> ``train.lr``).
+    """
+    section, _, name = key.rpartition(".")
+    keys = [k for k, _, _ in config_fields()]
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    near = difflib.get_close_matches(name, siblings, n=1)
+    if near:
+        return f"{section}.{near[0]}" if section else near[0]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == name]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -343,7 +393,9 @@ def _format_error(e: ValidationError) -> str:
         parts.pop()
     loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
-        return f"unknown config key {loc!r}; see docs/guide/configuration.md for the keys"
+        near = nearest_key(loc)
+        hint = f"did you mean {near!r}? " if near else ""
+        return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"].endswith("_type"):  # every branch refused the type: name them all
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))

@@ -12,7 +12,8 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
     """Score ``samples_per_prompt`` sampled completions and one greedy completion per held-out prompt.
 
     Returns ``heldout_accuracy`` (mean reward of the samples: the pass@1 estimate at ``temperature``,
-    the paper's protocol at T = 1), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
+    the paper's protocol at T = 1), ``heldout_accuracy_se`` (its standard error over prompts: the sample
+    standard deviation of the per-prompt mean rewards over √P; NaN for one prompt), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
     ``heldout_greedy_accuracy``, ``heldout_reward_errors`` and ``heldout_reward_timeouts``.
     """
     n = samples_per_prompt
@@ -22,6 +23,7 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
                          greedy=True, chunk_prompts=512)
     return {
         "heldout_accuracy": s.reward_mean,
+        "heldout_accuracy_se": s.reward_se,
         f"heldout_pass@{n}": s.pass_at(n)[0],
         "heldout_greedy_accuracy": g.reward_mean,
         "heldout_reward_errors": float(s.reward_errors + g.reward_errors),

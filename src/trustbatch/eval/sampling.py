@@ -22,6 +22,7 @@ class Scored:
     reward_timeouts: int
     response_tokens: float  # mean completion length
     truncated_fraction: float
+    reward_se: float = math.nan  # standard error over prompts of the per-prompt mean reward (NaN when P = 1)
 
     def pass_at(self, k: int) -> tuple[float, float]:
         """(mean over prompts of the unbiased pass@k, its standard error over prompts).
@@ -31,12 +32,7 @@ class Scored:
         when n ≫ k. NaN when P = 1.
         """
         vals = [pass_at_k(self.n, c, k) for c in self.correct]
-        P = len(vals)
-        mean = sum(vals) / P
-        if P < 2:
-            return mean, float("nan")
-        var = sum((v - mean) ** 2 for v in vals) / (P - 1)
-        return mean, math.sqrt(var / P)
+        return sum(vals) / len(vals), _standard_error(vals)
 
 
 def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, temperature: float,
@@ -51,6 +47,7 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     n = 1 if greedy else n
     sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
     correct: list[int] = []
+    prompt_means: list[float] = []
     total, tokens, truncated, errors, timeouts = 0.0, 0, 0, 0, 0
     for s in range(0, len(examples), chunk_prompts):
         part = examples[s:s + chunk_prompts]
@@ -62,8 +59,17 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         truncated += sum(x.truncated for x in ro)
         for i in range(len(part)):
             correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= 0.5))
+            prompt_means.append(sum(res.rewards[i * n:(i + 1) * n]) / n)
         if on_progress is not None:
             on_progress(min(s + chunk_prompts, len(examples)))
     m = n * len(examples)
     return Scored(n=n, correct=correct, reward_mean=total / m, reward_errors=errors, reward_timeouts=timeouts,
-                  response_tokens=tokens / m, truncated_fraction=truncated / m)
+                  response_tokens=tokens / m, truncated_fraction=truncated / m, reward_se=_standard_error(prompt_means))
+
+
+def _standard_error(xs: list[float]) -> float:
+    """Sample standard deviation of ``xs`` over √len(xs): the spread over prompts; NaN for fewer than 2."""
+    if len(xs) < 2:
+        return math.nan
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs))

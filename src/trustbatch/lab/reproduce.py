@@ -8,7 +8,9 @@ machines). A difference names the first round and metric where the two runs part
 Compared: the resolved config (``ARM/seedK.yaml``, less ``run_dir``), then every record of
 ``metrics.jsonl`` in file order, key by key, with exact float equality. Wall-clock measurements (keys
 ending in ``_s``, such as ``rollout_s``, ``step_s`` and ``tokens_per_s``) are left out: they are the one
-thing a re-run is not expected to repeat.
+thing a re-run is not expected to repeat. So are keys the archived run never logged in any record (a metric
+added to the logs after the archive was made, e.g. ``heldout_accuracy_se``): there is nothing to compare them
+with, and every value the archive holds is still compared.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = ""
         if not records.exists(p / "metrics.jsonl"):
             raise UserError(f"{p} has no metrics.jsonl; pass run folders of `trustbatch lab run` (OUT/EXPERIMENT/ARM/seedK)")
     old, new = records.read_jsonl(archived / "metrics.jsonl"), records.read_jsonl(rerun / "metrics.jsonl")
+    logged = {key for rec in old for key in rec}
     values = differing = 0
     first = None
     score_diffs = []
@@ -106,7 +109,7 @@ def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = ""
         b = new[i] if i < len(new) else {}
         step = a.get("step", b.get("step"))
         for key in ["step"] + sorted((a.keys() | b.keys()) - {"step"}):
-            if is_timing(key):
+            if is_timing(key) or key not in logged:
                 continue
             values += 1
             va, vb = a.get(key, ABSENT), b.get(key, ABSENT)

@@ -209,10 +209,29 @@ def train_command(config: str | None = None, overrides: list[str] | None = None,
         UserError: ``resume`` given with ``config``; anything ``load_config`` or ``train`` raises as one.
         RunInterrupted: Ctrl-C or SIGTERM (the last checkpoint is intact).
     """
-    if resume and config:
-        raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
+    _refuse_config_with_resume(config, resume)
     cfg = None if resume else load_config(config, overrides)
     return train(cfg, resume=resume, overrides=overrides if resume else None)
+
+
+def resolved_config(config: str | None = None, overrides: list[str] | None = None, resume: str | None = None) -> Config:
+    """The configuration ``train_command`` would run with (``trustbatch train --print-config``), resolved without
+    creating, locking or writing a run directory: a resume's saved config with its overrides, else defaults ← file ←
+    overrides.
+
+    Raises:
+        UserError: as ``train_command`` for the same arguments, before any run starts (a resume's non-resumable
+            override, an unknown key, an invalid value, ...).
+    """
+    _refuse_config_with_resume(config, resume)
+    if resume:
+        return _resolve_run(None, resume, overrides)[0]
+    return load_config(config, overrides)
+
+
+def _refuse_config_with_resume(config: str | None, resume: str | None) -> None:
+    if resume and config:
+        raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
 
 
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console) -> dict:
