@@ -194,7 +194,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     check_orchestrator(cfg)
     learner_kw = dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
-                      epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps)
+                      epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps,
+                      logprob_chunk_size=tr.logprob_chunk_size)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
         from ..orchestration.ray_learner import RayLearnerGroup
 
