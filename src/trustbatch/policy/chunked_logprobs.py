@@ -139,9 +139,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.mark_non_differentiable(ent)
-        if ref is None:
-            ctx.mark_non_differentiable(kl)
+        ctx.mark_non_differentiable(*((ent,) if ref is not None else (ent, kl)))  # one call: a second replaces it
         return logp, ent, kl
 
     @staticmethod
