@@ -114,9 +114,10 @@ def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
 class _ChunkedHead(torch.autograd.Function):
     """(logp, entropy, kl) of ``chunked_logprobs``; saves hidden, weight, bias, targets; recomputes logits in backward.
 
-    The backward runs autograd on each recomputed chunk from its head output on (upcast, /T,
-    log-softmax, gather, KL: the full path's ops, so the same gradient of the logits), then
-    multiplies through the head by hand, summing the weight's gradient over chunks.
+    The backward recomputes each chunk's head output and takes its gradient with the full path's
+    backward ops (upcast, /T, log-softmax, gather, and the KL through autograd on the chunk), so the
+    same gradient of the logits, then multiplies through the head by hand, summing the weight's
+    gradient over chunks.
     """
 
     @staticmethod
@@ -130,10 +131,10 @@ class _ChunkedHead(torch.autograd.Function):
                 ent = lsm.new_empty((B, C) if with_entropy else (0,))
                 kl = lsm.new_empty((B, C) if ref is not None else (0,))
             logp[:, cols] = lsm.gather(-1, targets[:, cols, None]).squeeze(-1)
-            if with_entropy:
-                ent[:, cols] = -(lsm.exp() * lsm).sum(-1)
             if ref is not None:
                 kl[:, cols] = reference_kl(lsm, ref, cols)
+            if with_entropy:  # the full path's −(exp(lsm)·lsm).sum(−1), its product written over exp(lsm)
+                ent[:, cols] = -(lsm.exp().mul_(lsm)).sum(-1)
             del lsm
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
@@ -150,24 +151,21 @@ class _ChunkedHead(torch.autograd.Function):
         g_weight = torch.zeros_like(weight) if need_w else None
         g_bias = torch.zeros_like(bias) if need_b else None
         dev, enabled, ac_dtype = ctx.autocast
+        with_kl = g_kl is not None and ctx.ref is not None
+        if g_logp is None and not with_kl:
+            return None, None, None, None, None, None, None, None
         for cols in _spans(hidden.shape[1], ctx.chunk):
             h = hidden[:, cols]
             with torch.no_grad(), torch.autocast(dev, dtype=ac_dtype, enabled=enabled):  # the forward's head
                 z = _head(h, weight, bias)
-            z.requires_grad_(True)
-            with torch.enable_grad():
-                lsm = _log_softmax(z, ctx.temperature)
-                outs, grads = [], []
-                if g_logp is not None:
-                    outs.append(lsm.gather(-1, targets[:, cols, None]).squeeze(-1))
-                    grads.append(g_logp[:, cols])
-                if g_kl is not None and ctx.ref is not None:
-                    outs.append(reference_kl(lsm, ctx.ref, cols))
-                    grads.append(g_kl[:, cols])
-                if not outs:
-                    continue
-                (grad,) = torch.autograd.grad(outs, z, grads)
-            del lsm, outs, z
+            if with_kl:
+                grad = _autograd_chunk(z, ctx, cols, targets, g_logp, g_kl)
+                del z
+            else:
+                head_dtype, lsm = z.dtype, _log_softmax(z, ctx.temperature)
+                del z  # before the gradient's buffers
+                grad = _logp_chunk_grad(lsm, ctx.temperature, head_dtype, targets[:, cols, None], g_logp[:, cols, None])
+                del lsm
             grad = grad.reshape(-1, weight.shape[0])  # [B·k, V] in the head's dtype
             if need_h:
                 g_hidden[:, cols] = (grad @ weight.to(grad.dtype)).view(*h.shape[:2], -1).to(hidden.dtype)
@@ -181,6 +179,34 @@ class _ChunkedHead(torch.autograd.Function):
                 g_bias.add_(grad.sum(0).to(g_bias.dtype))
             del grad
         return g_hidden, g_weight, g_bias, None, None, None, None, None
+
+
+def _logp_chunk_grad(lsm: torch.Tensor, temperature: float, head_dtype: torch.dtype, targets: torch.Tensor,
+                     g: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. the head output z of Σ g·lsm[target], lsm = log-softmax(z↑/T): autograd's own backward
+    ops (gather: zeros + scatter_add; log-softmax: ``_log_softmax_backward_data``; /T; the upcast), each
+    [B, k, V] buffer freed as soon as it is used (three alive at most, with the caller's ``lsm``, which it
+    frees before the head's matmuls)."""
+    g_lsm = torch.zeros_like(lsm).scatter_add_(-1, targets, g.to(lsm.dtype))
+    grad = torch._log_softmax_backward_data(g_lsm, lsm, -1, lsm.dtype)
+    del g_lsm, lsm
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(head_dtype)
+
+
+def _autograd_chunk(z: torch.Tensor, ctx, cols: slice, targets, g_logp, g_kl) -> torch.Tensor:
+    """Gradient w.r.t. the head output ``z`` of Σ g_logp·log p(target) + g_kl·KL, by autograd on the chunk."""
+    z = z.detach().requires_grad_(True)
+    with torch.enable_grad():
+        lsm = _log_softmax(z, ctx.temperature)
+        outs, grads = [reference_kl(lsm, ctx.ref, cols)], [g_kl[:, cols]]
+        if g_logp is not None:
+            outs.append(lsm.gather(-1, targets[:, cols, None]).squeeze(-1))
+            grads.append(g_logp[:, cols])
+        del lsm
+        (grad,) = torch.autograd.grad(outs, z, grads)
+    return grad
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
