@@ -16,7 +16,8 @@ is the same in both arms. Shapes:
 ``full`` is the full path (``chunked_logprobs.full_logprobs`` on [B, C, V] logits, autograd); ``chunked``
 is ``chunked_logprobs`` at ``--chunk`` columns. Memory on CPU: each arm runs in a fresh subprocess,
 and its peak is ``ru_maxrss`` minus the resident set after its inputs were allocated (so the
-interpreter, torch and the inputs are not counted; page-cache noise is a few MB). On CUDA:
+interpreter, torch and the inputs are not counted; page-cache noise is a few MB): the peak is VmHWM
+after resetting it (``/proc/self/clear_refs``), or ``ru_maxrss`` where that cannot be reset. On CUDA:
 ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory allocated before the
 arm. Time: forward + backward, wall clock (synchronised on CUDA), after a small untimed warm-up.
 Arms are interleaved, ``--repeats`` times; one JSON line per arm (median and range), then the ratio.
@@ -44,6 +45,24 @@ SHAPES = {"qwen": dict(B=1, C=4096, V=151_936, H=896), "default": dict(B=512, C=
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM; Linux ≥ 4.0). ``ru_maxrss`` cannot be reset, and a child
+    inherits its parent's high-water mark across fork and exec."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes(reset: bool) -> int:
+    if reset:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _inputs(B, C, V, H, device):
@@ -77,6 +96,7 @@ def child(arm: str, shape: str, chunk: int, device: str, threads: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        reset = _reset_peak_rss()
         base = _rss_bytes()
     t0 = time.perf_counter()
     logp, _ = _run(arm, h, w, y, cot, chunk)
@@ -86,7 +106,7 @@ def child(arm: str, shape: str, chunk: int, device: str, threads: int) -> dict:
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = _peak_rss_bytes(reset) - base
     torch.save({"logp": logp.cpu(), "w_grad": w.grad.cpu()}, os.environ["LOGPROB_BENCH_OUT"])
     return {"peak_mb": peak / 2 ** 20, "time_s": dt}
 

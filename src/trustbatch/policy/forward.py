@@ -3,6 +3,12 @@
 Layout: every sequence is ``prompt + completion`` left-padded to a common length L, so the
 completions are right-aligned and occupy the last C = max completion length positions. Tensors
 over the response are therefore ``[B, C]``, the ``[B, T]`` of the objectives.
+
+With ``chunk_size`` (the learner's ``logprob_chunk_size``) and C > chunk_size, the model is called
+with its LM head on no position and the decoder's hidden states go through ``chunked_logprobs``:
+no [B, C, V] logits are kept for backward. The call goes through the module it is given (a DDP
+wrapper included: one wrapper forward per backward, as before); the head's own weight Parameter
+enters the chunked op, so tied embeddings and data-parallel gradient hooks see its gradient.
 """
 
 from __future__ import annotations
