@@ -275,8 +275,10 @@ class TrainConfig(_Strict):
         False, description="recompute each decoder layer's activations in backward (transformers' "
                            "gradient_checkpointing_enable, non-reentrant)")
     logprob_chunk_size: Int | None = Field(
-        1024, ge=1, description="response positions per LM-head chunk: log-probs, entropy and exact KL never hold "
-                                "[B, C, V] logits (recomputed per chunk in backward); null: the full path")
+        1024, ge=1, description="completion columns per LM-head chunk, for all rows of a micro-batch at once "
+                                "(micro_batch_size x chunk x V logits at most): log-probs, entropy and exact KL never "
+                                "hold [B, C, V] logits (recomputed per chunk in backward); completions no wider than "
+                                "this, or null: the full path")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
 

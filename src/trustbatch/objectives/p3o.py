@@ -64,6 +64,27 @@ def _full_input(prep: Prepared, name: str, t, V: int | None = None) -> torch.Ten
     return torch.where(m3, t, torch.zeros((), dtype=t.dtype))
 
 
+def _kl_exact_input(prep: Prepared, kl_exact, kl: str, **full) -> torch.Tensor | None:
+    """The checked per-token exact KL ``[B, T]`` (with gradient) a caller computed itself; None if not given.
+
+    Raises ValueError when it comes with another estimator or with the full inputs, has the wrong
+    shape, or is not finite at a valid position.
+    """
+    if kl_exact is None:
+        return None
+    if kl not in FULL_KL_ESTIMATORS:
+        raise ValueError(f"kl_exact is only used by kl='exact', not kl={kl!r}; drop it or set kl='exact'")
+    given = sorted(k for k, v in full.items() if v is not None)
+    if given:
+        raise ValueError(f"pass kl_exact or the full log-probs ({', '.join(given)}), not both")
+    if prep.opts.check_finite and isinstance(kl_exact, torch.Tensor) and kl_exact.shape == prep.mask.shape:
+        if bool(((kl_exact.detach() == float("inf")) & prep.mask).any()):
+            raise ValueError("kl_exact is +inf at valid positions: a truncated behaviour distribution (top-p or "
+                             "top-k) puts π_b = 0 where π_θ > 0, so KL(π_θ‖π_b) is infinite; sample with top_p=1 "
+                             "or use kl='k3'")
+    return prep.sanitize("kl_exact", kl_exact, grad=True)
+
+
 def _exact_kl_inputs(prep: Prepared, kl: str, **full) -> dict[str, torch.Tensor] | None:
     """The checked [B, T, V] inputs for ``kl="exact"``; None for a sampled-token estimator (which takes none)."""
     given = sorted(k for k, v in full.items() if v is not None)
@@ -73,8 +94,8 @@ def _exact_kl_inputs(prep: Prepared, kl: str, **full) -> dict[str, torch.Tensor]
         return None
     missing = sorted(k for k, v in full.items() if v is None)
     if missing:
-        raise ValueError(f"kl='exact' needs {', '.join(missing)}= ([B, T, V] log-softmax at the response positions); "
-                         "pass them or use kl='k3'")
+        raise ValueError(f"kl='exact' needs {', '.join(missing)}= ([B, T, V] log-softmax at the response positions) "
+                         "or kl_exact= (the per-token KL); pass them or use kl='k3'")
     # the learner's own tensor first: its vocabulary is the one the others must match
     order = ["logprobs_full"] + sorted(k for k in full if k != "logprobs_full")
     V = full["logprobs_full"].shape[-1] if isinstance(full["logprobs_full"], torch.Tensor) else None
@@ -139,6 +160,7 @@ def p3o(
     kl: str = "k3",
     logprobs_full: torch.Tensor | None = None,
     behavior_logprobs_full: torch.Tensor | None = None,
+    kl_exact: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
     """P3O loss (arXiv 2605.12380 Eq. 11–12; docs/design/objectives.md §1).
@@ -161,6 +183,9 @@ def p3o(
             only with kl="exact".
         behavior_logprobs_full: [B, T, V] log π_b of the distribution actually sampled (temperature
             applied; no top-p/top-k truncation, where the KL is infinite); only with kl="exact".
+        kl_exact: [B, T] the exact KL(π_θ‖π_b) per position in nats, with gradient through π_θ, computed
+            by the caller (the learner's chunked LM head, ``policy.chunked_logprobs``, so that no
+            [B, T, V] log-softmax of π_θ exists); only with kl="exact", instead of the two full inputs.
         **options: ``CommonOptions`` (aggregation, num_tokens, log_ratio_clip, ref KL, entropy).
 
     Returns:
@@ -179,11 +204,14 @@ def p3o(
             this call's count).
     """
     prep = prepare("p3o", logprobs, behavior_logprobs, advantages, mask, options)
-    full = _exact_kl_inputs(prep, kl, logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full)
+    given = dict(logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full)
+    kl_t = _kl_exact_input(prep, kl_exact, kl, **given)
+    full = _exact_kl_inputs(prep, kl, **given) if kl_t is None else None
     lr = prep.clamped_log_ratio()
     ratio = lr.detach().exp()
     e, fallbacks = _resolve_ess(ess, ess_scope, ratio, prep)
-    kl_t = kl_estimate(lr, kl) if full is None else exact_kl(full["logprobs_full"], full["behavior_logprobs_full"])
+    if kl_t is None:
+        kl_t = kl_estimate(lr, kl) if full is None else exact_kl(full["logprobs_full"], full["behavior_logprobs_full"])
     return _capped_pg_plus_kl(prep, ratio, e, kl_t, {"ess_fallback": fallbacks})
 
 
@@ -248,6 +276,7 @@ def p3o_two_anchor(
     logprobs_full: torch.Tensor | None = None,
     behavior_logprobs_full: torch.Tensor | None = None,
     proximal_logprobs_full: torch.Tensor | None = None,
+    kl_exact: torch.Tensor | None = None,
     **options,
 ) -> ObjectiveOutput:
     """Two-anchor P3O (arXiv 2605.12380 §3.1, Eq. 13, App. B per the read-through; docs/design/objectives.md §2). Experimental.
@@ -273,13 +302,21 @@ def p3o_two_anchor(
             π_θ (with gradient), π_b and π_prox, only with kl="exact": then π_mix is the mixture of
             the whole distributions, π_mix(v) = (w_b·π_b(v) + w_p·π_prox(v)) / (w_b + w_p), and
             KL_t = Σ_v π_θ(v)·(log π_θ(v) − log π_mix(v)).
+        kl_exact: [B, T] that KL_t per position, with gradient, computed by the caller instead of the
+            three full inputs (only with kl="exact"). π_mix's weights come from the ESS, so the caller
+            must pass the ``ess`` and ``ess_proximal`` it mixed with (``anchor_log_weights``).
 
     Raises:
         ValueError: as ``p3o``; ``proximal_logprobs`` with a wrong shape or non-finite valid values.
     """
     prep = prepare("p3o_two_anchor", logprobs, behavior_logprobs, advantages, mask, options)
-    full = _exact_kl_inputs(prep, kl, logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full,
-                            proximal_logprobs_full=proximal_logprobs_full)
+    given = dict(logprobs_full=logprobs_full, behavior_logprobs_full=behavior_logprobs_full,
+                 proximal_logprobs_full=proximal_logprobs_full)
+    kl_given = _kl_exact_input(prep, kl_exact, kl, **given)
+    if kl_given is not None and (ess is None or ess_proximal is None):
+        raise ValueError("kl_exact against π_mix needs the ess and ess_proximal its mixture weights came from; "
+                         "pass both (anchor_log_weights gives the weights)")
+    full = _exact_kl_inputs(prep, kl, **given) if kl_given is None else None
     prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
     c = prep.opts.log_ratio_clip
     lr_b = prep.clamped_log_ratio()
@@ -288,11 +325,10 @@ def p3o_two_anchor(
     e_b, fb_b = _resolve_ess(ess, "batch", ratio_b, prep)
     e_p, fb_p = _resolve_ess(ess_proximal, "batch", ratio_p, prep, name="ess_proximal")
     e_mix = torch.minimum(e_b, e_p)
-    w_b, w_p = (1.0 - e_b).clamp_min(0.0), (1.0 - e_p).clamp_min(0.0)
-    if float(w_b + w_p) <= 0.0:
-        w_b = w_p = torch.ones((), dtype=lr_b.dtype)
-    log_w_b, log_w_p, log_w = torch.log(w_b), torch.log(w_p), torch.log(w_b + w_p)
-    if full is None:
+    log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, lr_b.dtype)
+    if kl_given is not None:
+        kl_t = kl_given
+    elif full is None:
         log_mix = torch.logaddexp(log_w_b + prep.behavior_logprobs, log_w_p + prox) - log_w
         kl_t = kl_estimate((prep.logprobs - log_mix).clamp(-c, c), kl)
     else:
@@ -301,3 +337,16 @@ def p3o_two_anchor(
         kl_t = exact_kl(full["logprobs_full"], log_mix_full)
     return _capped_pg_plus_kl(prep, ratio_b, e_mix, kl_t,
                               {"ess_behavior": e_b, "ess_proximal": e_p, "ess_fallback": fb_b + fb_p})
+
+
+def anchor_log_weights(e_b: torch.Tensor, e_p: torch.Tensor, dtype: torch.dtype):
+    """(log w_b, log w_p, log(w_b + w_p)) of the two-anchor mixture π_mix, from the anchors' ESS.
+
+    w_b = 1 − e_b, w_p = 1 − e_p (clamped at 0); both 0 (full trust in both anchors) → the even
+    mixture, w_b = w_p = 1 (``p3o_two_anchor``; reference code P4O). e_b, e_p: 0-dim tensors (float64
+    from a ``RatioStats``); ``dtype`` is that of the even mixture's weights (the loss's compute dtype).
+    """
+    w_b, w_p = (1.0 - e_b).clamp_min(0.0), (1.0 - e_p).clamp_min(0.0)
+    if float(w_b + w_p) <= 0.0:
+        w_b = w_p = torch.ones((), dtype=dtype)
+    return torch.log(w_b), torch.log(w_p), torch.log(w_b + w_p)

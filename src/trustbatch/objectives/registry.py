@@ -21,6 +21,8 @@ An objective may also need **full next-token distributions** for some option val
 behaviour policy's (and the proximal snapshot's, for ``needs_proximal``). ``spec(name).needs_full_logprobs(options)``
 tells the learner and the recipe; ``validate_options`` refuses such options unless the caller says
 it supplies ``behavior_logprobs_full`` (a rollout engine that returns the behaviour's full log-probs).
+An objective that also takes ``kl_exact`` (``ObjectiveSpec.takes_kl_exact``) accepts instead the exact KL
+per token ``[B, T]``, which the learner computes chunk by chunk without a [B, T, V] log-softmax of π_θ.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ TRAINER_SUPPLIED = {
     "logprobs_full": "the learner's [B, T, V] log-softmax at the response positions",
     "behavior_logprobs_full": "the behaviour policy's [B, T, V] log-probs, recorded by the rollout engine",
     "proximal_logprobs_full": "the [B, T, V] π_θ snapshot taken at the start of train_on",
+    # instead of logprobs_full & co., when the objective takes it (ObjectiveSpec.takes_kl_exact)
+    "kl_exact": "the [B, T] exact KL per position, computed by the learner's chunked LM head",
 }
 # what a caller must be able to supply for options that need full distributions
 FULL_LOGPROBS_INPUT = "behavior_logprobs_full"
@@ -126,6 +130,8 @@ class ObjectiveSpec:
     full_logprobs_when: option name -> the values that make the objective need full distributions
         (``logprobs_full``, ``behavior_logprobs_full`` and, with needs_proximal, ``proximal_logprobs_full``,
         all [B, T, V]), e.g. {"kl": ("exact",)}.
+    takes_kl_exact: the function also takes ``kl_exact=``, the per-token exact KL [B, T] (with gradient)
+        in place of those full inputs (read from the signature at registration).
     """
 
     name: str
@@ -136,6 +142,7 @@ class ObjectiveSpec:
     options: Mapping[str, Opt] = field(default_factory=dict, repr=False)
     defaults: Mapping[str, object] = field(default_factory=dict, repr=False)
     full_logprobs_when: Mapping[str, tuple] = field(default_factory=dict)
+    takes_kl_exact: bool = False
 
     def full_logprobs_cause(self, options: Mapping) -> str | None:
         """The option setting (e.g. "kl='exact'") that needs full distributions, or None."""
@@ -166,7 +173,8 @@ def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = F
     ``options`` must declare an ``Opt`` for every keyword parameter of ``fn`` that users may set
     (keywords in ``TRAINER_SUPPLIED`` need none), plus any option ``fn`` reads from ``**options``.
     ``full_logprobs_when`` maps an option to the values that need full distributions; ``fn`` must then
-    take ``logprobs_full`` and ``behavior_logprobs_full`` (and ``proximal_logprobs_full`` if needs_proximal).
+    take ``logprobs_full`` and ``behavior_logprobs_full`` (and ``proximal_logprobs_full`` if needs_proximal),
+    and may take ``kl_exact`` (the per-token KL in their place).
 
     Raises:
         ValueError: a taken name; an unknown batch statistic or scope; a declaration that ``fn``'s
@@ -210,9 +218,11 @@ def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = F
                 opt = decl.get(k)
                 if opt is None or opt.kind != "choice" or not set(values) <= set(opt.choices):
                     bad(f"full_logprobs_when {k}={values} must name choices of a declared choice option")
+        elif "kl_exact" in params:
+            bad("a kl_exact keyword needs full_logprobs_when (the option values that use it)")
         defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
         _REGISTRY[name] = ObjectiveSpec(name, f, needs_proximal, tuple(batch_stats), tuple(ess_scopes),
-                                        {**COMMON_OPTIONS, **decl}, defaults, full)
+                                        {**COMMON_OPTIONS, **decl}, defaults, full, "kl_exact" in params)
         return f
 
     return _add(fn) if fn is not None else _add

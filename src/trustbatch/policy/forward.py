@@ -3,6 +3,12 @@
 Layout: every sequence is ``prompt + completion`` left-padded to a common length L, so the
 completions are right-aligned and occupy the last C = max completion length positions. Tensors
 over the response are therefore ``[B, C]``, the ``[B, T]`` of the objectives.
+
+With ``chunk_size`` (the learner's ``logprob_chunk_size``) and C > chunk_size, the model is called
+with its LM head on no position and the decoder's hidden states go through ``chunked_logprobs``:
+no [B, C, V] logits are kept for backward. The call goes through the module it is given (a DDP
+wrapper included: one wrapper forward per backward, as before); the head's own weight Parameter
+enters the chunked op, so tied embeddings and data-parallel gradient hooks see its gradient.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .chunked_logprobs import KLReference, full_logprobs, head_logprobs
 
 
 @dataclass
@@ -49,34 +57,100 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) ->
     return Packed(ids, att, pos, resp)
 
 
-def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0,
-                      with_full: bool = False):
-    """Log π(y_t | c_t) for the completion tokens, float32 ``[B, C]``, and optionally the entropy ``[B, C]``.
+# transformers model types whose logits are exactly ``lm_head(decoder(...).last_hidden_state)`` (no soft-capping
+# or logit scaling after the head): the chunked head may take their hidden states
+CHUNKED_HEAD_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
-    Only the last C + 1 positions' logits are computed (``logits_to_keep``). Values at positions
-    outside ``response_mask`` are meaningless (the caller masks them). ``temperature`` divides the
-    logits first (to score a policy at T ≠ 1). ``with_full=True`` returns a third item, the whole
-    log-softmax ``[B, C, V]`` at the completion positions, with gradient (for an exact KL).
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DistributedDataParallel (or similar ``.module``) wrapper."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, LM head) of a standard transformers causal LM, or None: the chunked head cannot serve it.
+
+    Only model types in ``CHUNKED_HEAD_TYPES`` with a ``torch.nn.Linear`` output embedding (tied or
+    not) and a decoder distinct from the model qualify; any other model keeps the full path.
     """
+    m = unwrap(model)
+    if getattr(getattr(m, "config", None), "model_type", None) not in CHUNKED_HEAD_TYPES:
+        return None
+    try:
+        head, decoder = m.get_output_embeddings(), m.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if not isinstance(head, torch.nn.Linear) or decoder is None or decoder is m:
+        return None
+    return decoder, head
+
+
+def decoder_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs):
+    """Call ``model`` once (a DDP wrapper's forward included) with its LM head on no position; return
+    (the model's output, the decoder's last hidden state ``[B, L, H]``).
+
+    The empty ``logits_to_keep`` makes the head compute ``[B, 0, V]`` logits; the hidden states are
+    taken from the decoder's output by a forward hook, so the wrapper's forward runs as usual.
+    """
+    seen = []
+
+    def grab(_mod, _args, out):
+        seen.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    hook = decoder.register_forward_hook(grab)
+    try:
+        out = model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+    finally:
+        hook.remove()
+    if len(seen) != 1:
+        raise RuntimeError(f"the decoder ran {len(seen)} times in one forward; expected once")
+    return out, seen[0]
+
+
+def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0,
+                      with_full: bool = False, chunk_size: int | None = None, kl_reference: KLReference | None = None):
+    """Log π(y_t | c_t) for the completion tokens ``[B, C]``, and optionally the entropy ``[B, C]``.
+
+    Log-probs are the log-softmax of the logits upcast to at least float32 (float32 for a float32 or
+    bf16 model). Values at positions outside ``response_mask`` are meaningless (the caller masks them).
+    ``temperature`` divides the logits first (to score a policy at T ≠ 1).
+
+    Args:
+        chunk_size: None, or C ≤ chunk_size, or a model ``head_parts`` does not serve: the full path,
+            which computes the last C + 1 positions' logits (``logits_to_keep``). Otherwise the LM head
+            runs on the decoder's hidden states ``chunk_size`` completion columns at a time
+            (``chunked_logprobs``): no [B, C, V] logits are kept, the same values up to round-off.
+        with_full: also return the whole log-softmax ``[B, C, V]`` at the completion positions (for an
+            exact KL): with gradient on the full path; without gradient enabled the chunked path
+            builds it chunk by chunk, with gradient it takes the full path.
+        kl_reference: also return the exact KL(π_θ ‖ π_ref) ``[B, C]`` per position, with gradient
+            (``chunked_logprobs.KLReference``; 0 outside its mask).
+
+    Returns:
+        (logp, entropy or None), then the full log-softmax if ``with_full``, then the KL if ``kl_reference``.
+
+    Raises:
+        ValueError: both ``with_full`` and ``kl_reference``.
+    """
+    if with_full and kl_reference is not None:
+        raise ValueError("pass with_full or kl_reference, not both")
     C = packed.response_mask.shape[1]
-    out = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        logits_to_keep=C + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
     targets = packed.input_ids[:, -C:]
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-    return (logp, ent, logp_all) if with_full else (logp, ent)
+    inputs = dict(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids,
+                  use_cache=False)
+    parts = None
+    if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
+        parts = head_parts(model)
+    if parts is None:
+        logits = model(**inputs, logits_to_keep=C + 1).logits[:, :-1]
+        return full_logprobs(logits, targets, with_entropy=with_entropy, temperature=temperature, with_full=with_full,
+                             kl_reference=kl_reference)
+    decoder, head = parts
+    _, hidden = decoder_hidden(model, decoder, **inputs)
+    return head_logprobs(hidden[:, -(C + 1):-1], head, targets, chunk_size=chunk_size, with_entropy=with_entropy,
+                         temperature=temperature, with_full=with_full, kl_reference=kl_reference)
 
 
 def trim(packed: Packed) -> Packed:
@@ -101,12 +175,15 @@ def trim(packed: Packed) -> Packed:
 def trimmed(forward_fn):
     """``forward_fn`` (as ``response_logprobs``) run on ``trim(packed)``, its outputs left-padded back to C.
 
-    The outputs ([B, c] log-probs and entropy, [B, c, V] full log-softmax) get zero columns on the left
+    A ``kl_reference`` is narrowed to the same columns. The outputs ([B, c] log-probs, entropy and KL,
+    [B, c, V] full log-softmax) get zero columns on the left
     (outside ``response_mask``, where values are meaningless), so callers see the usual ``[B, C]``.
     """
     def fn(model, packed: Packed, **kw):
         narrow = trim(packed)
         pad = packed.response_mask.shape[1] - narrow.response_mask.shape[1]
+        if pad and kw.get("kl_reference") is not None:
+            kw["kl_reference"] = kw["kl_reference"].columns(pad)
         out = forward_fn(model, narrow, **kw)
         if pad == 0:
             return out

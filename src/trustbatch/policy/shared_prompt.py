@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import Packed, response_logprobs
+from .chunked_logprobs import KLReference, head_logprobs, logits_dtype, reference_kl
+from .forward import Packed, decoder_hidden, head_parts, response_logprobs, unwrap
 from .kv_cache import cache_kwarg, cache_name, output_cache
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,6 @@ _RUNTIME_REFUSALS: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.W
 _ALIBI_TYPES = ("bloom", "mpt")
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DistributedDataParallel (or similar ``.module``) wrapper."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    return model
-
-
 def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot reuse a prompt's key/value cache for its completions, or None if it can.
 
@@ -72,7 +66,7 @@ def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
     unsuitable at run time is remembered here too. Llama-family models (Llama, Qwen2/3 without
     sliding window, Mistral-like with ``sliding_window=None``) are supported.
     """
-    m = _unwrap(model)
+    m = unwrap(model)
     if m in _RUNTIME_REFUSALS:
         return _RUNTIME_REFUSALS[m]
     cfg = getattr(m, "config", None)
@@ -173,7 +167,8 @@ def split_prompts(packed: Packed) -> PromptSplit | None:
 
 def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False,
                               temperature: float = 1.0, prompt_padding: str = "auto", min_saving: float = 0.1,
-                              with_full: bool = False):
+                              with_full: bool = False, chunk_size: int | None = None,
+                              kl_reference: KLReference | None = None):
     """``response_logprobs`` with each distinct prompt of the micro-batch run once (a drop-in replacement).
 
     Args:
@@ -190,12 +185,16 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
             positions the plain forward computes (U·P + B·(C+1) against B·L); two model calls
             cost more than one on a micro-batch without repeated prompts. 0 or below: always.
         with_full: also return the whole log-softmax ``[B, C, V]`` at the completion positions,
-            right-aligned like ``logp`` and with gradient (for an exact KL), as a third item.
+            right-aligned like ``logp`` (for an exact KL), as a third item; as ``response_logprobs``.
+        chunk_size: as ``response_logprobs``: above C ≤ chunk_size, the completion pass's hidden states
+            go through ``chunked_logprobs`` (right-aligned first, so outputs and ``kl_reference`` share
+            the ``pack`` layout); None or C ≤ chunk_size: the full path.
+        kl_reference: also return the exact KL ``[B, C]`` to it, as ``response_logprobs``.
 
     Returns:
         (logp, entropy): log π(y_t | prompt, y_<t) ``[B, C]`` float32 (log-softmax of float32
         logits, as ``response_logprobs``) right-aligned like ``packed.response_mask``, and the
-        entropy ``[B, C]`` or None.
+        entropy ``[B, C]`` or None; then the full log-softmax and the KL when asked, as ``response_logprobs``.
         Values outside ``response_mask`` are meaningless but finite.
 
     Raises:
@@ -207,10 +206,12 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
         split = split_prompts(packed)
         if split is not None and (min_saving <= 0 or split.saving >= min_saving):
             out = _shared_forward(model, split, with_entropy=with_entropy, temperature=temperature,
-                                  prompt_padding=prompt_padding, with_full=with_full)
+                                  prompt_padding=prompt_padding, with_full=with_full, chunk_size=chunk_size,
+                                  kl_reference=kl_reference)
             if out is not None:
                 return out
-    return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature, with_full=with_full)
+    return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature, with_full=with_full,
+                             chunk_size=chunk_size, kl_reference=kl_reference)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -250,9 +251,12 @@ def _is_plain_dynamic_cache(cache) -> bool:
 
 
 def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: bool, temperature: float,
-                    prompt_padding: str, with_full: bool = False):
+                    prompt_padding: str, with_full: bool = False, chunk_size: int | None = None,
+                    kl_reference: KLReference | None = None):
     """The two passes; None if the prompt pass's cache cannot be indexed (remembered for the model)."""
-    m = _unwrap(model)
+    if with_full and kl_reference is not None:
+        raise ValueError("pass with_full or kl_reference, not both")
+    m = unwrap(model)
     U, P = s.prefix_ids.shape
     B, C1 = s.seg_ids.shape
     C = C1 - 1
@@ -285,22 +289,35 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     # Filler after a row's completion is marked valid: causal attention keeps the real tokens
     # from seeing it, and it keeps every query row non-empty (no NaN from a fully masked row).
     att = torch.cat([valid.index_select(0, s.group).long(), torch.ones(B, C1, dtype=torch.long, device=dev)], 1)
-    out = model(input_ids=s.seg_ids, attention_mask=att, position_ids=s.seg_pos, use_cache=True, logits_to_keep=C1,
-                **{cache_kwarg(m): cache})
+    inputs = dict(input_ids=s.seg_ids, attention_mask=att, position_ids=s.seg_pos, use_cache=True,
+                  **{cache_kwarg(m): cache})
+    # right-align: output column j holds raw column j - (C - n_i); the columns before wrap onto filler
+    src = (torch.arange(C, device=dev)[None] - (C - s.n)[:, None]) % C
+    parts = None
+    if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
+        parts = head_parts(m)
+    if parts is not None:
+        decoder, head = parts
+        _, hidden = decoder_hidden(model, decoder, **inputs)
+        hidden = hidden[:, :-1].gather(1, src[..., None].expand(-1, -1, hidden.shape[-1]))  # a permutation per row
+        return head_logprobs(hidden, head, s.seg_ids[:, 1:].gather(1, src), chunk_size=chunk_size,
+                             with_entropy=with_entropy, temperature=temperature, with_full=with_full,
+                             kl_reference=kl_reference)
+    out = model(**inputs, logits_to_keep=C1)
+    del inputs
     logits = out.logits[:, :-1]
     del out, cache
-    logits = logits.float()  # as response_logprobs: float32 log-probs whatever the model's dtype
+    logits = logits.to(logits_dtype(logits.dtype))  # as response_logprobs: at least float32 whatever the model's dtype
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     raw = logp_all.gather(-1, s.seg_ids[:, 1:, None]).squeeze(-1)  # [B, C], row i's tokens at 0..n_i-1
-    # right-align: output column j holds raw column j - (C - n_i); the columns before wrap onto filler
-    src = (torch.arange(C, device=dev)[None] - (C - s.n)[:, None]) % C
     logp = raw.gather(1, src)
     ent = None
     if with_entropy:
         with torch.no_grad():
             ent = -(logp_all.exp() * logp_all).sum(-1).gather(1, src)
-    if not with_full:
+    if not with_full and kl_reference is None:
         return logp, ent
-    return logp, ent, logp_all.gather(1, src[..., None].expand(-1, -1, logp_all.shape[-1]))
+    full = logp_all.gather(1, src[..., None].expand(-1, -1, logp_all.shape[-1]))
+    return (logp, ent, full) if with_full else (logp, ent, reference_kl(full, kl_reference))

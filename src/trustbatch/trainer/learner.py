@@ -10,8 +10,15 @@ must cover the whole optimizer batch. When the batch is split into micro-batches
 no-grad pass accumulates them (Σρ, Σρ², n in float64) over every micro-batch and rank before the
 first backward; with one micro-batch on one rank the loss computes the same values itself.
 Options that need full distributions (``spec.needs_full_logprobs``, e.g. P3O's kl="exact") make the
-learner pass its [B, C, V] log-softmax and the batch's ``behavior_logprobs_full`` (and a [B, C, V]
-proximal snapshot) with every micro-batch.
+learner compute the exact KL to the batch's ``behavior_logprobs_full`` (for the two-anchor variant, to
+the mixture with a [B, C, V] proximal snapshot, weighted by the batch ESS, which is then always taken in
+a no-grad pass first) inside its LM head, chunk by chunk, and pass it per token (``kl_exact``); an
+objective that does not take ``kl_exact`` gets the learner's [B, C, V] log-softmax itself.
+
+Log-probs come from the LM head applied ``logprob_chunk_size`` completion columns at a time
+(``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward. The
+remaining [B, C, V] tensors are the behaviour's full log-probs stored with the batch (and the
+proximal snapshot's) for kl="exact".
 
 Data parallel (``trustbatch.parallel``): every rank receives the same global batch and trains on its
 shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
@@ -22,6 +29,7 @@ ones padded in), so no collective is left waiting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable
 
@@ -32,6 +40,8 @@ from ..errors import UserError
 from ..objectives import RatioStats
 from ..objectives.clipped import grpo_zeroed_shares
 from ..pipeline.batch import TrainBatch
+from ..objectives.p3o import anchor_log_weights
+from ..policy.chunked_logprobs import KLReference, logits_dtype
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
@@ -75,6 +85,9 @@ class Learner:
         trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
             than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
             a saving only when micro-batches split a batch of unequal lengths).
+        logprob_chunk_size: completion columns (of every row of a micro-batch) per LM-head chunk
+            (``policy.chunked_logprobs``): a micro-batch of width C > logprob_chunk_size never holds
+            its [B, C, V] logits; C ≤ logprob_chunk_size, or None: the full path, op for op as before.
         precision: "float32", or "bf16-mixed": every forward of the learner runs under bf16 autocast
             (matrix products in bf16) while the weights, gradients and AdamW state stay float32
             (Lightning's ``bf16-mixed``). The log-probs that feed ratios, ESS and KL are still float32
@@ -95,7 +108,8 @@ class Learner:
                  weight_decay: float = 0.0, grad_clip: float = 1.0, micro_batch_size: int = 256,
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
-                 trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False):
+                 trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
+                 logprob_chunk_size: int | None = 1024):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -108,6 +122,12 @@ class Learner:
         self.options = objectives.validate_options(objective, dict(options or {}),
                                                    supplied=("behavior_logprobs_full",))
         self.full = self.spec.needs_full_logprobs(self.options)
+        # the exact KL is computed in the LM head's chunks; π_mix's weights need the batch ESS before it
+        self.kl_in_head = self.full and self.spec.takes_kl_exact
+        self.kl_needs_ess = self.kl_in_head and self.spec.needs_proximal
+        if logprob_chunk_size is not None and logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        self.logprob_chunk_size = logprob_chunk_size
         if self.spec.batch_stats and ess_scope not in self.spec.ess_scopes:
             raise ValueError(f"objective {objective!r} supports ess_scope {self.spec.ess_scopes}, not {ess_scope!r}")
         self.ess_scope = ess_scope
@@ -120,7 +140,8 @@ class Learner:
         self.max_bad_steps = max_bad_steps
         # (model, packed, with_entropy=) -> (logp [B, C], entropy or None); shared_prompt: each distinct
         # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
-        self.forward_fn = grouped_response_logprobs if shared_prompt else response_logprobs
+        base = grouped_response_logprobs if shared_prompt else response_logprobs
+        self.forward_fn = functools.partial(base, chunk_size=logprob_chunk_size)
         if trim_micro_batches:
             self.forward_fn = trimmed(self.forward_fn)
         self.bad_steps = 0  # consecutive skipped steps
@@ -258,7 +279,7 @@ class Learner:
         kw_all: dict = {}
         per_micro_batch_stats = False
         if self.spec.batch_stats:
-            if self.ess_scope == "batch" and (n_chunks > 1 or world.size > 1):
+            if self.ess_scope == "batch" and (n_chunks > 1 or world.size > 1 or self.kl_needs_ess):
                 kw_all.update(self.batch_stats(batch, self.spec.batch_stats))
             elif self.ess_scope == "micro_batch" and world.size > 1:
                 per_micro_batch_stats = True
@@ -278,14 +299,18 @@ class Learner:
                 with skip_sync:
                     pad = self._pad if self._pad is not None else _empty_like(batch)
                     with self.autocast():
-                        pad_logp = response_logprobs(self.wrapped, pad.packed)[0]
+                        pad_logp = response_logprobs(self.wrapped, pad.packed, chunk_size=self.logprob_chunk_size)[0]
                     (pad_logp.sum() * 0.0).backward()
                 continue
             mb = batch.select(chunks[i])
             m = mb.packed.response_mask
             with skip_sync:
                 kw = dict(kw_all)
-                if self.full:
+                if self.kl_in_head:
+                    with self.autocast():
+                        logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
+                                                                    kl_reference=self._kl_reference(mb, kw))
+                elif self.full:
                     with self.autocast():
                         logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
                                                                          with_full=True)
@@ -339,6 +364,15 @@ class Learner:
         out = self._reduce_metrics(sums, maxes, float(mask.sum()), grad_norm)
         out["nonfinite_skipped"] = 0.0
         return out
+
+    def _kl_reference(self, mb: TrainBatch, kw: dict) -> KLReference:
+        """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's weights."""
+        m = mb.packed.response_mask
+        if not self.spec.needs_proximal:
+            return KLReference((mb.behavior_logprobs_full,), m)
+        e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
+        log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, logits_dtype(next(self.model.parameters()).dtype))
+        return KLReference((mb.behavior_logprobs_full, mb.proximal_logprobs_full), m, (log_w_b, log_w_p), log_w)
 
     def _skip(self, cause: str) -> dict[str, float]:
         """Drop this step's gradient; stop the run after ``max_bad_steps`` in a row."""

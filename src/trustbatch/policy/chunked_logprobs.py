@@ -1,0 +1,310 @@
+"""The LM head applied in chunks of response positions: log-probs, entropy and exact KL without [B, C, V] logits.
+
+A chunk is ``chunk_size`` response columns of every row of the micro-batch: hidden states
+``[B, k, H]`` → logits ``[B, k, V]`` with k ≤ chunk_size. Memory per chunk is therefore
+B · k · V floats; a micro-batch whose completion width C is at most ``chunk_size`` is one chunk,
+and the forwards (``forward.response_logprobs``, ``shared_prompt.grouped_response_logprobs``) then
+keep today's full path, op for op, so that short-completion jobs (the lab's C = 8) give the same
+numbers bit for bit. Set ``chunk_size`` with the micro-batch size in mind (e.g. 4 rows × 256
+columns = 1,024 positions of logits per chunk).
+
+``chunked_logprobs`` is one ``torch.autograd.Function``: its forward computes each chunk's logits,
+log-softmax, log-prob at the sampled token, entropy and exact KL, and frees them before the next
+chunk; it saves only the hidden states, the head's weight (and bias) and the targets. Its backward
+recomputes each chunk's logits and applies the log-softmax gradient analytically, accumulating the
+weight's gradient over chunks. At most one chunk of [B, k, V] tensors (a few of them: logits,
+log-softmax, probabilities, their gradient) is alive at any time. Values equal the full path's up to
+float summation order (the weight's gradient sums chunk by chunk); the idea is torchtune's
+``LinearCrossEntropyLoss`` and Liger Kernel's fused linear cross-entropy (chunked head + loss, the
+backward recomputing the logits), here for RL's per-token log-probs whose upstream gradient is not
+known in the forward.
+
+Precision: log-probs are computed from each chunk's logits upcast to at least float32 (float32 for
+bf16/fp16/fp32 models, float64 for a float64 model), as the full path does (scale-up invariant 1).
+Under autocast the backward recomputes the logits under the forward's autocast state.
+
+What is still [B, C, V]: the behaviour policy's full log-probs that the rollout engine stores with
+the batch for ``kl="exact"`` (and the proximal snapshot's, for the two-anchor variant). They enter
+here as a ``KLReference`` and are read one chunk at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..objectives.kl import exact_kl
+
+
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype log-probs are computed in from logits of ``dtype``: float32, whatever the model's dtype (the
+    log-prob contract: a float64 model's logits are rounded to float32 too)."""
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class KLReference:
+    """The distribution π_ref of an exact KL(π_θ ‖ π_ref) at each response position.
+
+    ``logprobs`` holds one or two ``[B, C, V]`` log-softmax tensors (no gradient), right-aligned like
+    the response mask. One tensor: log π_ref is that tensor. Two: the mixture
+    log π_ref(v) = logaddexp(log_weights[0] + logprobs[0](v), log_weights[1] + logprobs[1](v)) − log_norm
+    (P3O's two-anchor π_mix, ``objectives.p3o.anchor_log_weights``). ``mask`` [B, C] bool: the KL is 0,
+    with no gradient, outside it (both distributions are zeroed there first, as ``objectives.p3o`` does).
+    """
+
+    logprobs: tuple[torch.Tensor, ...]
+    mask: torch.Tensor
+    log_weights: tuple = ()
+    log_norm: torch.Tensor | float = 0.0
+
+    def __post_init__(self):
+        if len(self.logprobs) not in (1, 2) or (len(self.logprobs) == 2 and len(self.log_weights) != 2):
+            raise ValueError("KLReference takes one log-prob tensor, or two with two log_weights")
+        B, C = self.mask.shape
+        for t in self.logprobs:
+            if t.dim() != 3 or tuple(t.shape[:2]) != (B, C):
+                raise ValueError(f"KLReference log-probs have shape {tuple(t.shape)}; want [{B}, {C}, V]")
+
+    def columns(self, start: int) -> "KLReference":
+        """The reference for response columns ``start:`` (as ``forward.trim`` narrows a micro-batch)."""
+        return replace(self, logprobs=tuple(t[:, start:] for t in self.logprobs), mask=self.mask[:, start:])
+
+    def rows(self, idx) -> "KLReference":
+        return replace(self, logprobs=tuple(t[idx] for t in self.logprobs), mask=self.mask[idx])
+
+    def log_probs(self, cols: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask [B, k, 1], log π_ref [B, k, V] in ``dtype``, zero outside the mask) at columns ``cols``."""
+        m3 = self.mask[:, cols, None]
+        zero = torch.zeros((), dtype=dtype)
+        parts = [torch.where(m3, t[:, cols].to(dtype), zero) for t in self.logprobs]
+        if len(parts) == 1:
+            return m3, parts[0]
+        lw0, lw1 = self.log_weights
+        return m3, torch.logaddexp(lw0 + parts[0], lw1 + parts[1]) - self.log_norm
+
+
+def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None)) -> torch.Tensor:
+    """``exact_kl`` ``[B, k]`` of the log-softmax ``lsm`` [B, k, V] against ``ref`` at its columns ``cols``, both
+    zeroed outside the mask first (``objectives.p3o``'s own ops), and 0 there."""
+    m3, mix = ref.log_probs(cols, lsm.dtype)
+    zero = torch.zeros((), dtype=lsm.dtype)
+    return torch.where(m3[..., 0], exact_kl(torch.where(m3, lsm, zero), mix), zero)
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """The chunk's logits in the head's dtype (the model's, or autocast's)."""
+    return F.linear(h, weight, bias)
+
+
+def _spans(C: int, chunk: int) -> list[slice]:
+    return [slice(s, min(C, s + chunk)) for s in range(0, C, chunk)]
+
+
+def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax((z upcast to float32) / T): the full path's ops, in its order."""
+    z = z.to(logits_dtype(z.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(logp, entropy, kl) of ``chunked_logprobs``; saves hidden, weight, bias, targets; recomputes logits in backward.
+
+    The backward recomputes each chunk's head output and takes its gradient with the full path's
+    backward ops (upcast, /T, log-softmax, gather, and the KL through autograd on the chunk), so the
+    same gradient of the logits, then multiplies through the head by hand, summing the weight's
+    gradient over chunks.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, ref):
+        B, C, _ = hidden.shape
+        logp = ent = kl = None
+        for cols in _spans(C, chunk):
+            lsm = _log_softmax(_head(hidden[:, cols], weight, bias), temperature)
+            if logp is None:
+                logp = lsm.new_empty((B, C))
+                ent = lsm.new_empty((B, C) if with_entropy else (0,))
+                kl = lsm.new_empty((B, C) if ref is not None else (0,))
+            logp[:, cols] = lsm.gather(-1, targets[:, cols, None]).squeeze(-1)
+            if ref is not None:
+                kl[:, cols] = reference_kl(lsm, ref, cols)
+            if with_entropy:  # the full path's −(exp(lsm)·lsm).sum(−1), its product written over exp(lsm)
+                ent[:, cols] = -(lsm.exp().mul_(lsm)).sum(-1)
+            del lsm
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
+        dev = hidden.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.mark_non_differentiable(*((ent,) if ref is not None else (ent, kl)))  # one call: a second replaces it
+        return logp, ent, kl
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_ent, g_kl):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_hidden = torch.zeros_like(hidden) if need_h else None
+        g_weight = torch.zeros_like(weight) if need_w else None
+        g_bias = torch.zeros_like(bias) if need_b else None
+        dev, enabled, ac_dtype = ctx.autocast
+        with_kl = g_kl is not None and ctx.ref is not None
+        if g_logp is None and not with_kl:
+            return None, None, None, None, None, None, None, None
+        for cols in _spans(hidden.shape[1], ctx.chunk):
+            h = hidden[:, cols]
+            with torch.no_grad(), torch.autocast(dev, dtype=ac_dtype, enabled=enabled):  # the forward's head
+                z = _head(h, weight, bias)
+            if with_kl:
+                grad = _autograd_chunk(z, ctx, cols, targets, g_logp, g_kl)
+                del z
+            else:
+                head_dtype, lsm = z.dtype, _log_softmax(z, ctx.temperature)
+                del z  # before the gradient's buffers
+                grad = _logp_chunk_grad(lsm, ctx.temperature, head_dtype, targets[:, cols, None], g_logp[:, cols, None])
+                del lsm
+            grad = grad.reshape(-1, weight.shape[0])  # [B·k, V] in the head's dtype
+            if need_h:
+                g_hidden[:, cols] = (grad @ weight.to(grad.dtype)).view(*h.shape[:2], -1).to(hidden.dtype)
+            if need_w:
+                h2 = h.reshape(-1, h.shape[-1]).to(grad.dtype)
+                if g_weight.dtype == grad.dtype:
+                    g_weight.addmm_(grad.t(), h2)
+                else:
+                    g_weight.add_((grad.t() @ h2).to(g_weight.dtype))
+            if need_b:
+                g_bias.add_(grad.sum(0).to(g_bias.dtype))
+            del grad
+        return g_hidden, g_weight, g_bias, None, None, None, None, None
+
+
+def _logp_chunk_grad(lsm: torch.Tensor, temperature: float, head_dtype: torch.dtype, targets: torch.Tensor,
+                     g: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. the head output z of Σ g·lsm[target], lsm = log-softmax(z↑/T): autograd's own backward
+    ops (gather: zeros + scatter_add; log-softmax: ``_log_softmax_backward_data``; /T; the upcast), each
+    [B, k, V] buffer freed as soon as it is used (three alive at most, with the caller's ``lsm``, which it
+    frees before the head's matmuls)."""
+    g_lsm = torch.zeros_like(lsm).scatter_add_(-1, targets, g.to(lsm.dtype))
+    grad = torch._log_softmax_backward_data(g_lsm, lsm, -1, lsm.dtype)
+    del g_lsm, lsm
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(head_dtype)
+
+
+def _autograd_chunk(z: torch.Tensor, ctx, cols: slice, targets, g_logp, g_kl) -> torch.Tensor:
+    """Gradient w.r.t. the head output ``z`` of Σ g_logp·log p(target) + g_kl·KL, by autograd on the chunk."""
+    z = z.detach().requires_grad_(True)
+    with torch.enable_grad():
+        lsm = _log_softmax(z, ctx.temperature)
+        outs, grads = [reference_kl(lsm, ctx.ref, cols)], [g_kl[:, cols]]
+        if g_logp is not None:
+            outs.append(lsm.gather(-1, targets[:, cols, None]).squeeze(-1))
+            grads.append(g_logp[:, cols])
+        del lsm
+        (grad,) = torch.autograd.grad(outs, z, grads)
+    return grad
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
+                     chunk_size: int, temperature: float = 1.0, with_entropy: bool = False,
+                     kl_reference: KLReference | None = None):
+    """Log-probs, entropy and exact KL of ``softmax((hidden · weightᵀ + bias) / T)`` at each position, chunk by chunk.
+
+    Args:
+        hidden: ``[B, C, H]`` final hidden states at the positions that predict ``targets`` (or ``[N, H]``,
+            taken as one row), any float dtype; gradient flows to it.
+        weight: ``[V, H]`` LM-head weight (tied or not); gradient flows to it, summed over chunks.
+        bias: ``[V]`` or None.
+        targets: ``[B, C]`` (or ``[N]``) long, the sampled tokens.
+        chunk_size: response columns per chunk (all B rows at once): at most B·chunk_size·V logits
+            are alive at a time, in the forward and in the backward.
+        temperature: divides the logits (to score a policy at T ≠ 1).
+        with_entropy: also return the entropy −Σ_v p log p in nats (no gradient).
+        kl_reference: also return the exact KL(π_θ ‖ π_ref) per position in nats, with gradient
+            (``objectives.kl.exact_kl``'s formula; 0 outside ``kl_reference.mask``).
+
+    Returns:
+        (logp, entropy, kl): ``[B, C]`` (or ``[N]``) in the logits' dtype upcast to at least float32;
+        entropy and kl are None when not asked for. The same values as log_softmax of the full
+        logits up to float round-off; gradients likewise (the weight's is summed chunk by chunk).
+
+    Raises:
+        ValueError: a chunk_size below 1, or shapes that do not match.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat = hidden.dim() == 2
+    if flat:
+        hidden, targets = hidden[None], targets[None]
+    if hidden.dim() != 3 or tuple(targets.shape) != tuple(hidden.shape[:2]) or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)} and weight {tuple(weight.shape)} "
+                         "do not match: want [B, C, H], [B, C] and [V, H]")
+    if kl_reference is not None and tuple(kl_reference.mask.shape) != tuple(targets.shape):
+        raise ValueError(f"kl_reference covers {tuple(kl_reference.mask.shape)} positions, targets {tuple(targets.shape)}")
+    logp, ent, kl = _ChunkedHead.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
+                                       bool(with_entropy), kl_reference)
+    out = (logp, ent if with_entropy else None, kl if kl_reference is not None else None)
+    return tuple(None if t is None else (t[0] if flat else t) for t in out)
+
+
+@torch.no_grad()
+def chunked_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, chunk_size: int,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """The whole log-softmax ``[B, C, V]`` (no gradient), computed chunk by chunk: the stored output is the
+    only [B, C, V] tensor alive (e.g. the proximal snapshot of ``kl="exact"``). Shapes as ``chunked_logprobs``."""
+    out = None
+    for cols in _spans(hidden.shape[1], chunk_size):
+        lsm = _log_softmax(_head(hidden[:, cols], weight, bias), temperature)
+        if out is None:
+            out = lsm.new_empty((hidden.shape[0], hidden.shape[1], lsm.shape[-1]))
+        out[:, cols] = lsm
+    return out
+
+
+def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False,
+                  temperature: float = 1.0, with_full: bool = False, kl_reference: KLReference | None = None):
+    """The full path: log-probs from whole ``[B, C, V]`` logits (``forward.response_logprobs`` for one chunk).
+
+    Returns (logp [B, C], entropy [B, C] or None), then the log-softmax [B, C, V] if ``with_full``, then
+    the exact KL [B, C] if ``kl_reference``; dtypes and formulas as ``chunked_logprobs``.
+    """
+    logits = logits.to(logits_dtype(logits.dtype))
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    out = (logp, ent)
+    if with_full:
+        out += (logp_all,)
+    if kl_reference is not None:
+        out += (reference_kl(logp_all, kl_reference),)
+    return out
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *, chunk_size: int,
+                  with_entropy: bool = False, temperature: float = 1.0, with_full: bool = False,
+                  kl_reference: KLReference | None = None):
+    """``full_logprobs``'s outputs from the hidden states ``[B, C, H]`` and the LM head, chunk by chunk.
+
+    ``with_full`` (no gradient: ``chunked_log_softmax``) builds the [B, C, V] log-softmax one chunk at a
+    time; otherwise ``chunked_logprobs``. The head's ``weight`` Parameter itself enters the autograd
+    graph (no copy), so tied embeddings, DDP's and FSDP2's gradient hooks see its gradient.
+    """
+    if with_full:
+        full = chunked_log_softmax(hidden, head.weight, head.bias, chunk_size=chunk_size, temperature=temperature)
+        logp = full.gather(-1, targets[..., None]).squeeze(-1)
+        ent = None
+        if with_entropy:
+            ent = torch.cat([-(f.exp() * f).sum(-1) for f in full.split(chunk_size, dim=1)], dim=1)
+        return logp, ent, full
+    logp, ent, kl = chunked_logprobs(hidden, head.weight, head.bias, targets, chunk_size=chunk_size,
+                                     temperature=temperature, with_entropy=with_entropy, kl_reference=kl_reference)
+    return (logp, ent) if kl_reference is None else (logp, ent, kl)

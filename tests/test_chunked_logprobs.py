@@ -1,0 +1,353 @@
+"""The chunked LM head (``policy.chunked_logprobs``) gives the full path's log-probs, entropy, exact KL and gradients.
+
+References: the full path (the whole [B, C, V] logits through autograd, which the learner ran before
+chunking existed) on float64 models, where everything but the float32 log-softmax contract is float64,
+so the two may differ only by float64 summation order (the LM-head weight's gradient sums chunk by
+chunk): 1e-10 of each tensor's scale. The pure function is also checked against float64 math written
+out here (float32 tolerance: log-probs are float32 by contract). Every chunked case uses several
+chunks that do not divide the width (C = 7 in chunks of 2 or 3), and checks that the chunked path ran.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trustbatch import objectives
+from trustbatch.pipeline.batch import TrainBatch
+from trustbatch.policy.chunked_logprobs import KLReference, chunked_logprobs, full_logprobs
+from trustbatch.policy.forward import pack, response_logprobs
+from trustbatch.policy.shared_prompt import grouped_response_logprobs
+from trustbatch.trainer.learner import Learner
+from trustbatch.parallel import World
+
+from grad_probe import sgd_recording_grads
+
+V = 40
+TOL = 1e-10
+
+
+def _close(got, want, what, tol=TOL):
+    got, want = got.detach().double(), want.detach().double()
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert err <= tol * scale + 1e-300, f"{what}: max |diff| {err:.3g} vs scale {scale:.3g} (tol {tol:g})"
+
+
+def _llama(tied=False, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).double()
+
+
+def _rows(seed=1):
+    """Two rows per prompt (prompts of 1 to 4 tokens), completions of 1..7 tokens: C = 7."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for n, lens in ((3, (7, 2)), (4, (5, 1)), (1, (3, 6)), (2, (4, 7))):
+        p = torch.randint(3, V, (n,), generator=g).tolist()
+        for c in lens:
+            prompts.append(p)
+            comps.append(torch.randint(3, V, (c,), generator=g).tolist())
+    return prompts, comps
+
+
+def _dist(g, *shape):
+    return torch.log_softmax(2.0 * torch.randn(*shape, V, generator=g), -1)  # float32, as the engine stores them
+
+
+def _batch(seed=1) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed + 100)
+    packed = pack(*_rows(seed), pad_id=0)
+    B, C = packed.response_mask.shape
+    m = packed.response_mask
+    full_b, full_p = _dist(g, B, C), _dist(g, B, C)
+    targets = packed.input_ids[:, -C:, None]
+    blp = full_b.gather(-1, targets).squeeze(-1)
+    return TrainBatch(packed, torch.where(m, blp, 0.0), torch.randn(B, generator=g),
+                      proximal_logprobs=torch.where(m, full_p.gather(-1, targets).squeeze(-1), 0.0),
+                      behavior_logprobs_full=torch.where(m[..., None], full_b, 0.0),
+                      proximal_logprobs_full=torch.where(m[..., None], full_p, 0.0))
+
+
+class _HeadPositions:
+    """Records how many positions each LM-head call computes (0: the chunked path took the hidden states)."""
+
+    def __init__(self, model):
+        self.seen = []
+        self.h = model.lm_head.register_forward_hook(lambda _m, _a, out: self.seen.append(out.shape[1]))
+
+
+# ---- the pure function ---------------------------------------------------------------------------
+
+
+def _head_inputs(seed=0, B=3, C=7, H=5, Vs=11, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, C, H, generator=g, dtype=dtype).requires_grad_(True)
+    w = torch.randn(Vs, H, generator=g, dtype=dtype).requires_grad_(True)
+    b = torch.randn(Vs, generator=g, dtype=dtype).requires_grad_(True)
+    y = torch.randint(0, Vs, (B, C), generator=g)
+    m = torch.rand(B, C, generator=g) > 0.3
+    refs = [torch.log_softmax(torch.randn(B, C, Vs, generator=g), -1) for _ in range(2)]
+    cot = [torch.randn(B, C, generator=g, dtype=torch.float32) for _ in range(2)]
+    return h, w, b, y, m, refs, cot
+
+
+def _ref(refs, m, two):
+    if not two:
+        return KLReference((refs[0],), m)
+    lw = tuple(torch.tensor(x, dtype=torch.float64).log() for x in (0.3, 0.5, 0.8))
+    return KLReference(tuple(refs), m, lw[:2], lw[2])
+
+
+def _grads(fn, h, w, b, cot):
+    for t in (h, w, b):
+        t.grad = None
+    logp, ent, kl = fn()
+    (logp * cot[0] + kl * cot[1]).sum().backward()
+    return (logp, ent, kl), [t.grad.clone() for t in (h, w, b)]
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["behaviour", "mixture"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_chunked_head_equals_the_full_path_values_and_gradients(chunk, two):
+    h, w, b, y, m, refs, cot = _head_inputs()
+    ref = _ref(refs, m, two)
+    T = 0.7
+    got, g_got = _grads(lambda: chunked_logprobs(h, w, b, y, chunk_size=chunk, temperature=T, with_entropy=True,
+                                                 kl_reference=ref), h, w, b, cot)
+    want, g_want = _grads(lambda: full_logprobs(torch.nn.functional.linear(h, w, b), y, temperature=T,
+                                                with_entropy=True, kl_reference=ref), h, w, b, cot)
+    for name, a, c in zip(("logp", "entropy", "kl"), got, want):
+        _close(a, c, name)
+    for name, a, c in zip(("hidden", "weight", "bias"), g_got, g_want):
+        _close(a, c, f"grad {name}")
+    assert got[0].dtype == torch.float32 and got[2][~m].abs().max() == 0  # the contract; no KL off the mask
+    assert got[0].requires_grad and got[2].requires_grad and not got[1].requires_grad
+    assert not chunked_logprobs(h, w, b, y, chunk_size=chunk, with_entropy=True)[1].requires_grad
+
+
+def test_chunked_head_against_float64_math():
+    """Independent of both paths: log-softmax, entropy and KL written out in float64 (float32 tolerance)."""
+    h, w, b, y, m, refs, cot = _head_inputs(seed=3)
+    T = 1.3
+    logp, ent, kl = chunked_logprobs(h, w, b, y, chunk_size=2, temperature=T, with_entropy=True,
+                                     kl_reference=KLReference((refs[0],), m))
+    (logp * cot[0] + kl * cot[1]).sum().backward()
+    h2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, w, b))
+    z = (h2 @ w2.T + b2) / T
+    lsm = z - z.logsumexp(-1, keepdim=True)
+    p = lsm.exp()
+    want_lp = lsm.gather(-1, y[..., None]).squeeze(-1)
+    want_kl = torch.where(m, (p * (lsm - refs[0].double())).sum(-1), 0.0)
+    (want_lp * cot[0] + want_kl * cot[1]).sum().backward()
+    _close(logp, want_lp, "logp", 1e-6)
+    _close(ent, -(p * lsm).sum(-1), "entropy", 1e-6)
+    _close(kl, want_kl, "kl", 1e-5)
+    for name, a, c in (("hidden", h.grad, h2.grad), ("weight", w.grad, w2.grad), ("bias", b.grad, b2.grad)):
+        _close(a, c, f"grad {name}", 1e-5)
+
+
+def test_flat_hidden_states_are_one_row():
+    h, w, b, y, _, _, _ = _head_inputs(seed=4, B=1)
+    flat, _, _ = chunked_logprobs(h[0], w, None, y[0], chunk_size=3)
+    rows, _, _ = chunked_logprobs(h, w, None, y, chunk_size=3)
+    assert flat.shape == (7,) and torch.equal(flat, rows[0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_logprobs(h, w, None, y, chunk_size=0)
+
+
+# ---- the forwards on a model ---------------------------------------------------------------------
+
+
+def _forward_grads(model, fn, packed, cot, **kw):
+    model.zero_grad(set_to_none=True)
+    out = fn(model, packed, with_entropy=True, **kw)
+    loss = (out[0] * cot).sum() + (out[2].sum() if len(out) > 2 else 0.0)
+    loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("fn", [response_logprobs, grouped_response_logprobs], ids=["plain", "shared"])
+@pytest.mark.parametrize("with_kl", [False, True], ids=["logp", "kl"])
+def test_forward_chunked_equals_full(fn, tied, with_kl):
+    model = _llama(tied)
+    batch = _batch()
+    packed, m = batch.packed, batch.packed.response_mask
+    cot = torch.randn(m.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * m
+    kw = dict(temperature=0.8)
+    if with_kl:
+        kw["kl_reference"] = KLReference((batch.behavior_logprobs_full, batch.proximal_logprobs_full), m,
+                                         (torch.tensor(0.2).log(), torch.tensor(0.6).log()), torch.tensor(0.8).log())
+    want, g_want = _forward_grads(model, fn, packed, cot, **kw)
+    head = _HeadPositions(model)
+    got, g_got = _forward_grads(model, fn, packed, cot, chunk_size=2, **kw)
+    assert head.seen[-1] == 0  # the completion pass's head computed nothing: the chunked head did
+    for name, a, c in zip(("logp", "entropy", "kl"), got, want):
+        _close(a[m], c[m], name)
+    for n, g in g_want.items():
+        _close(g_got[n], g, f"grad {n}")
+    assert max(float(g.abs().max()) for g in g_want.values()) > 1e-3
+
+
+@pytest.mark.parametrize("fn", [response_logprobs, grouped_response_logprobs], ids=["plain", "shared"])
+def test_full_log_softmax_without_gradient_chunk_by_chunk(fn):
+    model = _llama()
+    packed = _batch().packed
+    m = packed.response_mask
+    with torch.no_grad():
+        want = fn(model, packed, with_full=True, with_entropy=True)
+        head = _HeadPositions(model)
+        got = fn(model, packed, with_full=True, with_entropy=True, chunk_size=3)
+    assert head.seen[-1] == 0
+    for name, a, c in zip(("logp", "entropy", "full"), got, want):
+        _close(a[m], c[m], name)
+
+
+def test_a_model_the_chunked_head_cannot_serve_keeps_the_full_path():
+    model = _llama()
+    packed = _batch().packed
+    want, _ = response_logprobs(model, packed)
+    model.config.model_type = "not_a_llama"  # e.g. a head with logit soft-capping: no hidden-state shortcut
+    head = _HeadPositions(model)
+    got, _ = response_logprobs(model, packed, chunk_size=2)
+    assert head.seen == [packed.response_mask.shape[1] + 1] and torch.equal(got, want)
+
+
+def test_one_chunk_is_the_full_path_op_for_op():
+    model = _llama()
+    packed = _batch().packed
+    head = _HeadPositions(model)
+    got, _ = grouped_response_logprobs(model, packed, chunk_size=7)
+    assert head.seen[-1] == 8  # C + 1 positions through the model's own head, as before chunking
+    assert torch.equal(got, grouped_response_logprobs(model, packed)[0])
+
+
+# ---- through the learner -------------------------------------------------------------------------
+
+CASES = [("p3o", {"kl": "exact"}), ("p3o_two_anchor", {"kl": "exact"}), ("grpo", {}), ("p3o", {})]
+
+
+_HEAD_CALLS: list[int] = []  # positions of every LM-head call in this process's learners
+
+
+def _learn(objective, options, chunk, shared, micro=3, world=None, batch=None):
+    model = _llama(tied=True)
+    model.lm_head.register_forward_hook(lambda _m, _a, out: _HEAD_CALLS.append(out.shape[1]))
+    learner = Learner(model, objective, options, micro_batch_size=micro, shared_prompt=shared,
+                      logprob_chunk_size=chunk, world=world)
+    learner.grad_clip = 1e9
+    grads = sgd_recording_grads(learner, model)
+    metrics = learner.train_on(batch if batch is not None else _batch())  # each rank takes its shard
+    return grads, metrics
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "plain"])
+@pytest.mark.parametrize("objective, options", CASES, ids=["p3o-exact", "two_anchor-exact", "grpo", "p3o-k3"])
+def test_learner_step_chunked_equals_full(objective, options, shared):
+    want, m_want = _learn(objective, options, None, shared)
+    _HEAD_CALLS.clear()
+    got, m_got = _learn(objective, options, 2, shared)
+    assert 0 in _HEAD_CALLS
+    for n, g in want.items():
+        _close(got[n], g, f"{objective} grad {n}")
+    for k in ("loss", "entropy", "ess", "kl_behavior"):
+        if k in m_want:
+            assert m_got[k] == pytest.approx(m_want[k], rel=TOL, abs=1e-300), k
+    assert max(float(g.abs().max()) for g in want.values()) > 1e-3
+    if options.get("kl") == "exact":
+        assert m_want["kl_behavior"] > 0.1 and m_want["ess"] < 0.9  # the exact KL term carries weight
+
+
+def test_learner_refuses_a_chunk_size_below_one():
+    with pytest.raises(ValueError, match="logprob_chunk_size"):
+        Learner(_llama(), "grpo", logprob_chunk_size=0)
+
+
+# ---- data parallel: the chunked head under DDP ---------------------------------------------------
+
+DDP_CASES = [("p3o", {"kl": "exact"}), ("grpo", {})]
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    world = World.from_env()
+    res = {name: _learn(name, opts, 2, True, micro=2, world=world)[0] for name, opts in DDP_CASES}
+    res["head_positions"] = _HEAD_CALLS
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks: ~30 s on 2 busy cores; the default job's DDP path is tests/test_parallel.py
+def test_two_gloo_ranks_with_the_chunked_head_equal_one_process_on_the_full_path(tmp_path):
+    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn",
+                       join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(0 in r.pop("head_positions") for r in ranks)  # the chunked head ran under DDP on both ranks
+    for name, opts in DDP_CASES:
+        want, _ = _learn(name, opts, None, True, micro=8)
+        for rank in range(2):
+            for n, g in want.items():
+                _close(ranks[rank][name][n], g, f"{name} rank {rank} grad {n}")
+
+
+# ---- the objective's per-token KL input ----------------------------------------------------------
+
+
+def _objective_inputs(seed=5, B=2, T=4, Vs=6):
+    g = torch.Generator().manual_seed(seed)
+    z = (2 * torch.randn(B, T, Vs, generator=g, dtype=torch.float64)).requires_grad_(True)
+    bf, pf = (torch.log_softmax(2 * torch.randn(B, T, Vs, generator=g, dtype=torch.float64), -1) for _ in range(2))
+    idx = torch.randint(0, Vs, (B, T, 1), generator=g)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return z, bf, pf, idx, mask, adv
+
+
+def test_p3o_takes_the_per_token_kl_in_place_of_the_full_inputs():
+    z, bf, _, idx, mask, adv = _objective_inputs()
+    p3o = objectives.get("p3o")
+    out = {}
+    for how in ("full", "per_token"):
+        z.grad = None
+        lpf = torch.log_softmax(z, -1)
+        lp, blp = lpf.gather(-1, idx).squeeze(-1), bf.gather(-1, idx).squeeze(-1)
+        if how == "full":
+            o = p3o(lp, blp, adv, mask, kl="exact", logprobs_full=lpf, behavior_logprobs_full=bf)
+        else:
+            kl_t = (lpf.exp() * (lpf - bf)).sum(-1)  # KL(π_θ‖π_b) written out
+            o = p3o(lp, blp, adv, mask, kl="exact", kl_exact=kl_t)
+        o.loss.backward()
+        out[how] = (o.metrics, z.grad.clone())
+    assert out["full"][0]["kl_behavior"] > 0.1
+    for k in ("loss", "kl_behavior", "kl_loss", "ess"):
+        assert out["per_token"][0][k] == pytest.approx(out["full"][0][k], rel=1e-12), k
+    _close(out["per_token"][1], out["full"][1], "grad", 1e-12)
+    assert objectives.spec("p3o").takes_kl_exact and objectives.spec("p3o_two_anchor").takes_kl_exact
+    assert not objectives.spec("grpo").takes_kl_exact
+
+
+def test_p3o_kl_exact_refusals():
+    z, bf, pf, idx, mask, adv = _objective_inputs()
+    lpf = torch.log_softmax(z, -1)
+    lp, blp, plp = (t.gather(-1, idx).squeeze(-1) for t in (lpf, bf, pf))
+    kl_t = (lpf.exp() * (lpf - bf)).sum(-1)
+    p3o, two = objectives.get("p3o"), objectives.get("p3o_two_anchor")
+    with pytest.raises(ValueError, match="only used by kl='exact'"):
+        p3o(lp, blp, adv, mask, kl="k3", kl_exact=kl_t)
+    with pytest.raises(ValueError, match="not both"):
+        p3o(lp, blp, adv, mask, kl="exact", kl_exact=kl_t, behavior_logprobs_full=bf)
+    with pytest.raises(ValueError, match=r"\+inf at valid positions"):
+        p3o(lp, blp, adv, mask, kl="exact", kl_exact=torch.where(mask, float("inf"), kl_t))
+    with pytest.raises(ValueError, match="ess and ess_proximal"):
+        two(lp, blp, adv, mask, proximal_logprobs=plp, kl="exact", kl_exact=kl_t)
+    with pytest.raises(ValueError, match="kl_exact"):
+        objectives.validate_options("p3o", {"kl_exact": 1.0}, supplied=("behavior_logprobs_full",))
