@@ -172,6 +172,10 @@ class LoraConfig(_Strict):
         "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear (peft's)")
 
 
+# read only by the async pipeline (pipeline.async_source, orchestration)
+_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s")
+
+
 class RolloutConfig(_Strict):
     group_size: Int = Field(8, ge=2, description="G completions per prompt")
     prompts_per_step: Int = Field(64, ge=1)
@@ -204,6 +208,21 @@ class RolloutConfig(_Strict):
         if v != "auto" and v < 0:
             raise ValueError("must be >= 0 (policy versions) or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _async_keys_need_async(self) -> "RolloutConfig":
+        # Sync mode never reads these: a value the user set would be silently ignored. A set key equal to
+        # its default is let through, because every saved config.yaml (resume, a lab run's seed file) holds
+        # all keys and a sync run must still reload it.
+        if self.mode == "sync":
+            for name in _ASYNC_ONLY:
+                value = getattr(self, name)
+                if name in self.model_fields_set and value != type(self).model_fields[name].default:
+                    raise ValueError(
+                        f"rollout.{name}={value} is ignored in rollout.mode=sync (it configures the async pipeline); "
+                        f"add rollout.mode=async, or drop it" + (" (rollout.staleness simulates a fixed lag in sync mode)"
+                                                               if name == "max_staleness" else ""))
+        return self
     foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
     foreign_model: str | FreeDict = Field(
         "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "
@@ -345,6 +364,8 @@ def _format_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         return f"unknown config key {loc!r}; see docs/guide/configuration.md for the keys"
     msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith(f"{loc}.") and err["type"] == "value_error":  # a section's own check names its key itself
+        return msg
     if err["type"].endswith("_type"):  # every branch refused the type: name them all
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
     got = repr(err.get("input"))

@@ -124,16 +124,33 @@ def _user_function(name: str) -> Scorer:
     return f
 
 
+def is_score(value: object) -> bool:
+    """Whether a scorer's return value is a score: an int, float or bool, or a NumPy scalar of one of those.
+
+    Anything else is refused rather than converted: ``float("0.75")`` would read a string as a score,
+    ``float(tensor)`` hides a tensor of shape [1] that was meant to be per-token.
+    """
+    if isinstance(value, (int, float)):  # bool is an int; numpy.float64 is a float
+        return True
+    dtype = getattr(value, "dtype", None)  # numpy.float32, numpy.int64, numpy.bool_ ...: not int/float subclasses
+    return (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+            and getattr(dtype, "kind", "") in ("b", "i", "u", "f"))
+
+
 def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, str, str | None]:
     """Score one completion in this process: ``(reward, status, cause)``.
 
     ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it) or
-    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-number or a non-finite
-    value; the reward is 0). ``cause`` is a one-line description for ``"error"``, else None.
-    Only KeyboardInterrupt propagates.
+    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-finite value or anything
+    but an int, float, bool or NumPy scalar of those (``is_score``); the reward is 0). ``cause`` is a
+    one-line description for ``"error"``, else None. Only KeyboardInterrupt propagates.
     """
     try:
-        v = float(scorer(completion, reference))
+        raw = scorer(completion, reference)
+        if not is_score(raw):
+            return 0.0, "error", one_line(f"the scorer returned {type(raw).__name__} {raw!r}, not a number; "
+                                          "return an int, float or bool", 200)
+        v = float(raw)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - sys.exit() in a scorer must not end the run silently
