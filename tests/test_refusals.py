@@ -22,6 +22,7 @@ from trustbatch.data.benchmarks import load_benchmark
 from trustbatch.errors import UserError
 from trustbatch.rewards import RewardPool, check_scoring
 
+from runproc import cache  # noqa: F401  (fixture)
 from tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,3 +164,78 @@ def test_gsm8k_answers_that_end_in_a_number_still_load(tmp_path):
     rows = [GSM_OK, {"question": "Cost?", "answer": "#### $1,250"}, {"question": "Half?", "answer": "x\n####0.5"}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert [e.reference for e in load_benchmark(str(f)).examples] == ["5", "1250", "0.5"]
+
+
+# ---------------------------------------------------------------- held-out evaluation under the failure-rate rule
+RUN = TINY + ["train.steps=2", "threads=1"]
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory, cache):
+    """Scorers importable by the CLI's processes, and the tiny base built beforehand (``runproc.cache``), so
+    that stderr holds no progress bar of its build."""
+    root = tmp_path_factory.mktemp("scorers")
+    (root / "tb_returns.py").write_text(SCORERS)
+    (root / "tb_exits.py").write_text("import os\n\ndef score(c, r):\n    os._exit(3)\n")
+    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "TRUSTBATCH_CACHE": str(cache)}
+
+
+def test_string_reward_stops_the_run_at_the_base_evaluation_with_one_line(tmp_path, cli_env):
+    # the held-out evaluation before round 1 applies the rounds' rule; without it the run would stop at round 1
+    run = tmp_path / "run"
+    rc, lines, _ = _cli(["train", *RUN, "reward.name=tb_returns:as_string", f"run_dir={run}"], cli_env)
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("trustbatch: error: held-out evaluation at round 0: reward 'tb_returns:as_string' "
+                               "failed on ")
+    assert "reward.max_failure_rate=0.5" in lines[0] and "the scorer returned str '0.75'" in lines[0]
+    assert not (run / "metrics.jsonl").exists() or "reward_mean" not in (run / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("workers, completion", [(2, "hang"), (0, "raise")])
+def test_a_call_stops_scoring_once_the_rule_is_certain(workers, completion):
+    # 20 completions at rate 0.5: the verdict is certain at the 11th failure; each worker may add one
+    # more failure in the same wait, so at most 10 + workers fail, and the rest are left unscored
+    with RewardPool("scorers_for_tests:misbehave", workers=workers, timeout_s=0.3) as pool:
+        res = pool.score([completion] * 20, ["x"] * 20, max_failure_rate=0.5)
+        assert 11 <= res.errors + res.timeouts <= 10 + max(workers, 1)
+        assert res.errors + res.timeouts + res.unscored == 20 and res.rewards == [0.0] * 20
+        with pytest.raises(UserError, match=r"in 20 completions, \d+ of them left unscored\), above reward"):
+            check_scoring(res, scorer="s", max_failure_rate=0.5, where="held-out evaluation at round 0")
+        # the pool still scores after a stop (its busy workers were replaced), and a call under the rate runs out
+        again = pool.score(["a", completion, "a", "b"], ["a"] * 4, max_failure_rate=0.5)
+        assert again.rewards == [1.0, 0.0, 1.0, 0.0] and again.unscored == 0
+        assert again.errors + again.timeouts == 1
+
+
+# ---------------------------------------------------------------- reward.workers=0: said at start, a death explained
+def test_scorer_exit_in_process_is_explained_by_the_next_start(tmp_path, cli_env):
+    run = tmp_path / "run"
+    rc, lines, out = _cli(["train", *RUN, "reward.name=tb_exits:score", "reward.workers=0", f"run_dir={run}"], cli_env)
+    assert rc == 3 and lines == []  # os._exit(3): no Python code runs after it, not even atexit
+    (said,) = [l for l in out.splitlines() if "reward.workers=0" in l]
+    assert said.startswith("warning: reward.workers=0 scores in the trainer's process") and "exits or hangs" in said
+    assert (run / "scoring_in_process.json").exists()
+    rc, lines, out = _cli(["train", "--resume", str(run), "reward.workers=2"], cli_env)
+    (died,) = [l for l in out.splitlines() if "last start" in l]
+    assert died.startswith("warning: the last start of this run (pid ") and "'tb_exits:score'" in died
+    assert "reward.workers=0" in died and "os._exit" in died
+    assert not (run / "scoring_in_process.json").exists()
+    # the scorer still exits, now in worker processes: counted, and stopped by the rule with one line
+    assert rc == 2 and len(lines) == 1 and "the scorer's process died (exit code 3)" in lines[0], lines
+
+
+@pytest.mark.parametrize("completion", ["a", "raise"])
+def test_in_process_marker_is_gone_after_a_call_that_returns(tmp_path, completion):
+    marker = tmp_path / "m.json"
+    with RewardPool("scorers_for_tests:misbehave", workers=0) as pool:
+        pool.in_process_marker = marker
+        seen = []
+        pool._local = lambda c, r: seen.append(marker.exists()) or 1.0  # the scorer sees the marker in place
+        pool.score([completion], ["a"])
+    assert seen == [True] and not marker.exists()
+    from trustbatch.rewards.pool import read_in_process_marker
+
+    assert read_in_process_marker(marker) is None
+    marker.write_text('{"pid": 12')  # cut short by the death it reports
+    assert read_in_process_marker(marker).startswith("warning: the last start of this run (pid ?)")
+    assert not marker.exists()
