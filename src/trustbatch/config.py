@@ -134,11 +134,13 @@ class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
-    workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
+    workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
+                                               "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0)
     max_failure_rate: Float = Field(
-        0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions fail to "
-                                     "score (errors + timeouts); any failure is reported as a warning")
+        0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
+                                     "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
+                                     "failure is reported as a warning")
 
 
 class ModelConfig(_Strict):
