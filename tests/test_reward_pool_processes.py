@@ -171,9 +171,10 @@ def test_pool_survives_a_scorer_that_exits_and_counts_clamped(tmp_path, monkeypa
     for workers in (0, 2):
         with RewardPool("odd_scorers:score", workers=workers) as pool:
             res = pool.score(items, [""] * len(items))
-        assert res.rewards == [0.0, 1.0, 0.0, 1.0, 0.5], workers
-        assert (res.errors, res.timeouts, res.clamped) == (1, 0, 2), workers
-        assert "SystemExit" in res.last_error
+        # a string is no score (issue 39): "0.5" is an error, not 0.5
+        assert res.rewards == [0.0, 1.0, 0.0, 1.0, 0.0], workers
+        assert (res.errors, res.timeouts, res.clamped) == (2, 0, 2), workers
+        assert "returned str '0.5'" in res.last_error
 
 
 def test_a_worker_killed_while_idle_is_replaced_on_the_next_call():

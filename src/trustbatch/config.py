@@ -136,11 +136,13 @@ class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
-    workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time limit")
+    workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
+                                               "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
     max_failure_rate: Float = Field(
-        0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions fail to "
-                                     "score (errors + timeouts); any failure is reported as a warning")
+        0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
+                                     "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
+                                     "failure is reported as a warning")
 
 
 class ModelConfig(_Strict):
@@ -172,6 +174,10 @@ class LoraConfig(_Strict):
     dropout: Float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0 keeps on-policy ESS exactly 1)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear (peft's)")
+
+
+# read only by the async pipeline (pipeline.async_source, orchestration)
+_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s")
 
 
 class RolloutConfig(_Strict):
@@ -208,6 +214,21 @@ class RolloutConfig(_Strict):
         if v != "auto" and v < 0:
             raise ValueError("must be >= 0 (policy versions) or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _async_keys_need_async(self) -> "RolloutConfig":
+        # Sync mode never reads these: a value the user set would be silently ignored. A set key equal to
+        # its default is let through, because every saved config.yaml (resume, a lab run's seed file) holds
+        # all keys and a sync run must still reload it.
+        if self.mode == "sync":
+            for name in _ASYNC_ONLY:
+                value = getattr(self, name)
+                if name in self.model_fields_set and value != type(self).model_fields[name].default:
+                    raise ValueError(
+                        f"rollout.{name}={value} is ignored in rollout.mode=sync (it configures the async pipeline); "
+                        f"add rollout.mode=async, or drop it" + (" (rollout.staleness simulates a fixed lag in sync mode)"
+                                                               if name == "max_staleness" else ""))
+        return self
     foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
     foreign_model: str | FreeDict = Field(
         "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "
@@ -399,6 +420,8 @@ def _format_error(e: ValidationError) -> str:
         hint = f"did you mean {near!r}? " if near else ""
         return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith(f"{loc}.") and err["type"] == "value_error":  # a section's own check names its key itself
+        return msg
     if err["type"].endswith("_type"):  # every branch refused the type: name them all
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
     got = repr(err.get("input"))

@@ -11,7 +11,9 @@ Each format brings its prompt instruction and its default reward. Names such as 
 ``hf:PATH[:CONFIG]:SPLIT`` loads a ``datasets`` split where a hub is reachable.
 
 Bad rows end the load with a UserError naming the file and line (not UTF-8, not JSON, a missing,
-null or empty prompt or answer, an answer the format cannot read). A row whose prompt repeats an
+null or empty prompt or answer, an answer the format cannot read, a GSM8K answer whose last ``####``
+has no number). They are refused rather than skipped: a skipped row would silently change which
+prompts a benchmark's score is over, and the file is the user's to fix. A row whose prompt repeats an
 earlier row's is skipped, counted (``Benchmark.duplicates``) and reported by a warning on the
 ``trustbatch`` logger, so that no prompt counts twice.
 """
@@ -88,16 +90,21 @@ def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_fiel
 
     Raises:
         UserError: a missing, null or empty prompt or answer, or an answer the format cannot read
-            (GSM8K without ``#### N``, Countdown numbers that are not integers). The message does not
-            name the file; ``load_benchmark`` adds it.
+            (GSM8K without ``#### N`` or with an empty last ``####``, Countdown numbers that are not
+            integers). The message does not name the file; ``load_benchmark`` adds it.
     """
     from ..rewards.countdown import solve
-    from ..rewards.gsm8k import gsm8k_answer
+    from ..rewards.gsm8k import after_last_hashes, gsm8k_answer
     from ..rewards.math_answer import gold_text
 
     if fmt == "gsm8k":
         question, answer = _field(row, "question", "prompt"), _field(row, "answer", "answer")
         gold = gsm8k_answer(answer)
+        if "####" in answer and after_last_hashes(answer) is None:
+            # the scorer's fallback (the last number) would take a number of the worked solution as the gold
+            tail = answer[answer.rfind("####"):]
+            raise UserError(f"the answer's last '####' is followed by no number ({tail[:40]!r}); GSM8K answers end "
+                            "'#### N': fix or remove the row")
         if gold is None:
             raise UserError(f"the answer {answer[-40:]!r} has no final number (GSM8K answers end '#### N'); "
                             "fix the row or pass format=math")

@@ -8,19 +8,25 @@ from .sampling import sample_and_score
 
 
 def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, samples_per_prompt: int,
-                     temperature: float, max_new_tokens: int) -> dict[str, float]:
+                     temperature: float, max_new_tokens: int, check=None,
+                     max_failure_rate: float | None = None) -> dict[str, float]:
     """Score ``samples_per_prompt`` sampled completions and one greedy completion per held-out prompt.
 
     Returns ``heldout_accuracy`` (mean reward of the samples: the pass@1 estimate at ``temperature``,
     the paper's protocol at T = 1), ``heldout_accuracy_se`` (its standard error over prompts: the sample
     standard deviation of the per-prompt mean rewards over √P; NaN for one prompt), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
     ``heldout_greedy_accuracy``, ``heldout_reward_errors`` and ``heldout_reward_timeouts``.
+    ``check`` and ``max_failure_rate`` judge each scoring call as a rollout round's (``sample_and_score``).
+
+    Raises:
+        UserError: from ``check`` (the scorer failed on more than ``reward.max_failure_rate`` of a call).
     """
     n = samples_per_prompt
+    rule = dict(check=check, max_failure_rate=max_failure_rate)
     s = sample_and_score(policy, engine, examples, pool, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                         chunk_prompts=max(1, 512 // n))
+                         chunk_prompts=max(1, 512 // n), **rule)
     g = sample_and_score(policy, engine, examples, pool, n=1, temperature=1.0, max_new_tokens=max_new_tokens,
-                         greedy=True, chunk_prompts=512)
+                         greedy=True, chunk_prompts=512, **rule)
     return {
         "heldout_accuracy": s.reward_mean,
         "heldout_accuracy_se": s.reward_se,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..data import Example
+from ..rewards import ScoreResult
 from ..rollout.engine import SamplingParams
 from .passk import pass_at_k
 
@@ -37,13 +38,25 @@ class Scored:
 
 def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, temperature: float,
                      max_new_tokens: int, greedy: bool = False, chunk_prompts: int = 64,
-                     on_progress: Callable[[int], None] | None = None) -> Scored:
+                     on_progress: Callable[[int], None] | None = None,
+                     check: Callable[[ScoreResult, int], None] | None = None,
+                     max_failure_rate: float | None = None) -> Scored:
     """Generate ``n`` completions per example (greedy: one) and score them with ``pool`` (a RewardPool).
 
     A sample counts as correct when its reward is ≥ 0.5, so partial-credit scorers (reasoning-gym
     gives 0.01 for a wrongly formatted attempt) do not count a wrong answer as solved.
     ``on_progress(prompts_done)`` is called after each chunk of ``chunk_prompts`` prompts.
+
+    ``check(result, n)`` judges each chunk's scoring as a rollout round's is judged (``recipes.build.scoring_check``:
+    a warning on any failure, a UserError past ``reward.max_failure_rate``); with ``max_failure_rate`` (the
+    check's rate) the pool stops scoring a chunk as soon as the check's refusal is certain.
+
+    Raises:
+        UserError: from ``check``.
+        RuntimeError: a chunk stopped early (``max_failure_rate``) and ``check`` let it pass (a caller's bug:
+            the two rates differ).
     """
+    stop = {} if max_failure_rate is None else {"max_failure_rate": max_failure_rate}
     n = 1 if greedy else n
     sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
     correct: list[int] = []
@@ -52,7 +65,13 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     for s in range(0, len(examples), chunk_prompts):
         part = examples[s:s + chunk_prompts]
         ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
-        res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro])
+        res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro],
+                         **stop)
+        if check is not None:
+            check(res, len(res.rewards))
+        if res.unscored:
+            raise RuntimeError(f"{res.unscored} completions were left unscored at max_failure_rate={max_failure_rate} "
+                               "but the check passed them; give check and max_failure_rate the same rate")
         errors, timeouts = errors + res.errors, timeouts + res.timeouts
         total += sum(res.rewards)
         tokens += sum(len(x.completion_ids) for x in ro)

@@ -129,6 +129,7 @@ class Prepared:
         if t is None:
             return None
         t = _as_2d(name, t, self.mask.shape)
+        check_floating(name, t)
         t = t.to(self.logprobs.dtype)
         if not grad:
             t = t.detach()
@@ -179,6 +180,17 @@ def _as_2d(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t
 
 
+def check_floating(name: str, t: torch.Tensor) -> None:
+    """Refuse a log-prob (or entropy) input whose dtype is not floating point, before any arithmetic.
+
+    An integer or bool tensor (token ids passed by mistake) would give a loss and then torch's own
+    error at backward; a complex one has no order for the clip. Raises ValueError naming ``name`` and the dtype.
+    """
+    if not t.is_floating_point():
+        raise ValueError(f"{name} has dtype {t.dtype}; it must be a floating-point tensor (float32, float64, bfloat16 "
+                         "or float16) of log-probabilities, not token ids or counts")
+
+
 def _check_finite(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
     bad = (~torch.isfinite(t)) & mask
     if bool(bad.any()):
@@ -202,8 +214,9 @@ def prepare(
     token). Compute dtype: float32, or float64 when ``logprobs`` is float64 (for gradcheck).
 
     Raises:
-        ValueError: wrong type or shape, a mask that is not bool or 0/1, non-finite log-probs or
-            advantages at valid positions, an unknown option.
+        ValueError: wrong type or shape, log-probs whose dtype is not floating point (integer, bool,
+            complex), a mask that is not bool or 0/1, non-finite log-probs or advantages at valid
+            positions, an unknown option.
     """
     opts = CommonOptions.parse(objective, options)
     if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
@@ -211,10 +224,12 @@ def prepare(
             f"logprobs must be a [B, T] tensor, got "
             f"{tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__}"
         )
+    check_floating("logprobs", logprobs)
     shape = logprobs.shape
     if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == shape[0]:
         advantages = advantages[:, None].expand(shape)
     behavior_logprobs = _as_2d("behavior_logprobs", behavior_logprobs, shape)
+    check_floating("behavior_logprobs", behavior_logprobs)
     advantages = _as_2d("advantages", advantages, shape)
     mask = _as_2d("mask", mask, shape)
     if mask.dtype != torch.bool:

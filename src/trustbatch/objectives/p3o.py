@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (ESS_SCOPES, ObjectiveOutput, Prepared, _check_finite, add_regularizers, aggregate, finish, prepare,
-                      ratio_metrics)
+from ._common import (ESS_SCOPES, ObjectiveOutput, Prepared, _check_finite, add_regularizers, aggregate, check_floating,
+                      finish, prepare, ratio_metrics)
 from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
 from .ratio_stats import RatioStats
 from .registry import choice, register
@@ -48,6 +48,7 @@ def _full_input(prep: Prepared, name: str, t, V: int | None = None) -> torch.Ten
         raise ValueError(f"{name} has shape {got}; kl='exact' needs {want} full log-probs at the response positions")
     if t.shape[2] == 0:
         raise ValueError(f"{name} has an empty vocabulary dimension; pass the full log-softmax over the vocabulary")
+    check_floating(name, t)
     m3 = prep.mask[..., None]
     if prep.opts.check_finite:
         if name == "behavior_logprobs_full" and bool(((t.detach() == float("-inf")) & m3).any()):

@@ -106,13 +106,14 @@ def check_orchestrator(cfg: Config) -> None:
     check_ray_installed()
 
 
-def scoring_check(cfg: Config, task, console):
-    """``check_round(result, n)`` for the rollout source: warn on any scorer failure, stop past ``reward.max_failure_rate``."""
+def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
+    """``check_round(result, n)`` for the rollout source and held-out evaluation: warn on any scorer failure,
+    stop past ``reward.max_failure_rate``; ``where`` names what was scored in the messages."""
     scorer = cfg.reward.name or task.reward
 
     def check(result, n):
         warning = rewards.check_scoring(result, n=n, scorer=scorer, max_failure_rate=cfg.reward.max_failure_rate,
-                                        where="a rollout round")
+                                        where=where)
         if warning and console is not None:
             console.print(f"[yellow]{warning}[/yellow]", highlight=False)
 

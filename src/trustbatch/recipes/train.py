@@ -25,6 +25,7 @@ from ..errors import UserError
 from ..eval import evaluate_heldout
 from ..parallel import World
 from ..records import atomic_write, read_metrics, truncate_records
+from ..rewards.pool import read_in_process_marker
 from ..seeding import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
@@ -49,6 +50,7 @@ def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
     return f == r or r in f.parents or f in r.parents
 
 
+IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
 _EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 
 
@@ -64,9 +66,9 @@ class TrainHooks:
     """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
 
     def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
-                 world: World):
+                 world: World, console=None):
         self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
-        self.log, self.progress, self.world = log, progress, world
+        self.log, self.progress, self.world, self.console = log, progress, world, console
         self._ratio_round: int | None = None
 
     def is_eval(self, round_: int) -> bool:
@@ -78,9 +80,13 @@ class TrainHooks:
         c = self.cfg
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
+            # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
+            # times out must not cost a whole evaluation before round 1 stops the run
+            check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
             return evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
                                     samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
-                                    max_new_tokens=c.rollout.max_new_tokens)
+                                    max_new_tokens=c.rollout.max_new_tokens, check=check,
+                                    max_failure_rate=c.reward.max_failure_rate)
 
     def save(self, round_: int) -> None:
         parts = self.built.parts
@@ -256,6 +262,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     task, policy, pool, source = prepare_run(cfg, console)
     if world.is_main:
         world.barrier()
+        _in_process_scoring(cfg, run_dir, pool, console)
     built = None
     try:
         policy.model.to(world.device)
@@ -273,7 +280,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         parts = built.parts
         log = MetricsLog(run_dir, enabled=world.is_main)
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
-        hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world)
+        hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console)
         if state is not None:
             parts.learner.load_state_dict(state["learner"])
             parts.source.load_state_dict(state["source"])
@@ -311,6 +318,20 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     if not world.is_main:
         return {}
     return _summary(cfg, task, run_dir, last, time.time() - t_start, console)
+
+
+def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:
+    """Report a last start that died inside an in-process scorer; with reward.workers=0, say what it risks and
+    mark each scoring call (``RewardPool.in_process_marker``). One line each, unwrapped."""
+    marker = run_dir / IN_PROCESS_MARKER
+    died = read_in_process_marker(marker)
+    if died:
+        console.print(f"[yellow]{died}[/yellow]", highlight=False, soft_wrap=True)
+    if cfg.reward.workers == 0:
+        console.print("[yellow]warning: reward.workers=0 scores in the trainer's process with no time limit: a scorer "
+                      "that exits or hangs takes the run with it (reward.workers>=1 times out and counts such "
+                      "failures)[/yellow]", highlight=False, soft_wrap=True)
+        pool.in_process_marker = marker
 
 
 def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, console) -> dict:

@@ -21,6 +21,17 @@ def gsm8k_answer(text: str) -> str | None:
     return last_number(text)
 
 
+def after_last_hashes(text: str) -> str | None:
+    """The number right after the last ``####`` of ``text`` (``1,000`` → ``1000``, a ``$`` skipped).
+
+    None when the text has no ``####`` or its last one is followed by no number (an empty ``#### ``),
+    where ``gsm8k_answer`` would fall back to an earlier number.
+    """
+    at = text.rfind("####")
+    found = _AFTER_HASHES.match(text, at) if at >= 0 else None
+    return found.group(1).replace(",", "") if found else None
+
+
 def _same_number(a: str, b: str) -> bool:
     """Exact decimal equality, so 18 == 18.00 but 1450000 != 1450001 (a relative float tolerance would pass it)."""
     try:

@@ -19,6 +19,7 @@ come back with the error of a failed completion.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -28,9 +29,10 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import wait
+from pathlib import Path
 
 from ..processes import die_with_parent
-from .scorers import ScoreResult, get, one_line, score_local, score_one
+from .scorers import ScoreResult, get, one_line, score_local, score_one, stopped_early
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
 
@@ -178,10 +180,39 @@ class _Worker:
             self.out.close()
 
 
+def read_in_process_marker(path: str | os.PathLike) -> str | None:
+    """The one-line warning an ``in_process_marker`` left by a process that died while scoring, or None; removes it.
+
+    The marker is a file, not an ``atexit`` hook, because ``os._exit``, a crash and SIGKILL run none:
+    only a file left behind tells the next start (a resume of the run) what ended the last one.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    try:
+        info = json.loads(text)
+    except ValueError:  # cut short by the death it reports
+        info = {}
+    if not isinstance(info, dict):
+        info = {}
+    path.unlink(missing_ok=True)
+    since = info.get("since")
+    when = f", a call from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if isinstance(since, (int, float)) else ""
+    return (f"warning: the last start of this run (pid {info.get('pid', '?')}) ended while its scorer "
+            f"{info.get('scorer', '?')!r} ran in the trainer's process (reward.workers=0{when}), leaving no message: the "
+            "scorer called os._exit or crashed the interpreter, or the process was killed; reward.workers=2 scores "
+            "in worker processes, where such a failure is counted and reported")
+
+
 class RewardPool:
     """Score completions with the scorer ``name`` in ``workers`` processes, each call limited to ``timeout_s`` seconds.
 
-    ``workers=0`` scores in this process with the same parsing (``rewards.get``) and no time limit.
+    ``workers=0`` scores in this process with the same parsing (``rewards.get``) and no time limit: a scorer
+    that exits or hangs there takes the caller with it. Set ``in_process_marker`` to a path to have a file
+    there for the duration of each in-process ``score`` call (removed when it returns or raises): a file
+    still there at the next start means the process died inside the scorer (``read_in_process_marker``).
     ``chunk_size`` completions go to a worker in one message (module docstring).
     Use as a context manager, or call ``close``. Workers start lazily, from the thread that calls
     ``score``; on Linux a worker is killed when that thread ends, so score from a thread that
@@ -201,13 +232,21 @@ class RewardPool:
         # it never touches torch, so the parent's OpenMP threads do not matter.
         self._ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._pool: list[_Worker] = []
+        self.in_process_marker: Path | None = None  # workers=0 only (class docstring)
 
     def _ensure_workers(self) -> None:
         while len(self._pool) < self.workers:
             self._pool.append(_Worker(self._ctx, self.name))
 
-    def score(self, completions: list[str], references: list[str]) -> ScoreResult:
+    def score(self, completions: list[str], references: list[str], *,
+              max_failure_rate: float | None = None) -> ScoreResult:
         """Rewards for ``completions[i]`` against ``references[i]``, in order; failures give 0 and are counted.
+
+        With ``max_failure_rate``, scoring stops as soon as the failures (errors + timeouts) exceed that
+        fraction of all ``completions`` (``scorers.stopped_early``: ``check_scoring`` at that rate refuses
+        the call whatever the rest would score), so a scorer that always times out costs about
+        ``max_failure_rate · len(completions) · timeout_s / workers`` seconds, not the whole call. The
+        completions not scored get reward 0 and are counted in ``unscored``; busy workers are killed.
 
         Raises:
             ValueError: the two lists differ in length (a caller's bug).
@@ -215,13 +254,26 @@ class RewardPool:
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         if self.workers == 0:
-            return score_local(self._local, completions, references)
+            if self.in_process_marker is None:
+                return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+            marker = Path(self.in_process_marker)
+            marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
+            try:
+                return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+            finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended
+                marker.unlink(missing_ok=True)
         self._ensure_workers()
         res = ScoreResult([0.0] * len(completions), 0, 0)
         # a chunk per worker at least, so that both share a small call
         size = max(1, min(self.chunk_size, -(-len(completions) // self.workers)))
         todo = deque(range(len(completions)))
         while todo or any(w.job for w in self._pool):
+            if stopped_early(res.errors + res.timeouts, len(completions), max_failure_rate):
+                res.unscored = len(todo) + sum(len(w.job) for w in self._pool if w.job)
+                for w in [w for w in self._pool if w.job]:  # mid-chunk: its results would arrive late, unasked
+                    w.close(kill=True)
+                    self._pool.remove(w)
+                break
             for k, w in enumerate(list(self._pool)):
                 if w.job is None and todo:
                     job = [todo[j] for j in range(min(size, len(todo)))]

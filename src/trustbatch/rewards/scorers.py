@@ -31,11 +31,20 @@ class ScoreResult:
     timeouts: int  # scorer ran past the time limit
     clamped: int = 0  # finite rewards outside [0, 1], clamped into it
     last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
+    unscored: int = 0  # completions never scored (reward 0) because the call stopped early (``stopped_early``)
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
         """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
         return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
-                           self.clamped + other.clamped, other.last_error or self.last_error)
+                           self.clamped + other.clamped, other.last_error or self.last_error,
+                           self.unscored + other.unscored)
+
+
+def stopped_early(failed: int, n: int, max_failure_rate: float | None) -> bool:
+    """Whether a scoring call of ``n`` completions may stop after ``failed`` failures: ``check_scoring`` with
+    this rate will refuse the call whatever the rest score, since failed / n > max_failure_rate already
+    (the same expression, so the two never disagree by rounding). None never stops."""
+    return max_failure_rate is not None and n > 0 and failed / n > max_failure_rate
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -124,16 +133,33 @@ def _user_function(name: str) -> Scorer:
     return f
 
 
+def is_score(value: object) -> bool:
+    """Whether a scorer's return value is a score: an int, float or bool, or a NumPy scalar of one of those.
+
+    Anything else is refused rather than converted: ``float("0.75")`` would read a string as a score,
+    ``float(tensor)`` hides a tensor of shape [1] that was meant to be per-token.
+    """
+    if isinstance(value, (int, float)):  # bool is an int; numpy.float64 is a float
+        return True
+    dtype = getattr(value, "dtype", None)  # numpy.float32, numpy.int64, numpy.bool_ ...: not int/float subclasses
+    return (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+            and getattr(dtype, "kind", "") in ("b", "i", "u", "f"))
+
+
 def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, str, str | None]:
     """Score one completion in this process: ``(reward, status, cause)``.
 
     ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it) or
-    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-number or a non-finite
-    value; the reward is 0). ``cause`` is a one-line description for ``"error"``, else None.
-    Only KeyboardInterrupt propagates.
+    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-finite value or anything
+    but an int, float, bool or NumPy scalar of those (``is_score``); the reward is 0). ``cause`` is a
+    one-line description for ``"error"``, else None. Only KeyboardInterrupt propagates.
     """
     try:
-        v = float(scorer(completion, reference))
+        raw = scorer(completion, reference)
+        if not is_score(raw):
+            return 0.0, "error", one_line(f"the scorer returned {type(raw).__name__} {raw!r}, not a number; "
+                                          "return an int, float or bool", 200)
+        v = float(raw)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - sys.exit() in a scorer must not end the run silently
@@ -145,10 +171,19 @@ def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, s
     return min(1.0, max(0.0, v)), "clamped", None
 
 
-def score_local(scorer: Scorer, completions: list[str], references: list[str]) -> ScoreResult:
-    """Score each completion in this process with ``score_one``, counting errors and clamped rewards (no time limit)."""
+def score_local(scorer: Scorer, completions: list[str], references: list[str], *,
+                max_failure_rate: float | None = None) -> ScoreResult:
+    """Score each completion in this process with ``score_one``, counting errors and clamped rewards (no time limit).
+
+    With ``max_failure_rate``, scoring stops once the errors exceed that fraction of all ``completions``
+    (``stopped_early``); the rest get reward 0 and are counted in ``unscored``.
+    """
     res = ScoreResult([], 0, 0)
-    for c, r in zip(completions, references):
+    for k, (c, r) in enumerate(zip(completions, references)):
+        if stopped_early(res.errors, len(completions), max_failure_rate):
+            res.unscored = len(completions) - k
+            res.rewards += [0.0] * res.unscored
+            break
         v, status, cause = score_one(scorer, c, r)
         res.rewards.append(v)
         res.errors += status == "error"
@@ -178,6 +213,8 @@ def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, 
         return None
     last = f"; last error: {result.last_error}" if result.last_error else ""
     counts = f"{result.errors} errors and {result.timeouts} timeouts in {n} completions"
+    if result.unscored:  # the call stopped once this verdict was certain
+        counts += f", {result.unscored} of them left unscored"
     if failed / n > max_failure_rate:
         raise UserError(f"{where}: reward {scorer!r} failed on {failed / n:.0%} of completions ({counts}), above "
                         f"reward.max_failure_rate={max_failure_rate:g}{last}; fix the scorer, or raise "
