@@ -36,8 +36,9 @@ class Policy:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def save(self, path: Path) -> None:
-        self.model.save_pretrained(path)
+    def save(self, path: Path, state_dict: dict | None = None) -> None:
+        """The model (its own weights, or ``state_dict``'s, e.g. gathered from shards) and tokenizer in HF format."""
+        self.model.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
 
 

@@ -7,6 +7,7 @@ backend (the vLLM engine, an async source, a Ray learner group) is one more bran
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 from .. import objectives, rewards
@@ -90,10 +91,14 @@ def check_orchestrator(cfg: Config) -> None:
     """``orchestrator=ray`` runs the async rollout workers as Ray actors: it needs that mode and Ray.
 
     Raises:
-        UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra).
+        UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra), or
+            Ray learners with ``train.strategy=fsdp2``.
     """
     if cfg.orchestrator != "ray":
         return
+    if cfg.ray_learners > 0 and cfg.train.strategy == "fsdp2":
+        raise UserError("train.strategy=fsdp2 runs under torchrun; the Ray learner group (ray_learners) uses DDP: "
+                        "set train.strategy=ddp or ray_learners=0")
     if cfg.rollout.mode != "async":
         raise UserError("orchestrator=ray runs the rollout workers of rollout.mode=async; add rollout.mode=async")
     from ..orchestration.ray_rollout import check_ray_installed  # imports no ray
@@ -179,7 +184,10 @@ def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
 @dataclass
 class Built:
     parts: Parts
-    eval_engine: TransformersEngine  # the learner's own float32 policy, for held-out evaluation
+    eval_engine: TransformersEngine  # the learner's own float32 policy (or a whole copy of it), for held-out evaluation
+    # under FSDP2, when the rollout engine holds another precision or older weights: fills the evaluation's whole
+    # float32 copy before each evaluation (every rank pushes: the shards are gathered)
+    eval_sync: CopySync | None = None
 
 
 def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
@@ -188,10 +196,15 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
 
     The behaviour policy is the learner's own module (on-policy float32), or a copy in another
     precision, or the policy of ``rollout.staleness`` optimizer steps ago (the lab's shifts).
+    With ``train.strategy=fsdp2`` on several ranks the learner's module is sharded, so the engines
+    sample from a whole copy taken before sharding, which weight syncs refill with gathered tensors:
+    a sharded module's forward waits on every rank, and ranks generate different lengths.
     """
     world = world or World()
     ro, tr = cfg.rollout, cfg.train
     check_orchestrator(cfg)
+    sharded = tr.strategy == "fsdp2" and world.size > 1
+    whole = copy.deepcopy(policy.model) if sharded else policy.model  # before the learner shards policy.model
     learner_kw = dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
                       epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps)
@@ -201,8 +214,9 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         learner = RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
                                   seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
     else:
-        learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
+        learner = Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world,
+                          strategy=tr.strategy, **learner_kw)
+    eval_engine = TransformersEngine(whole, policy.eos_id, policy.pad_id)
     if ro.mode == "async":
         try:
             source = async_source(cfg, task, policy, version, world)
@@ -215,14 +229,14 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         return Built(Parts(source, learner, source.sync), eval_engine)
     shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
     if ro.engine == "vllm":
-        engine = vllm_engine(cfg, policy, version)
+        engine = vllm_engine(cfg, dataclasses.replace(policy, model=whole), version)
     else:
-        engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=ro.precision,
+        engine = TransformersEngine(whole, policy.eos_id, policy.pad_id, precision=ro.precision,
                                     share=not shifted, version=version, full_logprobs=_full_logprobs(cfg))
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)
-    elif shifted:
+    elif shifted or sharded:
         sync = CopySync(engine)
     else:
         sync = SharedSync(engine)
@@ -237,7 +251,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
         check_round=check_round,
     )
-    return Built(Parts(source, learner, sync), eval_engine)
+    # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
+    return Built(Parts(source, learner, sync), eval_engine, CopySync(eval_engine) if sharded and shifted else None)
 
 
 def vllm_engine(cfg: Config, policy, version: int):
