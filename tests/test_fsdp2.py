@@ -102,8 +102,22 @@ def _checkpoint(world: World, out_dir: Path) -> dict:
             "version": again.version, "lr": again.scheduler.get_last_lr()}
 
 
+def _micro_batch_scope_step(world: World | None, strategy: str = "ddp") -> dict:
+    """One SGD step of P3O with ``ess_scope="micro_batch"`` on 5 rows in micro-batches of 2: over two ranks,
+    rank 0 runs rows [0, 1] then [2], rank 1 rows [3, 4] then an empty micro-batch, and micro-batch i's
+    ESS sums over the ranks' i-th micro-batches. Returns the whole gradients."""
+    model = _model()
+    learner = Learner(model, "p3o", {}, grad_clip=1e9, micro_batch_size=2, world=world, strategy=strategy,
+                      ess_scope="micro_batch")
+    grads = sgd_recording_grads(learner, model)
+    batch = _batch(5)
+    learner.step(batch.select(world.shard(len(batch))))
+    return {n: _whole(g) for n, g in grads.items()}
+
+
 def _fsdp2_runs(world: World, out_dir: Path) -> dict:
     res = {case: _step(*case[:2], world, micro_batch_size=case[2]) for case in CASES}
+    res["micro_batch_scope"] = {s: _micro_batch_scope_step(world, s) for s in ("ddp", "fsdp2")}
     res["bf16"] = {case: _step(*case[:2], world, micro_batch_size=case[2], param_dtype=torch.bfloat16)
                    for case in CASES}
     res["reloaded"] = _checkpoint(world, out_dir)
@@ -135,6 +149,19 @@ def test_two_fsdp2_ranks_equal_one_process_on_the_whole_batch(two_ranks, case):
             _close(weights[n], want_weights[n], f"{case} weight {n} rank {rank}")
     # the gradient is not trivially equal: a 1/world-size slip would show
     assert max(g.abs().max() for g in want_grads.values()) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_rank_with_fewer_micro_batches_still_sums_micro_batch_statistics(two_ranks, strategy):
+    # one process on rows [0, 1, 3, 4] then [2] forms the same micro-batches as the two ranks together
+    model = _model()
+    learner = Learner(model, "p3o", {}, grad_clip=1e9, micro_batch_size=4, ess_scope="micro_batch")
+    want = sgd_recording_grads(learner, model)
+    learner.step(_batch(5).select(torch.tensor([0, 1, 3, 4, 2])))
+    for rank in range(2):
+        got = two_ranks[1][rank]["micro_batch_scope"][strategy]
+        for n in want:
+            _close(got[n], want[n], f"{strategy} grad {n} rank {rank}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -223,3 +250,12 @@ def test_torchrun_fsdp2_with_a_bf16_rollout_copy_and_its_own_evaluation_copy(tmp
     records = _torchrun(tmp_path / "run", env, "train.strategy=fsdp2", "rollout.precision=bfloat16")
     assert "heldout_accuracy" in records[2]  # evaluated at the last round from the refilled float32 copy
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+
+
+def test_ray_learners_refuse_fsdp2():
+    from trustbatch.config import load_config
+    from trustbatch.errors import UserError
+    from trustbatch.recipes.build import check_orchestrator
+
+    with pytest.raises(UserError, match="train.strategy=fsdp2 runs under torchrun"):
+        check_orchestrator(load_config(None, ["orchestrator=ray", "rollout.mode=async", "train.strategy=fsdp2"]))

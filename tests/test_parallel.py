@@ -5,6 +5,7 @@ objective declares cover the whole optimizer batch), and a 2-rank ``torchrun`` o
 finishes.
 """
 
+import datetime
 import os
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def _step(objective: str, world: World | None, micro_batch_size: int):
 
 def _rank_main(rank: int, body, init_file: str, out_dir: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    # a collective that one rank never reaches fails after the timeout instead of hanging the test run
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(minutes=3))
     torch.set_num_threads(1)
     res = body(World.from_env(), Path(out_dir))
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")

@@ -271,7 +271,10 @@ class Learner:
                 # same collectives; a zero loss through the forward gives every weight a zero gradient
                 with skip_sync:
                     pad = self._pad if self._pad is not None else _empty_like(batch)
-                    (response_logprobs(self.wrapped, pad.packed)[0].sum() * 0.0).backward()
+                    logp = response_logprobs(self.wrapped, pad.packed)[0]
+                    if per_micro_batch_stats:  # the other ranks sum this micro-batch's statistics, after its forward
+                        self._sum_stats({k: RatioStats.zeros() for k in self.spec.batch_stats})
+                    (logp.sum() * 0.0).backward()
                 continue
             mb = batch.select(chunks[i])
             m = mb.packed.response_mask
