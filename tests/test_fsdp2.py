@@ -245,11 +245,21 @@ def test_torchrun_fsdp2_trains_as_ddp_does_and_resumes_in_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp2_with_a_bf16_rollout_copy_and_its_own_evaluation_copy(tmp_path):
+def test_torchrun_fsdp2_with_lagged_bf16_rollouts_replay_and_a_two_rank_resume(tmp_path):
+    # a bf16 rollout copy served 1 optimizer step late (snapshots gathered after every step), two optimizer steps
+    # per round with a proximal snapshot (no-grad passes in lockstep), evaluation from its own refilled copy
     env = {**os.environ, "TRUSTBATCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    records = _torchrun(tmp_path / "run", env, "train.strategy=fsdp2", "rollout.precision=bfloat16")
-    assert "heldout_accuracy" in records[2]  # evaluated at the last round from the refilled float32 copy
-    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    run = tmp_path / "run"
+    extra = ["train.strategy=fsdp2", "rollout.precision=bfloat16", "rollout.staleness=1", "train.minibatches=2",
+             "objective.name=p3o_two_anchor"]
+    records = _torchrun(run, env, *extra)
+    assert "heldout_accuracy" in records[2] and records[2]["optimizer_steps"] == 2
+    assert (run / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "trustbatch", "train", "--resume", str(run), "train.steps=3"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
 
 
 def test_ray_learners_refuse_fsdp2():
