@@ -5,6 +5,7 @@ objective declares cover the whole optimizer batch), and a 2-rank ``torchrun`` o
 finishes.
 """
 
+import datetime
 import os
 import subprocess
 import sys
@@ -64,21 +65,31 @@ def _step(objective: str, world: World | None, micro_batch_size: int):
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str):
+def _rank_main(rank: int, body, init_file: str, out_dir: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    # a collective that one rank never reaches fails after the timeout instead of hanging the test run
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(minutes=3))
     torch.set_num_threads(1)
-    world = World.from_env()
-    res = {name: _step(name, world, micro_batch_size=2) for name in OBJECTIVES}
+    res = body(World.from_env(), Path(out_dir))
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
+def two_gloo_ranks(body, out_dir: Path) -> list:
+    """``body(world, out_dir)`` (a module-level function) in two spawned gloo ranks; their results in rank order."""
+    mp.start_processes(_rank_main, args=(body, str(out_dir / "init"), str(out_dir)), nprocs=2, start_method="spawn",
+                       join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _ddp_steps(world: World, out_dir: Path) -> dict:
+    return {name: _step(name, world, micro_batch_size=2) for name in OBJECTIVES}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_rank_main, args=(str(d / "init"), str(d)), nprocs=2, start_method="spawn", join=True)
-    return [torch.load(d / f"rank{r}.pt") for r in range(2)]
+    return two_gloo_ranks(_ddp_steps, tmp_path_factory.mktemp("ddp"))
 
 
 def test_the_ranks_hold_unequal_token_counts():

@@ -9,8 +9,13 @@ Normalisation (scale-out.md §5): DDP *averages* gradients over ranks, while eve
 divides by the global token count, so each rank's loss is multiplied by the world size; the averaged
 gradient then equals the one-process gradient of the whole batch.
 
-``wrap(model, "fsdp2")`` uses ``torch.distributed.fsdp.fully_shard``: untested here (no GPU lent to
-this work); DDP on gloo is what the tests run.
+``wrap(model, "fsdp2")`` shards the model with ``torch.distributed.fsdp.fully_shard`` (FSDP2): each
+decoder block, then the root (torchtune's ``shard_model``). FSDP2 reduce-scatters averaged gradients,
+so the same ×world-size rule holds. Under FSDP2 every forward all-gathers a block's weights: every rank
+must run the same number of forwards (no-grad ones included), and anything that needs the whole model
+(an engine's copy, a checkpoint) gathers it on every rank (``full_tensor``, ``full_model_state``,
+``full_optimizer_state``). Tested on CPU with gloo (tests/test_fsdp2.py); FSDP2 on CUDA with NCCL was
+not run here.
 """
 
 from __future__ import annotations
@@ -119,12 +124,22 @@ class World:
         start = rank * base + min(rank, extra)
         return slice(start, start + base + (rank < extra))
 
-    def wrap(self, model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, strategy: str = "ddp", *,
+             param_dtype: torch.dtype | None = None) -> torch.nn.Module:
         """The module to run forward/backward through: ``model`` itself for one rank, else DDP or FSDP2.
 
+        ``strategy="fsdp2"`` shards ``model`` in place (``fully_shard`` per decoder block, then the root)
+        and returns it. ``param_dtype`` (FSDP2 only; e.g. ``torch.bfloat16``) computes with weights cast
+        to that dtype and reduces gradients in float32, keeping float32 master weights
+        (``MixedPrecisionPolicy``); one rank ignores it (use autocast there).
+
         Raises:
-            ValueError: an unknown strategy.
+            ValueError: an unknown strategy, or ``param_dtype`` with DDP.
         """
+        if strategy not in ("ddp", "fsdp2"):
+            raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose 'ddp' or 'fsdp2'")
+        if param_dtype is not None and strategy != "fsdp2":
+            raise ValueError("param_dtype is FSDP2's mixed precision; with DDP use autocast")
         if self.size == 1:
             return model
         if strategy == "ddp":
@@ -132,16 +147,17 @@ class World:
 
             ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
             return DistributedDataParallel(model, device_ids=ids)
-        if strategy == "fsdp2":  # untested: needs GPUs
-            from torch.distributed.fsdp import fully_shard
-
-            return fully_shard(model)
-        raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose 'ddp' or 'fsdp2'")
+        return _fully_shard(model, self.size, param_dtype)
 
     @staticmethod
     def no_sync(wrapped: torch.nn.Module, skip: bool):
-        """Skip DDP's gradient all-reduce for this backward (all micro-batches but the last)."""
-        if skip and hasattr(wrapped, "no_sync"):
+        """Skip the gradient reduction for this backward (all micro-batches but the last): DDP's
+        all-reduce, or FSDP2's reduce-scatter (gradients then accumulate unsharded until the last)."""
+        if not skip:
+            return contextlib.nullcontext()
+        if hasattr(wrapped, "set_requires_gradient_sync"):
+            return _fsdp2_no_sync(wrapped)
+        if hasattr(wrapped, "no_sync"):
             return wrapped.no_sync()
         return contextlib.nullcontext()
 
@@ -153,3 +169,102 @@ class World:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of its ``_no_split_modules`` classes (transformers' name for
+    the units that must stay whole, e.g. ``LlamaDecoderLayer``), else the children of ``model.model.layers``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if not blocks:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        blocks = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+    return blocks
+
+
+def _fully_shard(model: torch.nn.Module, size: int, param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """FSDP2 over ``size`` ranks: each block is a unit of its own (its weights are gathered only around
+    its forward and backward), the root holds the rest (embeddings, final norm, LM head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(next(model.parameters()).device.type, (size,))
+    mp = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None
+          else MixedPrecisionPolicy())
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 module (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or the whole tensor of a DTensor shard (an all-gather: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of an FSDP2 ``model`` on rank 0, on CPU ({} on other ranks); every rank must call it.
+
+    Tied weights (e.g. the LM head and the embedding) stay one tensor under both names, as in
+    ``model.state_dict()``, so ``save_pretrained`` writes them as it writes an unsharded model.
+    Source: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (full_state_dict, cpu_offload).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if full:
+        first: dict[int, str] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            full[name] = full[first.setdefault(id(t), name)]
+    return full
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state of an FSDP2 ``model`` on rank 0 ({} on other ranks) in ``Optimizer.state_dict()``'s
+    own format (state keyed by parameter index, in ``model.parameters()`` order), so that one process loads
+    it with ``optimizer.load_state_dict``; every rank must call it.
+
+    Source: ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`` keys
+    by parameter name; the names map to indices in ``model.named_parameters()`` order.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:
+        return {}
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {index[k]: v for k, v in full["state"].items()},
+            "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in full["param_groups"]]}
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load ``Optimizer.state_dict()``-format ``state`` (whole tensors, the same on every rank) into the
+    optimizer of an FSDP2 ``model``, each rank keeping its shard; every rank must call it.
+
+    Raises:
+        KeyError / ValueError: ``state`` is not for this model's parameters (torch's message).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    by_name = {"state": {names[i]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -3,8 +3,8 @@
 Three implementations, chosen once by the recipe (never by the loop):
 
 - ``SharedSync``: the engine samples from the learner's own module; a push only moves its version.
-- ``CopySync``: the engine holds its own copy (another precision, int8, another process); a push sends
-  the full named state, which the engine casts or re-quantizes.
+- ``CopySync``: the engine holds its own copy (another precision, int8, another process, or a learner
+  sharded by FSDP2); a push sends the full named state, which the engine casts or re-quantizes.
 - ``LaggedSync(k)``: the engine gets the weights of k optimizer steps ago (the lab's exact staleness);
   it records a snapshot after every optimizer step (``record``, registered with the learner).
 """
@@ -16,6 +16,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from ..parallel import full_tensor
 from ..policy.lora import has_lora, merged_state_dict
 
 
@@ -24,12 +25,14 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     A model with LoRA adapters gives its merged state, ``W + (α/r)·B·A`` under the base model's names
     (``policy.lora.merged_state_dict``): engines always receive the policy being trained, never adapters.
+    Of an FSDP2 (sharded) model, whole tensors: each is all-gathered, so every rank must iterate it to the
+    end together (the weight syncs run on every rank after the same optimizer steps).
     """
     if has_lora(model):
         yield from merged_state_dict(model).items()
         return
     for name, t in model.state_dict().items():
-        yield name, t.detach()
+        yield name, full_tensor(t.detach())
 
 
 class WeightSync(Protocol):

@@ -38,15 +38,16 @@ class Policy:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def save(self, path: Path) -> None:
-        """A Hugging Face model directory of the policy: with LoRA adapters, the base with them merged
-        (``policy.lora.merged_copy``), loadable with no peft; a checkpoint stores the adapter instead."""
+    def save(self, path: Path, state_dict: dict | None = None) -> None:
+        """A Hugging Face model directory of the policy: its own weights, or ``state_dict``'s (e.g. gathered from
+        FSDP2 shards); with LoRA adapters, the base with them merged (``policy.lora.merged_copy``), loadable with
+        no peft (a checkpoint stores the adapter instead)."""
         if self.adapter is not None:
             from .lora import merged_copy
 
             merged_copy(self.model).save_pretrained(path)
         else:
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
 
 

@@ -7,6 +7,7 @@ backend (the vLLM engine, an async source, a Ray learner group) is one more bran
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +96,14 @@ def check_orchestrator(cfg: Config) -> None:
     """``orchestrator=ray`` runs the async rollout workers as Ray actors: it needs that mode and Ray.
 
     Raises:
-        UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra).
+        UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra), or
+            Ray learners with ``train.strategy=fsdp2``.
     """
     if cfg.orchestrator != "ray":
         return
+    if cfg.ray_learners > 0 and cfg.train.strategy == "fsdp2":
+        raise UserError("train.strategy=fsdp2 runs under torchrun; the Ray learner group (ray_learners) uses DDP: "
+                        "set train.strategy=ddp or ray_learners=0")
     if cfg.rollout.mode != "async":
         raise UserError("orchestrator=ray runs the rollout workers of rollout.mode=async; add rollout.mode=async")
     from ..orchestration.ray_rollout import check_ray_installed  # imports no ray
@@ -223,7 +228,10 @@ def foreign_engine(cfg: Config, task, policy) -> TransformersEngine:
 @dataclass
 class Built:
     parts: Parts
-    eval_engine: TransformersEngine  # the learner's own float32 policy, for held-out evaluation
+    eval_engine: TransformersEngine  # the learner's own float32 policy (or a whole copy of it), for held-out evaluation
+    # under FSDP2, when the rollout engine holds another precision or older weights: fills the evaluation's whole
+    # float32 copy before each evaluation (every rank pushes: the shards are gathered)
+    eval_sync: CopySync | None = None
 
 
 def build_learner(cfg: Config, policy, world: World, version: int):
@@ -245,7 +253,10 @@ def build_learner(cfg: Config, policy, world: World, version: int):
 
         return RayLearnerGroup(policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
                                seed=tr.seed, address=cfg.ray_address, rollout_workers=ro.workers, **learner_kw)
-    return Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, **learner_kw)
+    # FSDP2's own mixed precision (bf16 compute weights, float32 shards and reductions) beside the autocast
+    param_dtype = torch.bfloat16 if tr.strategy == "fsdp2" and tr.precision == "bf16-mixed" else None
+    return Learner(policy.model, cfg.objective.name, cfg.objective.options, world=world, strategy=tr.strategy,
+                   param_dtype=param_dtype, **learner_kw)
 
 
 def _learner_autocast(cfg: Config):
@@ -253,16 +264,22 @@ def _learner_autocast(cfg: Config):
     return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
 
 
-def sync_engine(cfg: Config, policy, learner, version: int):
+def sync_engine(cfg: Config, policy, learner, version: int, *, whole=None, sharded: bool = False):
     """The behaviour policy of a sync run and its weight sync: ``(engine, sync)``, the sync pushed at ``version``.
 
     The engine is the learner's own module (on-policy: ``SharedSync``), or a copy in another precision or on vLLM
     (``CopySync``), or the policy of ``rollout.staleness`` optimizer steps ago (``LaggedSync``, the lab's shifts).
+    ``sharded`` (FSDP2 on several ranks): the engine samples from ``whole``, a whole copy refilled by ``CopySync``.
     """
     ro, tr = cfg.rollout, cfg.train
+    whole = policy.model if whole is None else whole
     shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
     if ro.engine == "vllm":
-        engine = vllm_engine(cfg, policy, version)
+        engine = vllm_engine(cfg, dataclasses.replace(policy, model=whole), version)
+    elif sharded:
+        engine = TransformersEngine(whole, policy.eos_id, policy.pad_id, precision=ro.precision, share=not shifted,
+                                    version=version, full_logprobs=_full_logprobs(cfg),
+                                    autocast=None if shifted else _learner_autocast(cfg))
     else:
         # an engine with its own copy gets the merged weights under the base's names (LoRA: a plain merged
         # copy to start from, then CopySync/LaggedSync push named_weights, merged); a shared one runs
@@ -274,7 +291,7 @@ def sync_engine(cfg: Config, policy, learner, version: int):
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)
-    elif shifted:
+    elif shifted or sharded:
         sync = CopySync(engine)
     else:
         sync = SharedSync(engine)
@@ -284,13 +301,22 @@ def sync_engine(cfg: Config, policy, learner, version: int):
 
 def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
                 version: int = 0, check_round=None) -> Built:
-    """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``."""
+    """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``.
+
+    With ``train.strategy=fsdp2`` on several ranks the learner's module is sharded, so the engines
+    sample from a whole copy taken before sharding (merged, under LoRA), which weight syncs refill with
+    gathered tensors: a sharded module's forward waits on every rank, and ranks generate different lengths.
+    """
     world = world or World()
     ro, tr = cfg.rollout, cfg.train
     check_orchestrator(cfg)
+    sharded = tr.strategy == "fsdp2" and world.size > 1
+    whole = policy.model  # before the learner shards policy.model
+    if sharded:
+        whole = merged_copy(policy.model) if policy.adapter is not None else copy.deepcopy(policy.model)
     learner = build_learner(cfg, policy, world, version)
-    # the held-out evaluation samples from the learner's own module, as the learner computes (its autocast)
-    eval_engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, autocast=_learner_autocast(cfg))
+    # the held-out evaluation samples from the learner's own module (or its whole copy), as the learner computes
+    eval_engine = TransformersEngine(whole, policy.eos_id, policy.pad_id, autocast=_learner_autocast(cfg))
     if ro.mode == "async":
         try:
             source = async_source(cfg, task, policy, version, world)
@@ -301,7 +327,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
             source.transport.weights_from = learner.weights_at
             source.on_close.append(learner.close)
         return Built(Parts(source, learner, source.sync), eval_engine)
-    engine, sync = sync_engine(cfg, policy, learner, version)
+    engine, sync = sync_engine(cfg, policy, learner, version, whole=whole, sharded=sharded)
     source = SyncSource(
         engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], pool,
         policy.decode, sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
@@ -312,7 +338,8 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
         check_round=check_round,
     )
-    return Built(Parts(source, learner, sync), eval_engine)
+    # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
+    return Built(Parts(source, learner, sync), eval_engine, CopySync(eval_engine) if sharded and shifted else None)
 
 
 def vllm_engine(cfg: Config, policy, version: int):

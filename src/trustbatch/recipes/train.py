@@ -23,7 +23,7 @@ import torch
 from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
 from ..eval import evaluate_heldout
-from ..parallel import World
+from ..parallel import World, full_model_state
 from ..records import atomic_write, read_metrics, truncate_records
 from ..rewards.pool import read_in_process_marker
 from ..seeding import row_seed
@@ -88,19 +88,40 @@ class TrainHooks:
                                     max_new_tokens=c.rollout.max_new_tokens, check=check,
                                     max_failure_rate=c.reward.max_failure_rate)
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: the learner's forwards and gathers of its weights are collectives every rank must reach."""
+        return bool(getattr(self.built.parts.learner, "sharded", False))
+
+    def refresh_eval(self) -> None:
+        """Fill the evaluation engine's whole copy with the learner's weights, where it has one of its own
+        (FSDP2 with a shifted rollout engine; every rank calls this, the shards are gathered)."""
+        if self.built.eval_sync is not None:
+            learner = self.built.parts.learner
+            self.built.eval_sync.push(learner.model, learner.version)
+
     def save(self, round_: int) -> None:
+        """Rank 0 writes the checkpoint. Under FSDP2 every rank calls this: the whole weights and optimizer
+        state are gathered to rank 0, so the checkpoint loads at any world size."""
+        if not (self.world.is_main or self.sharded):
+            return
         parts = self.built.parts
+        model_state = full_model_state(self.policy.model) if self.sharded else None
         state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
+        if not self.world.is_main:
+            return
         if hasattr(parts.sync, "state_dict"):
             state["sync"] = parts.sync.state_dict()
-        save_checkpoint(self.run_dir, round_, self.policy, state)
+        save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state)
 
     def before_train(self, round_: int, batch) -> None:
         learner = self.built.parts.learner
-        record = self.world.is_main and (self.is_eval(round_) or round_ == 1)
-        if record:
+        record = self.is_eval(round_) or round_ == 1
+        if record and (self.world.is_main or self.sharded):  # a sharded forward needs every rank
             current = learner.logprobs(batch)
-            log_ratio_histogram(self.run_dir, round_, current - batch.behavior_logprobs, batch.packed.response_mask)
+            if self.world.is_main:
+                log_ratio_histogram(self.run_dir, round_, current - batch.behavior_logprobs, batch.packed.response_mask)
+        record = record and self.world.is_main
         # a replayed round (several optimizer steps per batch) also records each step's mini-batch
         self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
         # learner ranks in Ray actors have no such hook: their replayed rounds keep the one record
@@ -115,19 +136,26 @@ class TrainHooks:
                                 minibatch=minibatch)
 
     def after_round(self, round_: int, m: dict) -> None:
+        skipped = "skipped_step" in m
+        evaluate = not skipped and self.is_eval(round_)
+        save = not skipped and (round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps)
+        if evaluate:
+            self.refresh_eval()
         if not self.world.is_main:
+            if save:
+                self.save(round_)  # gathers under FSDP2; writes nothing
             return
-        if "skipped_step" in m:
+        if skipped:
             self.log.log(round_, m)
             self.progress.advance(round_, "all groups uninformative: step skipped")
             return
-        if self.is_eval(round_):
+        if evaluate:
             m.update(self.evaluate(round_))
         self.log.log(round_, m)
         steps = self.built.parts.learner.step_records
         if len(steps) > 1:
             log_step_records(self.run_dir, round_, steps)
-        if round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps:
+        if save:
             self.save(round_)
         info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
         if "heldout_accuracy" in m:
@@ -300,11 +328,12 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
                       f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
         console.print(f"run directory: {run_dir}")
-        if state is None and world.is_main:  # not when resuming from the step-0 checkpoint
-            base_eval = hooks.evaluate(0)
-            log.log(0, base_eval)
-            console.print(f"base policy: held-out accuracy {base_eval['heldout_accuracy']:.3f} "
-                          f"(greedy {base_eval['heldout_greedy_accuracy']:.3f})")
+        if state is None:  # not when resuming from the step-0 checkpoint
+            if world.is_main:
+                base_eval = hooks.evaluate(0)
+                log.log(0, base_eval)
+                console.print(f"base policy: held-out accuracy {base_eval['heldout_accuracy']:.3f} "
+                              f"(greedy {base_eval['heldout_greedy_accuracy']:.3f})")
             hooks.save(0)  # a crash before the first checkpoint_every still leaves a run that resumes
 
         # ---- the loop -----------------------------------------------------------------------------

@@ -34,15 +34,18 @@ class NonFiniteWeights(UserError):
     """The policy's weights hold NaN or inf: the run stops rather than checkpoint them."""
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: dict | None = None) -> Path:
     """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path.
 
-    ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states.
+    ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states. ``model_state``: the
+    policy's whole state dict when ``policy.model`` is sharded (FSDP2: ``parallel.full_model_state``),
+    written in its place, so that the checkpoint loads at any world size.
 
     Raises:
         NonFiniteWeights: a weight is NaN or inf (nothing is written).
     """
-    bad = [n for n, p in policy.model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    weights = policy.model.state_dict() if model_state is None else model_state
+    bad = [n for n, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()]
     if bad:
         raise NonFiniteWeights(f"the policy's weights hold NaN or inf ({bad[0]}); not checkpointing them. "
                                "Lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
@@ -55,7 +58,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict) -> Path:
             if getattr(policy, "adapter", None) is not None:
                 save_adapter(policy, tmp)  # LoRA: the adapter and its base's name, not the merged model
             else:
-                policy.save(tmp)
+                policy.save(tmp, state_dict=model_state)
         torch.save({
             "step": step,
             "torch_rng": torch.get_rng_state(),

@@ -22,8 +22,11 @@ proximal snapshot's) for kl="exact".
 
 Data parallel (``trustbatch.parallel``): every rank receives the same global batch and trains on its
 shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
-world size (DDP averages gradients), and every rank runs the same number of micro-batches (empty
-ones padded in), so no collective is left waiting.
+world size (DDP and FSDP2 average gradients), and every rank runs the same number of micro-batches
+(empty ones padded in), so no collective is left waiting. Under FSDP2 (``strategy="fsdp2"``) that holds
+for the no-grad passes too (each forward all-gathers weights), the shared-prompt forward is off (it runs
+one or two forwards depending on the micro-batch), and ``state_dict`` gathers the whole optimizer state
+(every rank calls it; rank 0 gets it).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from ..policy.chunked_logprobs import KLReference, logits_dtype
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
-from ..parallel import World
+from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
 
 # Metrics each micro-batch reports already normalised by the global token count (or as counts):
 # they add up over micro-batches instead of being token-weighted.
@@ -98,6 +101,9 @@ class Learner:
 
     The learner trains on the device its model's parameters are on (the recipe moves the model there);
     batches are moved to it.
+        strategy: data parallelism over several ranks, "ddp" or "fsdp2" (``World.wrap``).
+        param_dtype: FSDP2's compute dtype for weights (e.g. torch.bfloat16; float32 master weights and
+            gradient reduction); None computes in the weights' dtype.
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support; an
@@ -109,7 +115,7 @@ class Learner:
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
                  trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
-                 logprob_chunk_size: int | None = 1024):
+                 logprob_chunk_size: int | None = 1024, strategy: str = "ddp", param_dtype: torch.dtype | None = None):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -135,7 +141,11 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.epochs, self.minibatches = epochs, minibatches
         self.world = world or World()
-        self.wrapped = self.world.wrap(model)
+        self.wrapped = self.world.wrap(model, strategy, param_dtype=param_dtype)
+        self.sharded = is_sharded(self.wrapped)
+        # FSDP2 all-gathers a block's weights at each of its forwards, so every rank must run as many;
+        # the shared-prompt forward runs one or two depending on the micro-batch's prompts
+        shared_prompt = shared_prompt and not self.sharded
         self.version = version
         self.max_bad_steps = max_bad_steps
         # (model, packed, with_entropy=) -> (logp [B, C], entropy or None); shared_prompt: each distinct
@@ -167,11 +177,17 @@ class Learner:
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Optimizer (``Optimizer.state_dict()`` format, whole tensors), scheduler, policy version, bad steps.
+        Under FSDP2 every rank must call it; rank 0 gets the gathered optimizer state, the others {}."""
+        optimizer = full_optimizer_state(self.model, self.optimizer) if self.sharded else self.optimizer.state_dict()
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "policy_version": self.version, "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # a state saved at any world size; every rank loads it and keeps its shard
+            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["policy_version"])
         self.bad_steps = int(state.get("bad_steps", 0))
@@ -189,17 +205,30 @@ class Learner:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient), on the
-        learner's device."""
+        learner's device. Under FSDP2 every rank must call it (each runs as many forwards as the rank with the
+        most rows)."""
         packed = batch.packed.to(self.device)
         with self.autocast():
-            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._chunks(len(batch))])
+            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._no_grad_chunks(batch)])
+
+    def _no_grad_chunks(self, batch: TrainBatch):
+        """The micro-batches of a no-grad pass over ``batch``; under FSDP2 the generator then runs empty
+        forwards until this rank has run as many as the busiest rank (counted before any forward)."""
+        chunks = self._chunks(len(batch))
+        extra = int(self.world.max([float(len(chunks))])[0]) - len(chunks) if self.sharded else 0
+        yield from chunks
+        if extra:
+            pad = self._pad if self._pad is not None else _empty_like(batch).to(self.device)
+            for _ in range(extra):
+                with self.autocast():
+                    response_logprobs(self.model, pad.packed, chunk_size=self.logprob_chunk_size)
 
     @torch.no_grad()
     def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
         """The declared ``RatioStats`` over the whole (local) batch at the current θ, summed over ranks."""
         stats = {k: RatioStats.zeros() for k in names}
         batch = batch.to(self.device)
-        for c in self._chunks(len(batch)):
+        for c in self._no_grad_chunks(batch):
             mb = batch.select(c)
             with self.autocast():
                 logp, _ = self.forward_fn(self.model, mb.packed)
@@ -231,7 +260,7 @@ class Learner:
         if self.spec.needs_proximal and self.full:
             with torch.no_grad(), self.autocast():
                 parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
-                         for c in self._chunks(len(local))]
+                         for c in self._no_grad_chunks(local)]
             local.proximal_logprobs = torch.cat([p[0] for p in parts])
             local.proximal_logprobs_full = torch.cat([p[2] for p in parts])
         elif self.spec.needs_proximal:
@@ -300,6 +329,8 @@ class Learner:
                     pad = self._pad if self._pad is not None else _empty_like(batch)
                     with self.autocast():
                         pad_logp = response_logprobs(self.wrapped, pad.packed, chunk_size=self.logprob_chunk_size)[0]
+                    if per_micro_batch_stats:  # the other ranks sum this micro-batch's statistics, after its forward
+                        self._sum_stats({k: RatioStats.zeros() for k in self.spec.batch_stats})
                     (pad_logp.sum() * 0.0).backward()
                 continue
             mb = batch.select(chunks[i])
