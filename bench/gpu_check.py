@@ -55,15 +55,27 @@ def section(fn):
     return run
 
 
-def qwen_05b(seed: int = 0, layers: int = 24):
+DEVICE = "cuda"  # --device cpu runs the sections' code on the CPU (a dry run before the GPU call)
+LAYERS = 24
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def qwen_05b(seed: int = 0, layers: int | None = None):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from scale_rehearsal import QWEN25_05B
 
-    cfg = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers or LAYERS}, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         return Qwen2ForCausalLM(cfg)
 
 
@@ -88,8 +100,9 @@ def env(out: Path) -> None:
     import torch
     import transformers
 
-    emit(out, "env", torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
-         memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+    gpu = torch.cuda.is_available()
+    emit(out, "env", torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0) if gpu else None,
+         memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if gpu else None,
          transformers=transformers.__version__, peft=peft.__version__)
 
 
@@ -98,10 +111,10 @@ def _time_steps(learner, batch, steps: int) -> list[float]:
 
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         learner.step(batch)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t)
     return times
 
@@ -122,7 +135,8 @@ def learner(out: Path, a) -> None:
         n_params = sum(p.numel() for p in model.parameters())
         lr = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision="bf16-mixed",
                      activation_checkpointing=ckpt, logprob_chunk_size=a.chunk, warmup_steps=0)
-        torch.cuda.reset_peak_memory_stats()
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         times = _time_steps(lr, batch, 2)[1:] + _time_steps(lr, batch, a.steps)
         s = statistics.median(times[1:])
         flops = 6 * n_params * tokens / s
@@ -131,9 +145,10 @@ def learner(out: Path, a) -> None:
              step_s_median=round(s, 4), step_s=[round(x, 4) for x in times[1:]], tokens_per_s=round(tokens / s),
              tflops=round(flops / 1e12, 1), mfu_spec=round(flops / PEAK_SPEC, 4),
              mfu_measured_peak=round(flops / PEAK_MEASURED, 4),
-             peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+             peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None)
         del lr, model
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
 
 @section
@@ -148,10 +163,10 @@ def engine(out: Path, a) -> None:
     prompts = [[1] + torch.randint(3, 151936, (127,), generator=g).tolist() for _ in range(a.engine_prompts)]
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=a.engine_tokens)
     eng.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8))  # warm-up
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     rollouts = eng.generate(prompts, a.engine_samples, sp)
-    torch.cuda.synchronize()
+    sync()
     s = time.perf_counter() - t
     new = sum(len(r.completion_ids) for r in rollouts)
     emit(out, "engine", rows=len(rollouts), prompt=128, max_new_tokens=a.engine_tokens, new_tokens=new,
@@ -170,7 +185,7 @@ def fsdp2_ws1(out: Path, a) -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     try:
         batch = rl_batch(8, 128, 384, 151936, seed=1)
         base = qwen_05b(seed=1)
@@ -179,10 +194,10 @@ def fsdp2_ws1(out: Path, a) -> None:
         res = {}
         for name, m in (("plain", plain), ("fsdp2", sharded)):
             lr = Learner(m, "grpo", micro_batch_size=4, logprob_chunk_size=a.chunk, warmup_steps=0)
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             lr.step(batch)
-            torch.cuda.synchronize()
+            sync()
             res[name] = time.perf_counter() - t
         full = full_model_state(sharded)
         ref = plain.state_dict()
@@ -197,7 +212,7 @@ def fsdp2_ws1(out: Path, a) -> None:
 @section
 def logprob_memory(out: Path, a) -> None:
     script = ROOT / "bench" / "logprob_memory.py"
-    p = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2"], capture_output=True, text=True,
                        timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     emit(out, "logprob_memory", returncode=p.returncode, lines=lines, stderr_tail=p.stderr[-600:] if p.returncode else "")
@@ -206,12 +221,12 @@ def logprob_memory(out: Path, a) -> None:
 @section
 def train(out: Path, a) -> None:
     for extra in ([], ["train.precision=bf16-mixed", "train.activation_checkpointing=true"]):
-        run_dir = out / f"train-{'bf16' if extra else 'f32'}"
-        cmd = [sys.executable, "-m", "trustbatch", "train", "train.device=cuda", f"train.steps={a.train_steps}",
+        run_dir = Path(a.work) / f"train-{'bf16' if extra else 'f32'}"
+        cmd = [sys.executable, "-m", "trustbatch", "train", f"train.device={DEVICE}", f"train.steps={a.train_steps}",
                f"run_dir={run_dir}", "eval.every=1000"] + extra
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.section_timeout,
-                           env={**os.environ, "TRUSTBATCH_CACHE": str(out / "cache")})
+                           env={**os.environ, "TRUSTBATCH_CACHE": str(Path(a.work) / "cache")})
         wall = time.perf_counter() - t
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
@@ -231,14 +246,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=768)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256, help="completion columns per LM-head chunk (below C: chunked)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--engine-prompts", type=int, default=16)
     ap.add_argument("--engine-samples", type=int, default=8)
     ap.add_argument("--engine-tokens", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--section-timeout", type=int, default=240)
+    ap.add_argument("--work", default="/tmp/gpu_check_work", help="run directories and the base cache (not under --out)")
     a = ap.parse_args()
+    global DEVICE, LAYERS
+    DEVICE, LAYERS = a.device, a.layers
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
