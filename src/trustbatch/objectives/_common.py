@@ -326,7 +326,7 @@ def ratio_metrics(prep: Prepared, ratio: torch.Tensor, clip_eps: float = 0.2) ->
         out.update(ratio_p50=z + 1, ratio_p99=z + 1, ratio_max=z + 1, abs_log_ratio_mean=z,
                    abs_log_ratio_max=z, log_ratio_clamped=z, kl_behavior=z, clip_fraction=z, ess=z + 1)
         return out
-    q = torch.quantile(vals.float(), torch.tensor([0.5, 0.99], dtype=torch.float32))
+    q = torch.quantile(vals.float(), torch.tensor([0.5, 0.99], dtype=torch.float32, device=vals.device))
     alr = lr.abs()
     r64 = vals.double()
     s1, s2 = r64.sum(), (r64 * r64).sum()

@@ -120,7 +120,7 @@ class TrainHooks:
         if record and (self.world.is_main or self.sharded):  # a sharded forward needs every rank
             current = learner.logprobs(batch)
             if self.world.is_main:
-                log_ratio_histogram(self.run_dir, round_, current - batch.behavior_logprobs, batch.packed.response_mask)
+                log_ratio_histogram(self.run_dir, round_, current.cpu() - batch.behavior_logprobs, batch.packed.response_mask)
         record = record and self.world.is_main
         # a replayed round (several optimizer steps per batch) also records each step's mini-batch
         self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
