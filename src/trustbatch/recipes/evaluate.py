@@ -66,25 +66,11 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
     from ..data.benchmarks import load_benchmark
     from ..eval.benchmarks import evaluate_benchmarks
-    from ..parallel import resolve_device
     from ..policy import load_policy
-    from ..rewards import RewardPool, get
-    from ..rollout import TransformersEngine
+    from ..rewards import RewardPool
 
     ks = sorted(set(ks))
-    _check_ks(n, ks, ",".join(map(str, ks)))
-    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
-        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    if engine not in ENGINES:
-        raise UserError(f"--engine {engine!r} must be transformers or vllm")
-    if reward is not None:
-        get(reward)  # an unknown reward fails before the model loads
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
-    try:
-        dev = resolve_device(device)
-    except ValueError as e:
-        raise UserError(str(e).replace("train.device", "--device")) from None
+    dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device)
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
     policy = load_policy(model)
@@ -95,23 +81,49 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
             warn(f"{over} prompts + --max-new-tokens exceed the model's context of {ctx} "
                  "tokens; their completions are out of the model's trained range")
     torch.manual_seed(seed)
-    if engine == "vllm":
-        from ..rollout.vllm_engine import VLLMEngine
-
-        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-        try:
-            eng = VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
-                             max_model_len=max(ctx or 0, longest + max_new_tokens))
-        except (ImportError, ValueError) as e:
-            raise UserError(str(e)) from None
-    else:
-        eng = TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
+    eng = _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens)
     with progress if progress is not None else contextlib.nullcontext():
         res = evaluate_benchmarks(policy, eng, benches,
                                   lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
                                   n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
     return {"model": str(model), "engine": engine, "n": n, "k": ks, "temperature": temperature,
             "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
+
+
+def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device):
+    """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
+    from ..parallel import resolve_device
+    from ..rewards import get
+
+    _check_ks(n, ks, ",".join(map(str, ks)))
+    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
+        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
+    if engine not in ENGINES:
+        raise UserError(f"--engine {engine!r} must be transformers or vllm")
+    if reward is not None:
+        get(reward)  # an unknown reward fails before the model loads
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
+    try:
+        return resolve_device(device)
+    except ValueError as e:
+        raise UserError(str(e).replace("train.device", "--device")) from None
+
+
+def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
+    """The transformers engine on ``dev``, or a vLLM engine whose context holds the longest prompt's completion."""
+    if engine == "vllm":
+        from ..rollout.vllm_engine import VLLMEngine
+
+        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
+        try:
+            return VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
+                              max_model_len=max(ctx or 0, longest + max_new_tokens))
+        except (ImportError, ValueError) as e:
+            raise UserError(str(e)) from None
+    from ..rollout import TransformersEngine
+
+    return TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
 
 
 def save_results(res: dict, dest: str | Path) -> Path:
