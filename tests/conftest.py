@@ -1,10 +1,19 @@
+"""Shared by tests/unit (no processes spawned) and tests/integration (processes, DDP, resume, lab, end to end).
+
+Helpers that test files import (``tiny``, ``runproc``, ``grad_probe``, ``llama_rows``, ``scorers_for_tests``) live in
+tests/support, put on ``sys.path`` here; processes spawned by multiprocessing inherit it, and tests that start a
+fresh interpreter put it on that process's PYTHONPATH themselves.
+"""
+
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 @pytest.fixture(scope="session")

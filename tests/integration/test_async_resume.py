@@ -23,10 +23,10 @@ ASYNC = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "tr
 
 
 def test_a_killed_async_run_resumes_from_its_checkpoints_policy_version(tmp_path, cache, monkeypatch):
-    tests = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(tests)
+    support = str(Path(__file__).parents[1] / "support")
+    monkeypatch.syspath_prepend(support)
     # the trainer and its spawned rollout workers import the scorer module
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([support, os.environ.get("PYTHONPATH", "")]))
     run = tmp_path / "run"
     proc = start(train_args(run, *ASYNC), tmp_path / "first.log")
     try:  # rounds 0-3 logged: the checkpoint of round 2 is written, round 3 is past it

@@ -26,9 +26,10 @@ SIGNAL = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "t
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    support = str(Path(__file__).parents[1] / "support")
+    monkeypatch.syspath_prepend(support)
     # spawned rollout workers import the scorer module too
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([support, os.environ.get("PYTHONPATH", "")]))
 
 
 def _records(run: Path) -> list[dict]:

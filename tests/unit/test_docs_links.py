@@ -18,7 +18,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "trustbatch"
 OBJECTIVES_PAGE = ROOT / "docs" / "design" / "objectives.md"
 # A docs/ path not inside a longer path (``shared/docs/x.md`` is outside the repository, not ours).
