@@ -24,12 +24,8 @@ SIGNAL = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "t
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, support_on_pythonpath):  # spawned rollout workers import the scorer module too
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
-    support = str(Path(__file__).parents[1] / "support")
-    monkeypatch.syspath_prepend(support)
-    # spawned rollout workers import the scorer module too
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([support, os.environ.get("PYTHONPATH", "")]))
 
 
 def _records(run: Path) -> list[dict]:
