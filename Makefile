@@ -24,8 +24,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/trustbatch train
 
+# unit first (no processes spawned, under a minute): a broken unit stops before the integration tests start
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/integration
 
 test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m slow
@@ -49,7 +51,8 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_BIN)/python -m pytest -q tests/test_engine_contract.py tests/test_vllm_engine.py tests/test_vllm_train.py tests/test_vllm_lab.py
+	$(VLLM_BIN)/python -m pytest -q tests/integration/test_engine_contract.py tests/integration/test_vllm_engine.py \
+		tests/integration/test_vllm_train.py tests/integration/test_vllm_lab.py
 
 # Ray gets its own environment too: `trustbatch[ray]` is an extra the default install does not carry.
 RAY_VENV := .venv-ray
@@ -64,7 +67,7 @@ $(RAY_VENV)/.installed: pyproject.toml constraints.txt
 
 .PHONY: test-ray
 test-ray: $(RAY_VENV)/.installed
-	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray.py
+	$(RAY_BIN)/python -m pytest -q -m ray tests/integration/test_ray.py
 
 # The TRL and verl adapters get their own environment. verl 0.9.1 pins transformers <5.11 (the default
 # install takes the newest), and its full dependency list (ray[default], wandb, torchdata, hydra, ...)
@@ -85,7 +88,7 @@ $(ADAPTERS_VENV)/.installed: pyproject.toml constraints.txt
 
 .PHONY: test-adapters
 test-adapters: $(ADAPTERS_VENV)/.installed
-	$(ADAPTERS_BIN)/python -m pytest -q -m adapters tests/test_adapters_trl.py tests/test_adapters_verl.py
+	$(ADAPTERS_BIN)/python -m pytest -q -m adapters tests/unit/test_adapters_trl.py tests/integration/test_adapters_verl.py
 
 # Wheels for the GPU check (bench/gpu_check.py) on a machine with torch + CUDA but no network: what trustbatch
 # needs beyond that machine's image, for CPython 3.12 on manylinux x86-64, into the ignored .whl/ (under 40 MiB).

@@ -4,7 +4,9 @@ Runs ``trustbatch train`` as whole processes on the default task and base, inter
 (sync, async, sync, async, ...), and reads each run's metrics.jsonl. Per round it takes ``step_s``
 (next batch + optimizer steps + weight push; evaluation and checkpoints are switched off) and the
 completion tokens, skipping the first ``--warmup`` rounds (process start, first batch). Prints the load
-average next to each figure: these machines are noisy.
+average next to each figure: these machines are noisy. Arms are interleaved by ``harness.interleave``; one JSON
+line per arm (s/round, tokens/s, rollout and learner-wait seconds, staleness, load: one value per repeat) is
+appended to ``bench/results/async_vs_sync.jsonl``.
 
     python bench/async_vs_sync.py --rounds 20 --repeats 2
 
@@ -22,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import interleave, options, record  # noqa: E402
 
 
 def run(arm: str, args, out: Path) -> dict:
@@ -49,7 +54,7 @@ def run(arm: str, args, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
@@ -62,18 +67,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         results = []
-        for rep in range(args.repeats):
-            for arm in ("sync", "async"):
-                r = run(arm, args, out)
-                results.append(r)
-                print(f"  {arm:5s} rep {rep}: {r['s_per_round']:.3f} s/round  {r['tokens_per_s']:.0f} tok/s  "
-                      f"rollout {r['rollout_s']:.3f} s  learner wait {r['wait_s']:.3f} s  "
-                      f"staleness {r['staleness']:.2f}  (load {r['load']:.2f})", flush=True)
+
+        def arm(name: str) -> float:
+            r = run(name, args, out)
+            results.append(r)
+            rep = sum(x["arm"] == name for x in results) - 1
+            print(f"  {name:5s} rep {rep}: {r['s_per_round']:.3f} s/round  {r['tokens_per_s']:.0f} tok/s  "
+                  f"rollout {r['rollout_s']:.3f} s  learner wait {r['wait_s']:.3f} s  "
+                  f"staleness {r['staleness']:.2f}  (load {r['load']:.2f})", flush=True)
+            return r["s_per_round"]
+
+        interleave({name: (lambda name=name: arm(name)) for name in ("sync", "async")}, args.repeats, warmup=0)
     med = {arm: statistics.median(r["s_per_round"] for r in results if r["arm"] == arm) for arm in ("sync", "async")}
     tok = {arm: statistics.median(r["tokens_per_s"] for r in results if r["arm"] == arm) for arm in ("sync", "async")}
     print(f"median s/round: sync {med['sync']:.3f}, async {med['async']:.3f}; "
           f"async throughput = {med['sync'] / med['async']:.2f}x sync "
           f"(tokens/s {tok['async']:.0f} vs {tok['sync']:.0f})")
+    fields = ("s_per_round", "tokens_per_s", "rollout_s", "wait_s", "staleness", "load")
+    record("async_vs_sync", {arm: {k: [r[k] for r in results if r["arm"] == arm] for k in fields}
+                             for arm in ("sync", "async")},
+           extra={"rounds": args.rounds, "warmup_rounds": args.warmup, "threads": args.threads, "k": args.k,
+                  "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "overrides": args.extra},
+           save=not args.no_save)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Seconds per optimizer step of the default job, split into generation, scoring and learner, with each optimization off in turn.
 
     python bench/e2e.py [--threads 2] [--repeats 5] [--warmup 1] [--arms all,none,...]   # the default job
-    python bench/e2e.py --tiny --repeats 1                                  # tests/tiny.py's config: a smoke run
+    python bench/e2e.py --tiny --repeats 1                                  # tests/support/tiny.py's config: a smoke run
     python bench/e2e.py --scale [--threads 2] [--repeats 3]                # ~50M-parameter random Llama,
                                                                             # prompt 128 / completion 512, learner only
 
@@ -16,7 +16,8 @@ widths; the default job has one micro-batch, so this arm measures nothing there)
 off: the code before issue 13). Each round is timed as generation (engine.generate), scoring
 (reward pool), learner (``train_on``) and the rest (batching, advantages, weight sync). Medians over
 ``--repeats`` rounds per arm; the 1-minute load average is printed next to each figure (other
-processes on the machine distort timings), and process CPU time beside wall time.
+processes on the machine distort timings), and process CPU time beside wall time. Rounds are run by
+``harness.interleave`` (``rotate``); one JSON line per arm goes to ``bench/results/e2e.jsonl``.
 
 Useful FLOP/s: the FLOPs a step needs once each distinct prompt and each completion token is
 computed once (no padding, no prompt copies): per token 2·(linear weights) + 4·layers·hidden·context
@@ -35,12 +36,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from trustbatch.policy.forward import pack, response_logprobs, trimmed
 from trustbatch.policy.shared_prompt import grouped_response_logprobs
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import interleave, options, record  # noqa: E402
 
 
 def load() -> str:
@@ -130,10 +136,7 @@ def default_job(a) -> None:
 
     overrides = []
     if a.tiny:
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
         from tiny import TINY
 
         overrides = TINY
@@ -156,33 +159,42 @@ def default_job(a) -> None:
     print("arms: " + "; ".join(f"{k}: " + ("all on" if not v else "off " + ", ".join(v)) for k, v in ARMS.items()
                               if k in arms))
     rows: dict[str, list[dict]] = {k: [] for k in arms}
-    for r in range(a.warmup + a.repeats):
-        for name in arms[r % len(arms):] + arms[:r % len(arms)]:  # each round starts at another arm
-            apply_arm(name, source, learner, chunk_size)
-            peak = max(peak, matmul_peak())  # the best seen: a busy machine only lowers it
-            gen_t.s = score_t.s = 0.0
-            c0, t0 = time.process_time(), time.perf_counter()
-            batch = source.next_batch(learner.version)
-            t1 = time.perf_counter()
-            c1 = time.process_time()
-            learner.train_on(batch)
-            t2, c2 = time.perf_counter(), time.process_time()
-            sync.push(learner.model, learner.version)
-            source.on_update({})
-            t3, c3 = time.perf_counter(), time.process_time()
-            m = batch.packed.response_mask
-            ids, lens = batch.packed.input_ids, batch.packed.attention_mask.sum(1)
-            n = m.sum(1)
-            prompts = [ids[i, ids.shape[1] - int(lens[i]):ids.shape[1] - int(n[i])].tolist() for i in range(len(batch))]
-            comps = [[0] * int(k) for k in n]
-            learn_f, gen_f = forward_flops(shape, prompts, comps, G)
-            row = dict(step=t3 - t0, gen=gen_t.s, score=score_t.s, learner=t2 - t1, other=(t3 - t0) - gen_t.s
-                       - score_t.s - (t2 - t1), tokens=float(m.sum()), useful=3 * learn_f + gen_f,
-                       useful_learner=3 * learn_f, load=os.getloadavg()[0], step_cpu=c3 - c0, learner_cpu=c2 - c1)
-            if r >= a.warmup:
-                rows[name].append(row)
-            print(f"  round {r:2d} {name:>8}: step {row['step']:.3f} s (process CPU {row['step_cpu']:.3f} s)  gen "
-                  f"{row['gen']:.3f} s  score {row['score']:.3f} s  learner {row['learner']:.3f} s  ({load()})", flush=True)
+    last: dict = {"calls": 0}
+
+    def one_round(name: str) -> float:
+        nonlocal peak
+        r = last["calls"] // len(arms)
+        last["calls"] += 1
+        apply_arm(name, source, learner, chunk_size)
+        peak = max(peak, matmul_peak())  # the best seen: a busy machine only lowers it
+        gen_t.s = score_t.s = 0.0
+        c0, t0 = time.process_time(), time.perf_counter()
+        batch = last["batch"] = source.next_batch(learner.version)
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        learner.train_on(batch)
+        t2, c2 = time.perf_counter(), time.process_time()
+        sync.push(learner.model, learner.version)
+        source.on_update({})
+        t3, c3 = time.perf_counter(), time.process_time()
+        m = batch.packed.response_mask
+        ids, lens = batch.packed.input_ids, batch.packed.attention_mask.sum(1)
+        n = m.sum(1)
+        prompts = [ids[i, ids.shape[1] - int(lens[i]):ids.shape[1] - int(n[i])].tolist() for i in range(len(batch))]
+        comps = [[0] * int(k) for k in n]
+        learn_f, gen_f = forward_flops(shape, prompts, comps, G)
+        row = dict(step=t3 - t0, gen=gen_t.s, score=score_t.s, learner=t2 - t1, other=(t3 - t0) - gen_t.s
+                   - score_t.s - (t2 - t1), tokens=float(m.sum()), useful=3 * learn_f + gen_f,
+                   useful_learner=3 * learn_f, load=os.getloadavg()[0], step_cpu=c3 - c0, learner_cpu=c2 - c1)
+        rows[name].append(row)
+        print(f"  round {r:2d} {name:>8}: step {row['step']:.3f} s (process CPU {row['step_cpu']:.3f} s)  gen "
+              f"{row['gen']:.3f} s  score {row['score']:.3f} s  learner {row['learner']:.3f} s  ({load()})", flush=True)
+        return row["step"]
+
+    # each round starts at another arm
+    interleave({name: (lambda name=name: one_round(name)) for name in arms}, a.repeats, warmup=a.warmup, rotate=True)
+    rows = {k: v[a.warmup:] for k, v in rows.items()}
+    batch = last["batch"]
     pool.close()
     same = same_batch(learner.model, batch, a)
     print(f"\nmedian of {a.repeats} rounds per arm, arms interleaved (each round starts at the next arm); "
@@ -210,6 +222,15 @@ def default_job(a) -> None:
     for name, (wall, cpu, ld) in same.items():
         print(f"{name:>4}: {wall:.3f} s (CPU {cpu:.3f} s)  load {ld:.2f}")
     print(f"on/off: {same['on'][0] / same['off'][0]:.2f}× (CPU {same['on'][1] / same['off'][1]:.2f}×)")
+    fields = ("step", "gen", "score", "learner", "other", "tokens", "load", "step_cpu", "learner_cpu")
+    arms_out = {name: {**{f"{k}_s" if k not in ("tokens", "load") else k: [x[k] for x in rs] for k in fields},
+                       "useful_per_peak": statistics.median(x["useful"] / x["step"] for x in rs) / peak,
+                       "learner_useful_per_peak": statistics.median(x["useful_learner"] / x["learner"] for x in rs) / peak}
+                for name, rs in rows.items()}
+    arms_out.update({f"same_batch/{k}": {"s": wall, "cpu_s": cpu, "load": ld} for k, (wall, cpu, ld) in same.items()})
+    record("e2e", arms_out, extra={"job": "tiny" if a.tiny else "default", "prompts": cfg.rollout.prompts_per_step,
+                                   "group": G, "threads": a.threads, "matmul_peak_gflops": peak / 1e9},
+           save=not a.no_save)
 
 
 def same_batch(model, batch, a) -> dict[str, tuple[float, float, float]]:
@@ -217,14 +238,17 @@ def same_batch(model, batch, a) -> dict[str, tuple[float, float, float]]:
     packed, mask = batch.packed, batch.packed.response_mask
     fns = {"off": response_logprobs, "on": grouped_response_logprobs}
     res: dict[str, list] = {k: [] for k in fns}
-    for r in range(a.warmup + a.repeats):
-        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            model.zero_grad(set_to_none=True)
-            c, t = time.process_time(), time.perf_counter()
-            logp, _ = fns[name](model, packed, with_entropy=True)
-            (logp * mask).sum().backward()
-            if r >= a.warmup:
-                res[name].append((time.perf_counter() - t, time.process_time() - c, os.getloadavg()[0]))
+
+    def arm(name: str) -> float:
+        model.zero_grad(set_to_none=True)
+        c, t = time.process_time(), time.perf_counter()
+        logp, _ = fns[name](model, packed, with_entropy=True)
+        (logp * mask).sum().backward()
+        res[name].append((time.perf_counter() - t, time.process_time() - c, os.getloadavg()[0]))
+        return res[name][-1][0]
+
+    interleave({k: (lambda k=k: arm(k)) for k in fns}, a.repeats, warmup=a.warmup, rotate=True)
+    res = {k: v[a.warmup:] for k, v in res.items()}
     model.zero_grad(set_to_none=True)
     return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in res.items()}
 
@@ -247,38 +271,45 @@ def scale_job(a) -> None:
     peak = matmul_peak()
     print(f"scale: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter random Llama, prompt {P}, "
           f"{G} completions of {C} tokens, float32, {a.threads} threads; matmul peak {peak / 1e9:.1f} GFLOP/s ({load()})")
-    times: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     fns = {"off": response_logprobs, "on": lambda m, p: grouped_response_logprobs(m, p, min_saving=0.0)}
-    for r in range(a.warmup + a.repeats):
-        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            model.zero_grad(set_to_none=True)
-            peak = max(peak, matmul_peak())
-            c, t = time.process_time(), time.perf_counter()
-            logp, _ = fns[name](model, packed)
-            (logp * packed.response_mask).sum().backward()
-            dt, dc = time.perf_counter() - t, time.process_time() - c
-            if r >= a.warmup:
-                times[name].append(dt)
-                cpu[name].append(dc)
-            print(f"  repeat {r} {name:>3}: forward+backward {dt:.2f} s (process CPU {dc:.2f} s)  ({load()})", flush=True)
+
+    def arm(name: str) -> float:
+        nonlocal peak
+        model.zero_grad(set_to_none=True)
+        peak = max(peak, matmul_peak())
+        c, t = time.process_time(), time.perf_counter()
+        logp, _ = fns[name](model, packed)
+        (logp * packed.response_mask).sum().backward()
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        cpu[name].append(dc)
+        print(f"  repeat {len(cpu[name]) - 1} {name:>3}: forward+backward {dt:.2f} s (process CPU {dc:.2f} s)  "
+              f"({load()})", flush=True)
+        return dt
+
+    times = interleave({k: (lambda k=k: arm(k)) for k in fns}, a.repeats, warmup=a.warmup, rotate=True)
+    cpu = {k: v[a.warmup:] for k, v in cpu.items()}
     print(f"best matmul peak seen {peak / 1e9:.1f} GFLOP/s")
     for name, ts in times.items():
         md = statistics.median(ts)
         print(f"{name:>4}: {md:.2f} s (CPU {statistics.median(cpu[name]):.2f} s)  useful {3 * learn_f / md / peak:.1%} of peak")
     print(f"on/off: {statistics.median(times['on']) / statistics.median(times['off']):.2f}× "
           f"(CPU {statistics.median(cpu['on']) / statistics.median(cpu['off']):.2f}×)")
+    record("e2e", {f"scale/{k}": {"s": ts, "cpu_s": cpu[k], "useful_per_peak": 3 * learn_f / statistics.median(ts) / peak}
+                   for k, ts in times.items()},
+           extra={"job": "scale", "prompt": P, "completion": C, "group": G, "threads": a.threads,
+                  "matmul_peak_gflops": peak / 1e9}, save=not a.no_save)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None, help="measured rounds per variant (default 5; --scale 3)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--scale", action="store_true", help="the ~50M-parameter prompt 128 / completion 512 case")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help=f"comma-separated arms of the default job, from {', '.join(ARMS)} (default: all of them)")
-    ap.add_argument("--tiny", action="store_true", help="tests/tiny.py's config: checks the script runs, times nothing useful")
+    ap.add_argument("--tiny", action="store_true", help="tests/support/tiny.py's config: checks the script runs, times nothing useful")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--completion", type=int, default=512)
     ap.add_argument("--group", type=int, default=8)

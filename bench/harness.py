@@ -4,13 +4,16 @@
     times = interleave({"full": run_full, "chunked": run_chunked}, repeats=5)
     record("logprob_memory", {arm: {"s": ts} for arm, ts in times.items()}, extra={...})
 
-Arms run round-robin (a, b, a, b, ...) so that a slow spell of the machine hits every arm alike. Each arm's line
-gives the median, min and max of its samples, the 1-minute load average before and after, the commit, the machine
-and the date; the lines are printed and appended to ``bench/results/<bench>.jsonl``.
+Arms run round-robin (a, b, a, b, ...) so that a slow spell of the machine hits every arm alike; ``rotate=True``
+starts each round at the next arm (a, b; b, a; ...), for arms whose order matters (a cache warmed by the one before).
+Each arm's line gives the median, min and max of its samples, the 1-minute load average when the script started
+(``load_1min_start``) and when it recorded (``load_1min``), the commit, the machine and the date; the lines are
+printed and appended to ``bench/results/<bench>.jsonl`` (``--no-save``, from ``options``: printed only).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -24,20 +27,36 @@ from typing import Callable
 RESULTS = Path(__file__).parent / "results"
 
 
-def interleave(arms: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Run every arm ``warmup`` times (discarded), then ``repeats`` rounds of one call each, in turn.
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+# taken when a script imports the harness, before its first measurement
+LOAD_AT_START = _load()
+
+
+def options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the harness's own flag to a script's parser: ``--no-save`` (print the JSON lines, append nothing)."""
+    ap.add_argument("--no-save", action="store_true", help="print only; do not append to bench/results")
+    return ap
+
+
+def interleave(arms: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
+               rotate: bool = False) -> dict[str, list[float]]:
+    """Run ``warmup`` rounds (discarded), then ``repeats`` rounds of one call of every arm, in turn.
 
     An arm returns its own measurement (seconds, bytes...) or None to be timed by the harness (wall seconds).
+    ``rotate``: round r (warm-up rounds counted) starts at arm r mod the number of arms.
     """
-    for _ in range(warmup):
-        for fn in arms.values():
-            fn()
+    names = list(arms)
     out: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(repeats):
-        for name, fn in arms.items():
+    for r in range(warmup + repeats):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
             t = time.perf_counter()
-            v = fn()
-            out[name].append(time.perf_counter() - t if v is None else float(v))
+            v = arms[name]()
+            if r >= warmup:
+                out[name].append(time.perf_counter() - t if v is None else float(v))
     return out
 
 
@@ -83,9 +102,8 @@ def record(bench: str, arms: dict[str, dict], extra: dict | None = None, save: b
 
     ``arms`` maps an arm to its fields; a list of numbers in a field becomes its ``summary``.
     """
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     stamp = {"bench": bench, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-             "machine": machine(), "load_1min": load, **(extra or {})}
+             "machine": machine(), "load_1min_start": LOAD_AT_START, "load_1min": _load(), **(extra or {})}
     lines = []
     for arm, fields in arms.items():
         line = {**stamp, "arm": arm}

@@ -15,7 +15,8 @@ Per process it reads ``step_s`` of each round after ``--warmup`` (rollouts + opt
 from metrics.jsonl. Throughput is rounds per second of the whole machine: 2 / (s per round) for
 ``two_at_once``, 1 / (s per round) otherwise; the last column divides it by ``one_two_threads``'.
 The cached base of seed 0 is used (built first if missing, outside the timings). The 1-minute load
-average is printed beside each figure: run it on a quiet machine.
+average is printed beside each figure: run it on a quiet machine. Arms are interleaved by ``harness.interleave``;
+one JSON line per arm goes to ``bench/results/lab_jobs.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import interleave, options, record  # noqa: E402
 
 ARMS = ("two_at_once", "one_two_threads", "one_alone")
 
@@ -69,7 +73,7 @@ def arm(name: str, args, out: Path) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
@@ -81,9 +85,12 @@ def main() -> None:
         p = start(argparse.Namespace(**{**vars(args), "rounds": 1, "warmup": 0}), out / "warm", 2)
         seconds_per_round(p, out / "warm", -1)
         res: dict[str, list[tuple[float, float, float]]] = {a: [] for a in ARMS}
-        for _ in range(args.repeats):
-            for a in ARMS:
-                res[a].append(arm(a, args, out))
+
+        def measured(name: str) -> float:
+            res[name].append(arm(name, args, out))
+            return res[name][-1][0]
+
+        interleave({a: (lambda a=a: measured(a)) for a in ARMS}, args.repeats, warmup=0)
     ref = statistics.mean(t for _, t, _ in res["one_two_threads"])
     print(f"{'chain_sum_steps' if args.long else 'chain_sum'}, the lab's on-policy run, {args.rounds} rounds after "
           f"{args.warmup} warm-up, {args.repeats} repeats interleaved; means over repeats")
@@ -92,6 +99,11 @@ def main() -> None:
         s = statistics.mean(x for x, _, _ in res[a])
         t = statistics.mean(x for _, x, _ in res[a])
         print(f"{a:16s} {s:16.3f} {t:9.3f} {t / ref:18.2f}x  {', '.join(f'{x:.2f}' for _, _, x in res[a])}")
+    record("lab_jobs", {a: {"s_per_round_per_process": [x for x, _, _ in res[a]], "rounds_per_s": [x for _, x, _ in res[a]],
+                            "load_at_start": [x for _, _, x in res[a]],
+                            "vs_one_two_threads": statistics.mean(x for _, x, _ in res[a]) / ref} for a in ARMS},
+           extra={"task": "chain_sum_steps" if args.long else "chain_sum", "rounds": args.rounds,
+                  "warmup_rounds": args.warmup}, save=not args.no_save)
 
 
 if __name__ == "__main__":

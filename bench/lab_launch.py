@@ -14,7 +14,9 @@ The difference is what each of an experiment's runs no longer spends on imports.
 
 Then whether a forked run is as fast per round: one run of each kind at the same time (as the runner's two jobs
 share the machine), ``--rounds`` rounds with evaluation off, compared by the median ``step_s`` of their rounds
-after the first 3, the forked one started once the other has done its imports. Side by side, so a slower or busier machine slows both alike. Run it on a quiet machine.
+after the first 3, the forked one started once the other has done its imports. Side by side, so a slower or
+busier machine slows both alike. Run it on a quiet machine. Launches are interleaved by ``harness.interleave``; one
+JSON line per launch kind goes to ``bench/results/lab_launch.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import interleave, options, record  # noqa: E402
 
 
 def overrides(run_dir: Path, rounds: int = 1) -> list[str]:
@@ -50,7 +55,7 @@ def round_seconds(run_dir: Path, skip: int = 3) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20, help="rounds of the side-by-side per-round comparison (0: skip)")
     args = ap.parse_args()
@@ -65,19 +70,24 @@ def main() -> None:
         t = time.perf_counter()
         Run(["train", "--help"], tmp / "server.log").wait()
         server_s = time.perf_counter() - t
-        times: dict[str, list[float]] = {"subprocess": [], "forkserver": []}
-        for r in range(args.repeats):
-            for how in times:
-                run_dir = tmp / f"{how}{r}"
-                t = time.perf_counter()
-                if how == "subprocess":
-                    with open(tmp / f"{how}{r}.log", "w") as log:
-                        code = fresh(["train", *overrides(run_dir)], log).wait()
-                else:
-                    code = Run(["train", *overrides(run_dir)], tmp / f"{how}{r}.log").wait()
-                times[how].append(time.perf_counter() - t)
-                if code != 0:
-                    sys.exit(f"{how} run {r} failed (exit {code}): see {tmp / f'{how}{r}.log'}")
+        launched = {"subprocess": 0, "forkserver": 0}
+
+        def launch(how: str) -> float:
+            r = launched[how]
+            launched[how] += 1
+            run_dir = tmp / f"{how}{r}"
+            t = time.perf_counter()
+            if how == "subprocess":
+                with open(tmp / f"{how}{r}.log", "w") as log:
+                    code = fresh(["train", *overrides(run_dir)], log).wait()
+            else:
+                code = Run(["train", *overrides(run_dir)], tmp / f"{how}{r}.log").wait()
+            s = time.perf_counter() - t
+            if code != 0:
+                sys.exit(f"{how} run {r} failed (exit {code}): see {tmp / f'{how}{r}.log'}")
+            return s
+
+        times = interleave({how: (lambda how=how: launch(how)) for how in launched}, args.repeats, warmup=0)
         per_round = {}
         if args.rounds:
             with open(tmp / "side_sub.log", "w") as log:
@@ -101,6 +111,9 @@ def main() -> None:
         print(f"side by side, {args.rounds} rounds each, median step_s after round 3: subprocess "
               f"{per_round['subprocess']:.3f} s, forkserver {per_round['forkserver']:.3f} s "
               f"(forkserver / subprocess {per_round['forkserver'] / per_round['subprocess']:.3f})")
+    record("lab_launch", {how: {"launch_to_exit_s": ts, "side_by_side_step_s": per_round.get(how)}
+                          for how, ts in times.items()},
+           extra={"server_start_s": server_s, "side_by_side_rounds": args.rounds}, save=not args.no_save)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,16 @@
 where per-step overhead dominates; ``large`` (hidden 768, 8 layers, 12 heads: head_dim 64,
 ~61M parameters), where kernel speed matters. Same prompts, samples per prompt, completion length,
 threads and float32 for both engines; repeats are interleaved (transformers, vLLM, transformers, …)
-so machine noise hits both alike, after one untimed warm-up each; the median is reported.
-tokens/s counts completion tokens (EOS included) over wall time of ``generate``.
+so machine noise hits both alike, after one untimed warm-up each (``harness.interleave``); the median is
+reported. tokens/s counts completion tokens (EOS included) over wall time of ``generate``. One JSON line per
+model and engine is appended to ``bench/results/rollout_engines.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +28,9 @@ from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.rollout import SamplingParams, TransformersEngine
 from trustbatch.rollout.vllm_engine import VLLMEngine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import interleave, options, record  # noqa: E402
 
 # name: (hidden, layers, heads, prompts, samples per prompt, completion tokens)
 MODELS = {"base": (128, 4, 4, 64, 8, 64), "large": (768, 8, 12, 16, 8, 64)}
@@ -41,14 +46,14 @@ def build(path: Path, hidden: int, layers: int, heads: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = options(argparse.ArgumentParser())
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="base,large")
     a = ap.parse_args()
     # before any vLLM engine starts: afterwards torch.set_num_threads is vLLM's no-op
     torch.set_num_threads(a.threads)
-    rows = []
+    rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.models.split(","):
             hidden, layers, heads, P, G, M = MODELS[name]
@@ -61,14 +66,15 @@ def main() -> None:
             sp = SamplingParams(temperature=1.0, max_new_tokens=M)
             engines = {"transformers": TransformersEngine(policy.model, policy.eos_id, policy.pad_id),
                        "vllm": VLLMEngine(path, policy.eos_id, policy.pad_id, threads=a.threads, seed=0)}
-            rates: dict[str, list[float]] = {k: [] for k in engines}
-            for r in range(a.repeats + 1):
-                for k, eng in engines.items():
-                    t = time.perf_counter()
-                    ro = eng.generate(prompts, G, sp)
-                    dt = time.perf_counter() - t
-                    if r:  # the first round warms up
-                        rates[k].append(sum(len(x.completion_ids) for x in ro) / dt)
+
+            def rate(eng) -> float:
+                t = time.perf_counter()
+                ro = eng.generate(prompts, G, sp)
+                return sum(len(x.completion_ids) for x in ro) / (time.perf_counter() - t)
+
+            rates = interleave({k: (lambda eng=eng: rate(eng)) for k, eng in engines.items()}, a.repeats)
+            results.update({f"{name}/{k}": {"tokens_per_s": v, "params": params, "prompts": P, "samples": G,
+                                            "max_new_tokens": M} for k, v in rates.items()})
             med = {k: statistics.median(v) for k, v in rates.items()}
             rows.append((name, params, f"{P}x{G}x{M}", med["transformers"], med["vllm"]))
             del engines
@@ -76,6 +82,8 @@ def main() -> None:
     print(f"{'model':<6} {'params':>8} {'prompts x n x tokens':>21} {'transformers tok/s':>19} {'vllm tok/s':>11} {'vllm/transformers':>18}")
     for name, params, shape, tf, vl in rows:
         print(f"{name:<6} {params / 1e6:>7.1f}M {shape:>21} {tf:>19,.0f} {vl:>11,.0f} {vl / tf:>17.2f}x")
+    record("rollout_engines", results, extra={"threads": a.threads, "dtype": "float32", "temperature": 1.0},
+           save=not a.no_save)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import record  # noqa: E402
+from harness import options, record  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=2048,
@@ -130,7 +130,7 @@ def run_arm(name: str, model_dir: Path, workdir: Path, a) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--arms", default="scaled,float32_full,lora")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -139,7 +139,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--mem-limit-gib", type=float, default=22.0)
     ap.add_argument("--workdir", default="/tmp/tb-scale")
-    ap.add_argument("--no-save", action="store_true", help="print only; do not append to bench/results")
     a = ap.parse_args()
     workdir = Path(a.workdir)
     t = time.perf_counter()

@@ -1,10 +1,20 @@
+"""Shared by tests/unit (no processes spawned) and tests/integration (processes, DDP, resume, lab, end to end).
+
+Helpers that test files import (``tiny``, ``runproc``, ``grad_probe``, ``llama_rows``, ``scorers_for_tests``) live in
+tests/support, put on ``sys.path`` here; processes spawned by multiprocessing inherit it, and tests that start a
+fresh interpreter put it on that process's PYTHONPATH (the ``support_on_pythonpath`` fixture).
+"""
+
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +24,12 @@ def shared_dir() -> Path:
     if not p.is_dir():
         pytest.skip(f"shared folder {p} not found; set TRUSTBATCH_SHARED")
     return p
+
+
+@pytest.fixture
+def support_on_pythonpath(monkeypatch):
+    """tests/support on PYTHONPATH, for the fresh interpreters a test starts (trainer, rollout workers, Ray's workers)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,6 @@ Bad input (a config key, a value, a path, a name) ends with one line on stderr a
 
 from __future__ import annotations
 
-import re
 from typing import List, Optional
 
 import typer
@@ -100,70 +99,22 @@ def eval_(
     device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
-    import json
     from datetime import datetime
     from pathlib import Path
 
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .data.benchmarks import load_benchmark
-    from .eval.benchmarks import evaluate_benchmarks
-    from .policy import load_policy
-    from .rewards import RewardPool, get
-    from .rollout import TransformersEngine
-    from .parallel import resolve_device
-    from .records import atomic_write
+    from .recipes.evaluate import evaluate, parse_ks, save_results
 
-    try:
-        ks = sorted({int(x) for x in k.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"-k {k!r} must be comma-separated integers, e.g. -k 1,2,4") from None
-    if n < 1 or not ks or ks[0] < 1 or ks[-1] > n:
-        raise UserError(f"need 1 <= k <= n for every k; got n={n}, k={k!r} (raise -n or lower -k)")
-    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
-        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    if engine_name not in ("transformers", "vllm"):
-        raise UserError(f"--engine {engine_name!r} must be transformers or vllm")
-    if reward is not None:
-        get(reward)  # an unknown reward fails before the model loads
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
-    try:
-        dev = resolve_device(device)
-    except ValueError as e:
-        raise UserError(str(e).replace("train.device", "--device")) from None
+    ks = parse_ks(k, n)
     console = Console()
-    benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
-                              answer_field=answer_field, limit=limit) for b in benchmark]
-    policy = load_policy(model)
-    ctx = getattr(policy.model.config, "max_position_embeddings", None)
-    if ctx:
-        over = sum(len(policy.encode_prompt(e.prompt)) + max_new_tokens > ctx for b in benches for e in b.examples)
-        if over:
-            console.print(f"[yellow]warning: {over} prompts + --max-new-tokens exceed the model's context of {ctx} "
-                          "tokens; their completions are out of the model's trained range[/yellow]")
-    torch.manual_seed(seed)
-    if engine_name == "vllm":
-        from .rollout.vllm_engine import VLLMEngine
-
-        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-        try:
-            engine = VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
-                                max_model_len=max(ctx or 0, longest + max_new_tokens))
-        except (ImportError, ValueError) as e:
-            raise UserError(str(e)) from None
-    else:
-        engine = TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
-    with progress:
-        res = evaluate_benchmarks(policy, engine, benches,
-                                  lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
-                                  n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
-    res = {"model": str(model), "engine": engine_name, "n": n, "k": ks, "temperature": temperature,
-           "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
+    res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
+                   data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
+                   workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, progress=progress,
+                   warn=lambda m: console.print(f"[yellow]warning: {m}[/yellow]"))
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
     table.add_column("prompts", justify="right")
@@ -173,8 +124,7 @@ def eval_(
     for name, r in rows:
         table.add_row(name, str(r.get("prompts", "")), *[f"{r[f'pass@{kk}']:.3f} ± {r[f'pass@{kk}_se']:.3f}" for kk in ks])
     console.print(table)
-    dest = Path(out or f"eval-{Path(model).name}-{datetime.now():%Y%m%d-%H%M%S}.json")
-    atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
+    dest = save_results(res, out or f"eval-{Path(model).name}-{datetime.now():%Y%m%d-%H%M%S}.json")
     errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
     console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
 
@@ -311,17 +261,6 @@ def lab_compare(
             console.print(f"recorded: {path}")
     if same < len(results):
         raise typer.Exit(1)
-
-
-def _finite_or_null(x):
-    """NaN (a standard error from one prompt) is not JSON; write null."""
-    if isinstance(x, float) and x != x:
-        return None
-    if isinstance(x, dict):
-        return {k: _finite_or_null(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite_or_null(v) for v in x]
-    return x
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     python -m trustbatch.config_doc > docs/config.md
 
-``tests/test_config_doc.py`` regenerates the page and compares it with the file, so a key added to, changed in or
+``tests/unit/test_config_doc.py`` regenerates the page and compares it with the file, so a key added to, changed in or
 removed from ``config.py`` without regenerating fails the tests.
 """
 

@@ -14,7 +14,7 @@ decoder block, then the root (torchtune's ``shard_model``). FSDP2 reduce-scatter
 so the same ×world-size rule holds. Under FSDP2 every forward all-gathers a block's weights: every rank
 must run the same number of forwards (no-grad ones included), and anything that needs the whole model
 (an engine's copy, a checkpoint) gathers it on every rank (``full_tensor``, ``full_model_state``,
-``full_optimizer_state``). Tested on CPU with gloo (tests/test_fsdp2.py); FSDP2 on CUDA with NCCL was
+``full_optimizer_state``). Tested on CPU with gloo (tests/integration/test_fsdp2.py); FSDP2 on CUDA with NCCL was
 not run here.
 """
 

@@ -64,7 +64,7 @@ class GrowingLayer(DynamicLayer):
     [B, H, capacity, D]; a token is one copy of its own keys and values, not of the whole cache.
     A full buffer is replaced by one twice the size needed (amortized O(1) copies per token).
     Attention reads the same numbers in the same order, so outputs equal ``DynamicLayer``'s bit for
-    bit (``tests/test_kv_cache.py``). Whatever replaces ``keys`` with a new tensor
+    bit (``tests/unit/test_kv_cache.py``). Whatever replaces ``keys`` with a new tensor
     (``batch_select_indices``, ``reorder_cache``) is noticed, and the next update starts new buffers.
     Run on CPU only; untested on a GPU (none was available), where attention kernels may require
     contiguous keys and copy the view.

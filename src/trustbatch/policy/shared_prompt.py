@@ -239,7 +239,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     whose backward on the strided key/value gradients of a cache goes through ``scatter_add_`` (~9 ms for
     each key or value tensor of the lab's 512 × 4 × 18 × 32 cache, against ~0.3 ms for ``index_add_``
     here). Measured at one thread: the learner step 1.13× faster on the short task, bit for bit
-    (``bench/gather_rows.py``; ``tests/test_shared_prompt.py`` checks the equality).
+    (``bench/gather_rows.py``; ``tests/integration/test_shared_prompt.py`` checks the equality).
     """
     return _GatherRows.apply(x, index)
 

@@ -1,4 +1,5 @@
-"""Recipes: build the parts of a run from a ``Config`` (``build``) and run them (``train``).
+"""Recipes: build the parts of a run from a ``Config`` (``build``) and run them (``train``); evaluate a model on
+benchmarks (``evaluate``, from plain arguments).
 
 The only modules below the CLI that read the configuration; the CLI and the lab call them.
 """

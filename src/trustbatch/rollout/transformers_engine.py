@@ -12,7 +12,7 @@ prefix, so each distinct prompt of a chunk is run once (all its tokens but the l
 key/value cache is copied to the G rows (``Cache.batch_select_indices``) before ``generate``
 continues from it, feeding each row the last prompt token. The padding, positions and masks are
 those of the plain path, so the distribution sampled is the same; only float round-off between
-batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/test_prefill_once.py``).
+batch shapes differs (float32: ~1 ulp of the log-probs; ``tests/unit/test_prefill_once.py``).
 
 Per-tensor FP8 (``fp8_e4m3``) scales each Linear's input by its absmax over the whole forward, so
 splitting the plain path's first forward ([N, P]) into a prefill ([U, P-1]) and a last-token step
@@ -22,12 +22,12 @@ and has both pieces reuse each layer's scale from that pass (``Fp8Linear.reuse_s
 left is float round-off, as in float32 (the last prompt token is computed in its own step), except
 that a round-off change that moves a value across an FP8 rounding boundary moves it by a whole FP8
 step: most batches sample bit for bit what the plain path samples, a few differ at a few tokens
-(``bench/fp8_prefill.py``, ``tests/test_prefill_once.py``). int8 takes its scales inside torch's
+(``bench/fp8_prefill.py``, ``tests/unit/test_prefill_once.py``). int8 takes its scales inside torch's
 quantized kernels, where they cannot be carried over, and keeps the plain path.
 
 The key/value cache is a ``policy.kv_cache.GrowingCache`` (appends into spare room, no re-copy of
 the whole cache per token) wherever it fits the model; its samples and log-probs equal those with
-``generate``'s own cache bit for bit (``tests/test_kv_cache.py``; speed: ``bench/kv_cache.py``).
+``generate``'s own cache bit for bit (``tests/unit/test_kv_cache.py``; speed: ``bench/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class TransformersEngine:
         ``scaled`` (``rollout.shifts.batch_scaled_linears``): per-tensor FP8 layers, whose scales are
         first taken from the whole prompts [U, P] and then reused by the prefill and by ``generate``'s
         first forward (module docstring).
-        Run on CPU only (tests/test_prefill_once.py); untested on a GPU (none was available).
+        Run on CPU only (tests/unit/test_prefill_once.py); untested on a GPU (none was available).
         """
         P = ids.shape[1]
         slot: dict[tuple[int, ...], int] = {}

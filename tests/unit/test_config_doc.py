@@ -18,7 +18,7 @@ from trustbatch.cli import app
 from trustbatch.config import Config, config_fields, load_config
 from trustbatch.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_page_is_what_the_models_generate():

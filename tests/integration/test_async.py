@@ -24,11 +24,8 @@ SIGNAL = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "t
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, support_on_pythonpath):  # spawned rollout workers import the scorer module too
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    # spawned rollout workers import the scorer module too
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
 
 
 def _records(run: Path) -> list[dict]:

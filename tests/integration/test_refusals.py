@@ -25,7 +25,7 @@ from trustbatch.rewards import RewardPool, check_scoring
 from runproc import cache  # noqa: F401  (fixture)
 from tiny import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(args: list[str], env_extra: dict | None = None, timeout: float = 120) -> tuple[int, list[str], str]:

@@ -1,8 +1,8 @@
 """torch.compile trial: the learner's forward + loss + backward on the default job, eager against compiled.
 
-    python bench/compile_trial.py [--threads 2] [--batches 3] [--repeats 5] [--mode default] [--tiny]
+    python bench/trials/compile_trial.py [--threads 2] [--batches 3] [--repeats 5] [--mode default] [--tiny]
 
-Rollout batches of the default job (``load_config(None, [])``; ``--tiny``: tests/tiny.py's config, to
+Rollout batches of the default job (``load_config(None, [])``; ``--tiny``: tests/support/tiny.py's config, to
 check that the script runs) are sampled once; then, for the shared-prompt and the plain learner
 forward, the same batches go through forward + objective loss + backward with the policy eager and
 with ``torch.compile(policy)`` (inductor). Printed per variant:
@@ -45,7 +45,7 @@ def setup(a):
 
     overrides = []
     if a.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
         from tiny import TINY
 
         overrides = TINY + ["reward.workers=0"]
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=3, help="rollout batches (distinct shapes) to time on")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mode", default="default", help="torch.compile mode: default, reduce-overhead, max-autotune")
-    ap.add_argument("--tiny", action="store_true", help="tests/tiny.py's config: checks the script runs, times nothing useful")
+    ap.add_argument("--tiny", action="store_true", help="tests/support/tiny.py's config: checks the script runs, times nothing useful")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, learner, batches = setup(a)

@@ -23,7 +23,7 @@ VLLM_TINY = TINY + ["model.hidden=64", "model.heads=2", "threads=1", "reward.wor
 ARMS = {"p3o@vllm_bf16": {"objective.name": "p3o", "rollout.engine": "vllm", "rollout.precision": "bfloat16"},
         "p3o@vllm_fp8": {"objective.name": "p3o", "rollout.engine": "vllm", "rollout.precision": "bfloat16",
                          "rollout.quantization": "fp8_per_channel"}}
-# engine contract (tests/test_engine_contract.py): float32 vLLM matches float32 transformers to 2e-5 per token;
+# engine contract (tests/integration/test_engine_contract.py): float32 vLLM matches float32 transformers to 2e-5 per token;
 # a bfloat16 forward rounds logits at ~2^-8 relative, so its mean gap must lie well above that floor and, for a
 # usable behaviour policy, well below the ε = 0.2 clip's log(1.2) = 0.18
 FLOAT32_FLOOR = 1e-4

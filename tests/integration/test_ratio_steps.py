@@ -16,7 +16,7 @@ from trustbatch.pipeline.batch import TrainBatch
 from trustbatch.policy.forward import pack, response_logprobs
 from trustbatch.trainer.learner import Learner
 
-from test_shared_prompt import _llama, _rows
+from llama_rows import _llama, _rows
 from tiny import TINY
 
 

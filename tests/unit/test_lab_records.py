@@ -11,7 +11,7 @@ from trustbatch.errors import UserError
 from trustbatch.lab import records
 from trustbatch.lab.archive import archive_runs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE, REPORT = ROOT / "docs" / "lab2" / "archive", ROOT / "docs" / "lab2" / "report" / "README.md"
 
 

@@ -28,11 +28,10 @@ ASYNC_ONLY = {"learner_wait_s", "max_staleness", "batches_dropped_stale", "worke
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, support_on_pythonpath):
+    # support_on_pythonpath: Ray's worker processes inherit the environment of the raylet that ray.init starts, and
+    # they import the scorer
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    # Ray's worker processes inherit the environment of the raylet that ray.init starts: they import the scorer
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a new local cluster, whatever the shell says
     # a local cluster for one test needs no token; Ray would otherwise write one to ~/.ray and set
     # RAY_AUTH_MODE in this process's environment for the rest of the session

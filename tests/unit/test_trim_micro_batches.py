@@ -1,7 +1,7 @@
 """Micro-batches trimmed to their own widths (``forward.trimmed``) give the untrimmed log-probs and gradients.
 
 References: the same forward on the micro-batch at the batch's full width, and the learner with
-``trim_micro_batches=False``; float64 models with float64 RMSNorm (see tests/test_shared_prompt.py).
+``trim_micro_batches=False``; float64 models with float64 RMSNorm (see tests/support/llama_rows.py).
 """
 
 import pytest
@@ -13,7 +13,7 @@ from trustbatch.policy.shared_prompt import grouped_response_logprobs
 from trustbatch.trainer.learner import Learner
 
 from grad_probe import sgd_recording_grads
-from test_shared_prompt import TOL, _close, _llama, _rows
+from llama_rows import TOL, _close, _llama, _rows
 
 
 def _short_rows_first():

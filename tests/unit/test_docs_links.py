@@ -4,7 +4,7 @@
 - every relative link of README.md and of the docs pages this repository writes (docs/README.md, docs/guide,
   docs/design, docs/performance.md, docs/config.md) resolves;
 - every "docs/design/objectives.md §N" in the source names a section that the page has;
-- every configuration key has a row in docs/config.md (generated: tests/test_config_doc.py keeps it current);
+- every configuration key has a row in docs/config.md (generated: tests/unit/test_config_doc.py keeps it current);
 - every function over 60 lines is named, with why, in docs/design/architecture.md's "Long functions";
 - the README stays a front door (at most 250 lines).
 
@@ -18,7 +18,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "trustbatch"
 OBJECTIVES_PAGE = ROOT / "docs" / "design" / "objectives.md"
 # A docs/ path not inside a longer path (``shared/docs/x.md`` is outside the repository, not ours).

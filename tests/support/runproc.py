@@ -13,7 +13,7 @@ import pytest
 
 from tiny import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMING = {"tokens_per_s", "rollout_s", "step_s"}
 # a short run that checkpoints every round, so a kill loses at most one round
 SHORT = TINY + ["train.steps=6", "checkpoint_every=1", "threads=1"]

@@ -1,4 +1,4 @@
-"""VLLMEngine beyond the shared contract (tests/test_engine_contract.py): EOS, truncation, greedy,
+"""VLLMEngine beyond the shared contract (tests/integration/test_engine_contract.py): EOS, truncation, greedy,
 precision and quantization, weight loading, and the one-line refusals.
 
 Everything that needs vLLM is marked ``vllm`` and skipped without it (``make test-vllm`` installs

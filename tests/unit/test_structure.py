@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "trustbatch"
+SRC = Path(__file__).resolve().parents[2] / "src" / "trustbatch"
 
 
 def _imports(path: Path) -> set[str]:

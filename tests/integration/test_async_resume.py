@@ -7,10 +7,8 @@ continuing from the checkpoint's), the staleness of every trained-on sample from
 of the killed run left alive.
 """
 
-import os
 import signal
 import time
-from pathlib import Path
 
 from trustbatch.recipes import train
 from trustbatch.trainer.checkpoint import latest_checkpoint, load_trainer_state
@@ -22,11 +20,8 @@ ASYNC = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "tr
          "eval.every=100", "rollout.mode=async", f"rollout.max_staleness={K}", "rollout.workers=1"]
 
 
-def test_a_killed_async_run_resumes_from_its_checkpoints_policy_version(tmp_path, cache, monkeypatch):
-    tests = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(tests)
-    # the trainer and its spawned rollout workers import the scorer module
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+# support_on_pythonpath: the trainer and its spawned rollout workers import the scorer module
+def test_a_killed_async_run_resumes_from_its_checkpoints_policy_version(tmp_path, cache, support_on_pythonpath):
     run = tmp_path / "run"
     proc = start(train_args(run, *ASYNC), tmp_path / "first.log")
     try:  # rounds 0-3 logged: the checkpoint of round 2 is written, round 3 is past it

@@ -18,7 +18,7 @@ from trustbatch.recipes import train
 
 from tiny import TINY
 
-FIXTURES = Path(__file__).parent / "fixtures" / "metrics_pinned"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "metrics_pinned"
 CASES = {
     "p3o": [],
     "grpo_stale_replay_bf16": ["objective.name=grpo", "rollout.staleness=2", "train.epochs=2", "train.minibatches=2",

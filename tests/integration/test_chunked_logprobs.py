@@ -286,7 +286,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow  # two spawned ranks: ~30 s on 2 busy cores; the default job's DDP path is tests/test_parallel.py
+@pytest.mark.slow  # two spawned ranks: ~30 s on 2 busy cores; the default job's DDP path is tests/integration/test_parallel.py
 def test_two_gloo_ranks_with_the_chunked_head_equal_one_process_on_the_full_path(tmp_path):
     mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn",
                        join=True)

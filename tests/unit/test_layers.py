@@ -15,7 +15,7 @@ import ast
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "trustbatch"
+SRC = Path(__file__).resolve().parents[2] / "src" / "trustbatch"
 
 # ground floor first; a module's floor is that of its first name under ``trustbatch``
 FLOORS = [

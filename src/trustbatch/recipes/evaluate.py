@@ -1,0 +1,146 @@
+"""``trustbatch eval`` as a recipe: pass@k of a local model on benchmarks, with the training engines and reward pool.
+
+``evaluate`` checks every option before the model loads (one-line ``UserError``), loads the benchmarks and the model,
+builds the engine and runs ``eval.benchmarks.evaluate_benchmarks``; it returns the results dict that
+``save_results`` writes as JSON. The CLI command parses options, calls these and prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import UserError
+
+ENGINES = ("transformers", "vllm")
+
+
+def parse_ks(k: str, n: int) -> list[int]:
+    """The sorted distinct k of a comma-separated ``-k`` option (``"1,2,4"``), each checked against n.
+
+    Raises:
+        UserError: ``k`` is not comma-separated integers, or some k is outside 1..n.
+    """
+    try:
+        ks = sorted({int(x) for x in k.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"-k {k!r} must be comma-separated integers, e.g. -k 1,2,4") from None
+    _check_ks(n, ks, k)
+    return ks
+
+
+def _check_ks(n: int, ks: Sequence[int], shown: str) -> None:
+    if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
+        raise UserError(f"need 1 <= k <= n for every k; got n={n}, k={shown!r} (raise -n or lower -k)")
+
+
+def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: Sequence[int] = (1, 2, 4, 8, 16),
+             temperature: float = 1.0, max_new_tokens: int = 512, limit: int | None = None,
+             data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
+             prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
+             timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
+             progress=None, warn: Callable[[str], None] | None = None) -> dict:
+    """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
+
+    ``model``: a local Hugging Face model directory. ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
+    countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL files, or ``hf:PATH:SPLIT``. ``reward``
+    overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
+    completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
+    vllm. ``progress``: a rich Progress, entered only while sampling; ``warn(message)`` hears that prompts plus
+    ``max_new_tokens`` exceed the model's context.
+
+    Returns ``{"model", "engine", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
+    "average"}``; per benchmark and on average ``pass@k`` and its standard error ``pass@k_se`` over prompts (the
+    unbiased estimator of Chen et al. 2021, arXiv 2107.03374, Eq. 1; see ``eval.benchmarks``). A standard error
+    from one prompt is NaN (``save_results`` writes it as null).
+
+    Raises:
+        UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
+            ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, or
+            vLLM missing or refusing the model.
+    """
+    import torch
+
+    from ..data.benchmarks import load_benchmark
+    from ..eval.benchmarks import evaluate_benchmarks
+    from ..policy import load_policy
+    from ..rewards import RewardPool
+
+    ks = sorted(set(ks))
+    dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device)
+    benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
+                              answer_field=answer_field, limit=limit) for b in benchmarks]
+    policy = load_policy(model)
+    ctx = getattr(policy.model.config, "max_position_embeddings", None)
+    if ctx and warn is not None:
+        over = sum(len(policy.encode_prompt(e.prompt)) + max_new_tokens > ctx for b in benches for e in b.examples)
+        if over:
+            warn(f"{over} prompts + --max-new-tokens exceed the model's context of {ctx} "
+                 "tokens; their completions are out of the model's trained range")
+    torch.manual_seed(seed)
+    eng = _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens)
+    with progress if progress is not None else contextlib.nullcontext():
+        res = evaluate_benchmarks(policy, eng, benches,
+                                  lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
+                                  n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
+    return {"model": str(model), "engine": engine, "n": n, "k": ks, "temperature": temperature,
+            "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
+
+
+def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device):
+    """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
+    from ..parallel import resolve_device
+    from ..rewards import get
+
+    _check_ks(n, ks, ",".join(map(str, ks)))
+    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
+        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
+    if engine not in ENGINES:
+        raise UserError(f"--engine {engine!r} must be transformers or vllm")
+    if reward is not None:
+        get(reward)  # an unknown reward fails before the model loads
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
+    try:
+        return resolve_device(device)
+    except ValueError as e:
+        raise UserError(str(e).replace("train.device", "--device")) from None
+
+
+def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
+    """The transformers engine on ``dev``, or a vLLM engine whose context holds the longest prompt's completion."""
+    if engine == "vllm":
+        from ..rollout.vllm_engine import VLLMEngine
+
+        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
+        try:
+            return VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
+                              max_model_len=max(ctx or 0, longest + max_new_tokens))
+        except (ImportError, ValueError) as e:
+            raise UserError(str(e)) from None
+    from ..rollout import TransformersEngine
+
+    return TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
+
+
+def save_results(res: dict, dest: str | Path) -> Path:
+    """Write ``evaluate``'s results to ``dest`` as indented JSON (atomically; NaN as null); return the path."""
+    from ..records import atomic_write
+
+    dest = Path(dest)
+    atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
+    return dest
+
+
+def _finite_or_null(x):
+    """NaN (a standard error from one prompt) is not JSON; write null."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite_or_null(v) for v in x]
+    return x

@@ -1,0 +1,54 @@
+"""A tiny float64 Llama and shuffled rows of grouped completions, for the tests that compare learner forwards.
+
+Float64 models here compute RMSNorm in float64: transformers' LlamaRMSNorm casts to float32
+inside (``hidden_states.to(torch.float32)``), so a float64 Llama's gradients carry float32
+rounding, and summing a prompt's gradient over its completions before that cast (shared) or after
+it (plain) differs by ~1e-8 relative. With the norm in float64 both agree to ~1e-15. Log-probs
+are float32 in every path (``response_logprobs`` takes the log-softmax of float32 logits); float64
+logits that agree to ~1e-15 round to the same float32 values, so the float64 tolerance still holds.
+"""
+
+import types
+
+import torch
+
+TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
+PROMPT_LENS = (1, 3, 6, 2)  # one-token prompts have no prefix to share: their rows still join the passes
+G = 4
+
+
+def _f64_rmsnorm(self, h):
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _llama(dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    if dtype == torch.float64:
+        for mod in model.modules():
+            if type(mod).__name__ == "LlamaRMSNorm":
+                mod.forward = types.MethodType(_f64_rmsnorm, mod)
+    return model
+
+
+def _rows(seed=1, prompt_lens=PROMPT_LENS, g=G):
+    """Groups of g rows sharing a prompt, prompts of different lengths, completions of 1..6 tokens, rows shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for n in prompt_lens:
+        p = torch.randint(3, 40, (n,), generator=gen).tolist()
+        for _ in range(g):
+            prompts.append(p)
+            comps.append(torch.randint(3, 40, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist())
+    order = torch.randperm(len(prompts), generator=gen).tolist()
+    return [prompts[i] for i in order], [comps[i] for i in order]
+
+
+def _close(got, want, what, tol):
+    got, want = got.detach(), want.detach()
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert err <= tol * scale + 1e-300, f"{what}: max |diff| {err:.3g} vs scale {scale:.3g} (tol {tol:g})"
