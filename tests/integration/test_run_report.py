@@ -131,7 +131,7 @@ class _Pool:
 
     def score(self, completions, references):
         rewards = [self.REWARDS[int(c.split(":")[0])][int(c.split(":")[1])] for c in completions]
-        return SimpleNamespace(rewards=rewards, errors=0, timeouts=0)
+        return SimpleNamespace(rewards=rewards, errors=0, timeouts=0, unscored=0)
 
 
 def test_heldout_standard_error_is_over_prompts():

@@ -91,7 +91,7 @@ def test_diverging_run_stops_with_one_line_and_no_nonfinite_checkpoint(tmp_path,
 
 
 def test_learner_skips_a_nonfinite_step_without_touching_weights_or_version():
-    from test_learner import _batch
+    from llama_rows import learner_batch as _batch
     from trustbatch.policy.model import build_small_llama
     from trustbatch.policy.tokenizer import train_tokenizer
     from trustbatch.trainer import Learner

@@ -52,3 +52,17 @@ def _close(got, want, what, tol):
     got, want = got.detach(), want.detach()
     err, scale = float((got - want).abs().max()), float(want.abs().max())
     assert err <= tol * scale + 1e-300, f"{what}: max |diff| {err:.3g} vs scale {scale:.3g} (tol {tol:g})"
+
+
+def learner_batch(tok, seed=0):
+    """Six random prompt/completion rows with behaviour log-probs in [-6, -2] and random advantages."""
+    from trustbatch.pipeline.batch import TrainBatch
+    from trustbatch.policy.forward import pack
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1] + torch.randint(3, len(tok), (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (6,), generator=g)]
+    comps = [torch.randint(3, len(tok), (int(n),), generator=g).tolist() + [2] for n in torch.randint(0, 4, (6,), generator=g)]
+    packed = pack(prompts, comps, 0)
+    C = packed.response_mask.shape[1]
+    blp = torch.where(packed.response_mask, -torch.rand(6, C, generator=g) * 4 - 2, 0.0)
+    return TrainBatch(packed, blp, torch.randn(6, generator=g))

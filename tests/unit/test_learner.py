@@ -10,22 +10,14 @@ from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.trainer import Learner, TrainBatch
 
+from llama_rows import learner_batch as _batch
+
 
 @pytest.fixture(scope="module")
 def tiny():
     tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3", "State the answer"], vocab_size=300)
     model = build_small_llama(len(tok), hidden=16, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok).double()
     return tok, model
-
-
-def _batch(tok, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [[1] + torch.randint(3, len(tok), (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (6,), generator=g)]
-    comps = [torch.randint(3, len(tok), (int(n),), generator=g).tolist() + [2] for n in torch.randint(0, 4, (6,), generator=g)]
-    packed = pack(prompts, comps, 0)
-    C = packed.response_mask.shape[1]
-    blp = torch.where(packed.response_mask, -torch.rand(6, C, generator=g) * 4 - 2, 0.0)
-    return TrainBatch(packed, blp, torch.randn(6, generator=g))
 
 
 def _grads(model, batch, micro, objective="p3o"):

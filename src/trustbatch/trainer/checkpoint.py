@@ -57,6 +57,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         with _quiet_transformers():  # no "Writing model shards" progress bar on stderr at every checkpoint
             if getattr(policy, "adapter", None) is not None:
                 save_adapter(policy, tmp)  # LoRA: the adapter and its base's name, not the merged model
+            elif model_state is None:
+                policy.save(tmp)
             else:
                 policy.save(tmp, state_dict=model_state)
         torch.save({
