@@ -11,7 +11,8 @@ directory and loaded by ``model.path`` like any user's model. Each arm is one fr
 completion), whose peak RSS it reports with the seconds per phase (rollout, learner step) and tokens/s from the
 run's own metrics. Arms:
 
-- ``scaled``: bf16-mixed, activation checkpointing, chunked log-probs (the configuration for a real model);
+- ``scaled``: bf16-mixed, activation checkpointing, chunked log-probs at 64 completion columns (the configuration
+  for a real model; a chunk of 1024 columns would leave C = 128 on the full path);
 - ``float32_full``: float32, no checkpointing, the full-vocabulary logits path (what trustbatch did before);
 - ``lora``: ``scaled`` plus LoRA r = 16 on every linear layer.
 
@@ -38,9 +39,9 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 ARMS = {
-    "scaled": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=1024"],
+    "scaled": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=64"],
     "float32_full": ["train.precision=float32", "train.activation_checkpointing=false", "train.logprob_chunk_size=null"],
-    "lora": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=1024",
+    "lora": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=64",
              "model.lora.r=16", "model.lora.alpha=32", "train.lr=1e-4"],
 }
 

@@ -27,9 +27,11 @@ def shared_dir() -> Path:
 
 
 @pytest.fixture
-def support_on_pythonpath(monkeypatch):
-    """tests/support on PYTHONPATH, for the fresh interpreters a test starts (trainer, rollout workers, Ray's workers)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
+def support_on_pythonpath(monkeypatch, request):
+    """tests/support and the test's own folder on PYTHONPATH, for the fresh interpreters a test starts (trainer,
+    rollout workers, Ray's workers, which unpickle functions defined in the test module by its name)."""
+    here = str(Path(str(request.fspath)).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), here, os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.fixture(autouse=True)
