@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from .errors import UserError
+from .parallel import DEVICE_SPEC
 
 
 class _Loader(yaml.SafeLoader):
@@ -306,7 +307,7 @@ class TrainConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+        if not re.fullmatch(DEVICE_SPEC, v):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
 

@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 
 
+# what train.device and `trustbatch eval --device` accept
+DEVICE_SPEC = r"auto|cpu|cuda(:\d+)?"
+
+
 def resolve_device(spec: str = "auto", local_rank: int = 0) -> torch.device:
     """The torch device that ``train.device`` names for the rank with ``local_rank`` on its node.
 

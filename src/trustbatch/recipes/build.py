@@ -276,17 +276,13 @@ def sync_engine(cfg: Config, policy, learner, version: int, *, whole=None, shard
     shifted = ro.precision != "float32" or ro.staleness > 0 or ro.engine == "vllm"
     if ro.engine == "vllm":
         engine = vllm_engine(cfg, dataclasses.replace(policy, model=whole), version)
-    elif sharded:
-        engine = TransformersEngine(whole, policy.eos_id, policy.pad_id, precision=ro.precision, share=not shifted,
-                                    version=version, full_logprobs=_full_logprobs(cfg),
-                                    autocast=None if shifted else _learner_autocast(cfg))
     else:
         # an engine with its own copy gets the merged weights under the base's names (LoRA: a plain merged
         # copy to start from, then CopySync/LaggedSync push named_weights, merged); a shared one runs
-        # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x
-        engine = TransformersEngine(merged_copy(policy.model) if shifted and policy.adapter is not None else policy.model,
-                                    policy.eos_id, policy.pad_id, precision=ro.precision,
-                                    share=not shifted, version=version, full_logprobs=_full_logprobs(cfg),
+        # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x; under FSDP2 the whole copy
+        model = whole if sharded else merged_copy(policy.model) if shifted and policy.adapter is not None else whole
+        engine = TransformersEngine(model, policy.eos_id, policy.pad_id, precision=ro.precision, share=not shifted,
+                                    version=version, full_logprobs=_full_logprobs(cfg),
                                     autocast=None if shifted else _learner_autocast(cfg))
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)

@@ -92,7 +92,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
 def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device):
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
-    from ..parallel import resolve_device
+    from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
 
     _check_ks(n, ks, ",".join(map(str, ks)))
@@ -102,7 +102,7 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
         raise UserError(f"--engine {engine!r} must be transformers or vllm")
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+    if not re.fullmatch(DEVICE_SPEC, device):
         raise UserError(f"--device {device!r} must be auto, cpu, cuda or cuda:N")
     try:
         return resolve_device(device)
