@@ -133,10 +133,22 @@ class DataConfig(_Strict):
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
 
 
+class RewardFunctionConfig(_Strict):
+    """One of several weighted reward functions (``reward.functions``)."""
+
+    name: str = Field(description="a scorer as in reward.name; a module:function may take TRL's batch form "
+                                  "(prompts, completions, **columns) -> list")
+    weight: Float = Field(1.0, description="its weight w_i in the training reward sum_i w_i r_i")
+
+
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
+                                          "training, each logged as rewards/NAME; held-out evaluation keeps the "
+                                          "data's scorer (reward.name must be unset)")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
                                                "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
@@ -144,6 +156,13 @@ class RewardConfig(_Strict):
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
                                      "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
                                      "failure is reported as a warning")
+
+    @model_validator(mode="after")
+    def _one_reward_source(self):
+        if self.name is not None and self.functions:
+            raise ValueError("reward.name and reward.functions are both set; put the scorer in reward.functions "
+                             "(with its weight) and unset reward.name")
+        return self
 
 
 class ModelConfig(_Strict):

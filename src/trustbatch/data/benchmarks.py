@@ -20,6 +20,7 @@ earlier row's is skipped, counted (``Benchmark.duplicates``) and reported by a w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -86,13 +87,18 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
 
 
 def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_field: str | None = None) -> Example:
-    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration.
+    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration,
+    and the row's fields as ``columns`` (for batch-form reward functions).
 
     Raises:
         UserError: a missing, null or empty prompt or answer, or an answer the format cannot read
             (GSM8K without ``#### N`` or with an empty last ``####``, Countdown numbers that are not
             integers). The message does not name the file; ``load_benchmark`` adds it.
     """
+    return dataclasses.replace(_example(row, fmt, prompt_field, answer_field), columns=dict(row))
+
+
+def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
     from ..rewards.countdown import solve
     from ..rewards.gsm8k import after_last_hashes, gsm8k_answer
     from ..rewards.math_answer import gold_text

@@ -111,10 +111,20 @@ def check_orchestrator(cfg: Config) -> None:
     check_ray_installed()
 
 
+def reward_of(cfg: Config, task) -> str | rewards.Terms:
+    """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
+    terms. Held-out evaluation always uses the former (``prepare_run``'s pool): pass@1 counts correct answers."""
+    if cfg.reward.functions:
+        return tuple((f.name, f.weight) for f in cfg.reward.functions)
+    return cfg.reward.name or task.reward
+
+
 def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     """``check_round(result, n)`` for the rollout source and held-out evaluation: warn on any scorer failure,
     stop past ``reward.max_failure_rate``; ``where`` names what was scored in the messages."""
     scorer = cfg.reward.name or task.reward
+    if cfg.reward.functions and where == "a rollout round":
+        scorer = rewards.functions.WeightedRewards.describe(reward_of(cfg, task))
 
     def check(result, n):
         warning = rewards.check_scoring(result, n=n, scorer=scorer, max_failure_rate=cfg.reward.max_failure_rate,
@@ -324,15 +334,19 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
             source.on_close.append(learner.close)
         return Built(Parts(source, learner, source.sync), eval_engine)
     engine, sync = sync_engine(cfg, policy, learner, version, whole=whole, sharded=sharded)
+    train_pool = pool if not cfg.reward.functions else rewards.make_reward(
+        reward_of(cfg, task), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+    if train_pool is not pool:
+        train_pool.in_process_marker = pool.in_process_marker
     source = SyncSource(
-        engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], pool,
+        engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], train_pool,
         policy.decode, sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
                                                max_new_tokens=ro.max_new_tokens),
         group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, pad_id=policy.pad_id, seed=tr.seed,
         dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
         overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std,
         foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
-        check_round=check_round,
+        check_round=check_round, contexts=[e.context() for e in task.train], owns_pool=train_pool is not pool,
     )
     # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
     return Built(Parts(source, learner, sync), eval_engine, CopySync(eval_engine) if sharded and shifted else None)
@@ -385,7 +399,8 @@ def async_source(cfg: Config, task, policy, version: int, world: World) -> Bound
             raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
     spec = WorkerSpec(
         model_dir="", prompts=[policy.encode_prompt(e.prompt) for e in task.train],
-        references=[e.reference for e in task.train], reward=cfg.reward.name or task.reward,
+        references=[e.reference for e in task.train], reward=reward_of(cfg, task),
+        contexts=[e.context() for e in task.train],
         sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
         group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=tr.seed, precision=ro.precision,
         reward_workers=cfg.reward.workers, reward_timeout_s=cfg.reward.timeout_s,
