@@ -322,6 +322,9 @@ class TrainConfig(_Strict):
                                 "this, or null: the full path")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
+    diagnostics: bool = Field(
+        False, description="also log the share of tokens GRPO's clip would zero (grpo_zeroed_0.2/0.4) at every "
+                           "optimizer step, whatever the objective (the lab sets it)")
 
     @field_validator("device")
     @classmethod

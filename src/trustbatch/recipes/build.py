@@ -255,7 +255,7 @@ def build_learner(cfg: Config, policy, world: World, version: int):
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
                       epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps,
                       precision=tr.precision, activation_checkpointing=tr.activation_checkpointing,
-                      logprob_chunk_size=tr.logprob_chunk_size)
+                      logprob_chunk_size=tr.logprob_chunk_size, diagnostics=tr.diagnostics)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
         if policy.adapter is not None:
             raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
