@@ -9,6 +9,7 @@ pass@1 equals the held-out mean reward and both are away from 0 and 1)."""
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -132,3 +133,33 @@ def test_bad_input_is_one_line(tmp_path, parquet_run):
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert "has no checkpoint at step 1; it keeps 0, 2" in lines[0], lines
     assert not (tmp_path / "o3").exists() and not list(tmp_path.glob(".o3*"))
+
+
+def test_a_chat_model_trains_on_its_template_with_the_system_prompt(tmp_path, shared_dir, hf_cache):
+    """The wiring from the config: prepare_run frames the run's prompts (and a resumed full fine-tuning
+    checkpoint's) with the chat template and data.system_prompt; the export's card and eval command say so."""
+    from transformers import AutoTokenizer
+
+    from trustbatch.policy import load_policy
+    from trustbatch.recipes import prepare_run
+    from trustbatch.recipes.build import restore_checkpoint_policy
+    from trustbatch.recipes.export import eval_command, model_card
+
+    chat = tmp_path / "chat-model"
+    shutil.copytree(shared_dir / "models" / "stories260K-hf", chat)
+    tok = AutoTokenizer.from_pretrained(chat)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    tok.save_pretrained(chat)
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
+    cfg = load_config(None, RUN + [f"data={tmp_path / 'rows.parquet'}", f"model.path={chat}",
+                                   "data.system_prompt=Count the apples."])
+    task, policy, pool, _ = prepare_run(cfg)
+    pool.close()
+    text = task.train[0].prompt
+    by_hand = f"[system] Count the apples.\n[user] {text}\n[assistant] "
+    assert policy.encode_prompt(text) == tok(by_hand, add_special_tokens=False)["input_ids"]
+    resumed = restore_checkpoint_policy(cfg, policy, None, load_policy(chat))
+    assert resumed.encode_prompt(text) == policy.encode_prompt(text)
+    cmd = eval_command(cfg, tmp_path / "export", 2)
+    assert cmd[cmd.index("--system-prompt") + 1] == "Count the apples."
+    assert "after the system message 'Count the apples.'" in model_card(cfg, tmp_path, tmp_path, 2, {}, cmd, chat=True)
