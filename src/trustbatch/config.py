@@ -116,12 +116,14 @@ class TaskConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Training data from local files (GSM8K, MATH, AIME, AMC, Countdown or any JSONL); replaces ``task`` when ``train`` is set.
+    """Training data from local files (JSONL, JSON, Parquet or a saved ``datasets`` directory, in the GSM8K, MATH,
+    AIME, AMC, Countdown or any row format); replaces ``task`` when ``train`` is set.
 
     ``data=FILE`` on the command line is short for ``data.train=FILE``.
     """
 
-    train: str | None = Field(None, description="JSONL file or benchmark name to train on")
+    train: str | None = Field(None, description="a JSONL, JSON or Parquet file, a datasets directory (save_to_disk) "
+                                                "or a benchmark name, to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
@@ -131,6 +133,9 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
+    system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
 
 
 class RewardFunctionConfig(_Strict):

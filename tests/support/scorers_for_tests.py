@@ -65,3 +65,9 @@ def contains_answer(prompts, completions, reference, **columns):
 
 def batch_wrong_length(prompts, completions, **columns):
     return [1.0, 1.0]
+
+
+def even_length(completion: str, reference: str) -> float:
+    """1 for a completion of an even number of characters, else 0: a 0/1 reward with spread for any policy (its
+    mean is pass@1)."""
+    return 1.0 if len(completion) % 2 == 0 else 0.0
