@@ -11,15 +11,14 @@ import yaml
 
 from trustbatch.errors import UserError
 from trustbatch.lab import load_experiment, run_experiment
-from trustbatch.lab.experiment import EXPERIMENTS_DIR
-from trustbatch.lab.experiment import default_comparisons, family_and_dose
+from trustbatch.lab.experiment import bundled_experiments, default_comparisons, family_and_dose
 from trustbatch.lab.archive import archive_runs
 from trustbatch.lab.report import write_report
 from trustbatch.lab.report.runs import mean_se
 
 from tiny import TINY
 
-BUNDLED = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+BUNDLED = sorted(bundled_experiments())
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
 FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3, "temperature_steps_control": 3}
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
