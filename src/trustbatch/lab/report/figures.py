@@ -11,6 +11,7 @@ from ..experiment import family_and_dose
 from .runs import histogram_quantile, mean_se, series, step_histograms, trace_series, within_round
 from .tables import WITHIN_KEYS
 
+
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
 
@@ -39,6 +40,8 @@ def _save(fig, out: Path, fname: str) -> str:
 
 
 def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
+    """Write one experiment's figures into ``out`` (curves, per-step traces, ratio histograms; for replayed arms the
+    step-ratio and within-round figures) and return their file names, in the order the section links them."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,7 +15,9 @@ from ..calls import WALL, covered_seconds, elapsed_seconds, load_calls
 from ..stats import EQUIVALENCE_RULE, POST_HOC_RULE
 from .runs import run_config
 
+
 def git_commit() -> str:
+    """This checkout's short HEAD commit; 'unknown' without git or history."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"

@@ -13,7 +13,10 @@ import yaml
 from .. import records
 from ..stats import collapse_reason, primary_score
 
+
 def mean_se(xs: list[float]) -> tuple[float, float]:
+    """(mean, standard error s/√n with the sample SD s) of the finite values of ``xs``, None skipped; NaN for the
+    mean without a value, for the error with fewer than two."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
         return float("nan"), float("nan")

@@ -16,6 +16,7 @@ from .provenance import base_sets
 from .runs import (arm_scores, histogram_quantile, mean_se, over_steps, step_exact_quantiles, step_histograms,
                    within_round)
 
+
 WITHIN_KEYS = [("ess", "ESS", "{:.3f}"), ("grpo_zeroed_0.2", "GRPO ε=0.2 zeroes", "{:.1%}"),
                ("kl_weight", "KL weight", "{:.3f}"), ("grad_norm", "gradient norm", "{:.2f}")]
 
