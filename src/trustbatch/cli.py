@@ -170,8 +170,17 @@ def export(
         console.print(f"check: {shlex.join(res['eval_command'])}", soft_wrap=True)
 
 
-lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report.")
+lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report "
+                      "(the lab extra: pip install 'trustbatch[lab]').")
 app.add_typer(lab_app, name="lab")
+
+
+def _require_lab() -> None:
+    """Each lab command's first line, not a group callback: click runs that before a subcommand's --help, which
+    should work without the extra."""
+    from .lab import require_lab_extra
+
+    require_lab_extra()
 
 
 @lab_app.command("run")
@@ -183,6 +192,7 @@ def lab_run(
     arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms to train (default: every run arm); reports still cover every arm"),
 ):
     """Run one experiment's arms × seeds; finished runs are skipped and interrupted ones resume."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -212,6 +222,7 @@ def lab_preflight(
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's first)"),
 ):
     """At the base policy, per arm: batch ESS, share of tokens GRPO's clip zeroes, cosine of the P3O and GRPO gradients."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -235,6 +246,7 @@ def lab_report(
     out: str = typer.Option("docs/lab", "--out", help="report folder (README.md and PNG figures)"),
 ):
     """Write a Markdown report with curves, ESS/KL traces, ratio histograms and a table of final held-out results."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -252,6 +264,7 @@ def lab_archive(
     out: str = typer.Option(..., "--out", help="archive folder: OUT/EXPERIMENT gets what the report reads"),
 ):
     """Copy what `lab report` reads (configs, metrics, summaries, pre-flights), without checkpoints, to a folder you can commit; each experiment's run files are packed into one runs.tar.xz."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -271,6 +284,7 @@ def lab_compare(
     record: bool = typer.Option(False, "--record", help="write ARCHIVE/EXPERIMENT/reproduced.json, which the report reads"),
 ):
     """Check re-runs against the archive, value for value: 'identical', or the first round and metric where they part."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
