@@ -14,8 +14,9 @@ this process. Neither raises on a scorer's error: the reward is 0 and the error 
 """
 
 from .pool import RewardPool
+from .spec import RewardSpec
 from .scorers import (BUILTIN, FinalAnswerScorer, ReasoningGymScorer, ScoreResult, Scorer, check_scoring, get,
                       one_line, score_all, score_local, score_one)
 
-__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
-           "score_all", "score_local", "score_one"]
+__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "RewardSpec", "ScoreResult", "Scorer",
+           "check_scoring", "get", "score_all", "score_local", "score_one"]

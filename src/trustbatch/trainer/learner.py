@@ -192,6 +192,9 @@ class Learner:
         self.version = int(state["policy_version"])
         self.bad_steps = int(state.get("bad_steps", 0))
 
+    def close(self) -> None:
+        """Nothing to release: the module and optimizer live in this process (``LearnerProtocol``)."""
+
     # ---- forward passes without gradient -------------------------------------------------------
     def autocast(self):
         """The context every learner forward runs in: bf16 autocast under ``bf16-mixed``, else nothing."""
