@@ -91,12 +91,14 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
     from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
-    from ..rollout.spec import EngineSpec, check_engine
+    from ..rollout.spec import EngineSpec, check_engine, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
         raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    check_engine(EngineSpec(name=engine))  # an unknown engine, or vLLM not installed, fails before anything loads
+    if engine not in engine_names():
+        raise UserError(f"--engine {engine!r} must be {' or '.join(engine_names())}")
+    check_engine(EngineSpec(name=engine))  # vLLM not installed fails before anything loads
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     if not re.fullmatch(DEVICE_SPEC, device):

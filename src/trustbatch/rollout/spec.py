@@ -66,6 +66,11 @@ def _entry(spec: EngineSpec) -> _Registered:
         raise UserError(f"unknown rollout engine {spec.name!r}; use one of {', '.join(_ENGINES)}") from None
 
 
+def engine_names() -> tuple[str, ...]:
+    """The registered engines' names, in registration order."""
+    return tuple(_ENGINES)
+
+
 def check_engine(spec: EngineSpec) -> None:
     """Every refusal of ``spec`` that needs no model: an unknown engine, an optional one not installed, a precision
     it does not run.
