@@ -25,7 +25,7 @@ class WorkerSpec:
     model_dir: a local HF directory with the policy's architecture and tokenizer (weights arrive through
     ``load_weights``). prompts, references: the training prompts' token ids and gold answers. engine, source,
     reward: the specs the trainer built from its config (``recipes.build``). threads: the worker's torch threads
-    (its engine's too).
+    (its engine's too). contexts: per prompt, for batch-form reward functions (``SyncSource``).
     """
 
     model_dir: str
@@ -35,6 +35,7 @@ class WorkerSpec:
     source: SourceSpec
     reward: RewardSpec
     threads: int = 1
+    contexts: list | None = None
 
 
 class RolloutWorker:
@@ -53,7 +54,7 @@ class RolloutWorker:
         # a broken scorer stops the run from the learner's side, with its message
         check = spec.reward.check(where="a rollout worker's batch")
         self.source = SyncSource(self.engine, spec.prompts, spec.references, self.pool, policy.decode, spec.source,
-                                 pad_id=policy.pad_id, check_round=check)
+                                 pad_id=policy.pad_id, check_round=check, contexts=spec.contexts)
 
     @property
     def version(self) -> int:

@@ -67,7 +67,8 @@ def _learner_kwargs(cfg: Config, version: int) -> dict:
     return dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
                 ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs, minibatches=tr.minibatches,
                 version=version, max_bad_steps=tr.max_bad_steps, precision=tr.precision,
-                activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size)
+                activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size,
+                diagnostics=tr.diagnostics)
 
 
 def local_learner(inp: Inputs) -> Learner:
@@ -129,10 +130,15 @@ def sync_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     """Sampling in the trainer's process each round (``SyncSource``) from ``sync_engine``'s engine."""
     engine, sync, shifted = sync_engine(inp, learner)
     policy, train = inp.policy, inp.task.train
+    # weighted reward functions score training alone: a pool of their own (the run's pool scores held-out data)
+    pool = inp.reward.pool() if inp.cfg.reward.functions else inp.pool
+    if pool is not inp.pool:
+        pool.in_process_marker = inp.pool.in_process_marker
     source = SyncSource(engine, [policy.encode_prompt(e.prompt) for e in train], [e.reference for e in train],
-                        inp.pool, policy.decode, inp.source, pad_id=policy.pad_id, foreign=inp.foreign,
+                        pool, policy.decode, inp.source, pad_id=policy.pad_id, foreign=inp.foreign,
                         foreign_fraction=inp.cfg.rollout.foreign_fraction if inp.foreign is not None else 0.0,
-                        world=inp.world, check_round=inp.check_round)
+                        world=inp.world, check_round=inp.check_round, contexts=[e.context() for e in train],
+                        owns_pool=pool is not inp.pool)
     # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
     return source, sync, CopySync(eval_engine) if inp.sharded and shifted else None
 
@@ -153,7 +159,7 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
     train = inp.task.train
     return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
                       references=[e.reference for e in train], engine=inp.engine, source=inp.source,
-                      reward=inp.reward)
+                      reward=inp.reward, contexts=[e.context() for e in train])
 
 
 def _bounds(inp: Inputs) -> dict:

@@ -52,11 +52,13 @@ def source_spec(cfg: Config) -> SourceSpec:
                       overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std)
 
 
-def reward_spec(cfg: Config, task) -> RewardSpec:
-    """The scorer (``reward.name``, else the task's) and its pool's settings and failure limit."""
+def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
+    """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
+    terms; its pool's settings and failure limit. ``heldout``: always the former, as held-out evaluation scores
+    (pass@1 counts correct answers)."""
     rw = cfg.reward
-    return RewardSpec(rw.name or task.reward, workers=rw.workers, timeout_s=rw.timeout_s,
-                      max_failure_rate=rw.max_failure_rate)
+    name = tuple((f.name, f.weight) for f in rw.functions) if rw.functions and not heldout else rw.name or task.reward
+    return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
 
 
 def preflight(cfg: Config) -> None:
@@ -81,14 +83,17 @@ def configured_task(cfg: Config):
 
 def task_key(cfg: Config) -> dict:
     """What determines the task's prompts, for the default base's cache key."""
-    return cfg.data.model_dump(mode="json") if cfg.data.train else cfg.task.model_dump(mode="json")
+    # the prompt format is not the task's: the default base's tokenizer has no chat template
+    return (cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt"}) if cfg.data.train
+            else cfg.task.model_dump(mode="json"))
 
 
 def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     """``check_round(result, n)`` for the rollout source and held-out evaluation: warn on any scorer failure,
-    stop past ``reward.max_failure_rate``; ``where`` names what was scored in the messages."""
+    stop past ``reward.max_failure_rate``; ``where`` names what was scored in the messages (a rollout round scores
+    the training reward, anything else the held-out one: ``reward_spec``)."""
     warn = None if console is None else lambda w: console.print(f"[yellow]{w}[/yellow]", highlight=False)
-    return reward_spec(cfg, task).check(where, warn)
+    return reward_spec(cfg, task, heldout=where != "a rollout round").check(where, warn)
 
 
 def fit_to_context(task, policy, max_new_tokens: int, console=None):
@@ -111,13 +116,14 @@ def fit_to_context(task, policy, max_new_tokens: int, console=None):
 def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
-    Prompts that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
+    Prompts are framed as ``data.chat_template`` and ``data.system_prompt`` say (``Policy.set_prompt_format``);
+    those that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
     With ``model.lora`` the policy gets LoRA adapters (``policy.lora.apply_lora``; only they train),
     naming the base directory (``model.path`` or the default base's cache folder) for checkpoints.
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
     """
     task = configured_task(cfg)
-    pool = reward_spec(cfg, task).pool()
+    pool = reward_spec(cfg, task, heldout=True).pool()
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path), cfg.model.path
         base = str(Path(cfg.model.path).expanduser().resolve())
@@ -126,15 +132,17 @@ def prepare_run(cfg: Config, console=None):
             console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
         policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
         source, base = f"{path} ({'built now' if built else 'cached'})", str(path)
-    fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
-    if cfg.model.lora is not None:
-        lo = cfg.model.lora
-        try:
+    lo = cfg.model.lora
+    try:
+        policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+        if lo is not None:
             apply_lora(policy, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                        base=base, seed=cfg.model.seed)
-        except BaseException:
-            pool.close()
-            raise
+    except BaseException:
+        pool.close()
+        raise
+    if lo is not None:
         source += f" + LoRA r={lo.r} alpha={lo.alpha:g}"
     return task, policy, pool, source
 
@@ -153,6 +161,7 @@ def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
         UserError: the checkpoint's adapter names another base than this run's (a moved cache or model.path).
     """
     if cfg.model.lora is None:
+        loaded.chat_template, loaded.system_prompt = policy.chat_template, policy.system_prompt  # the run's framing
         return loaded
     saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path
     if saved != now:

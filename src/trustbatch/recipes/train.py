@@ -51,7 +51,7 @@ def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
-_EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
+EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -79,7 +79,7 @@ class TrainHooks:
         it runs (``eval.every``, a resumable key) never moves the training's random streams."""
         c = self.cfg
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
+            torch.manual_seed(row_seed(c.train.seed, round_, EVAL_STREAM))
             # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
             # times out must not cost a whole evaluation before round 1 stops the run
             check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
