@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from ..pipeline.async_source import BoundedSource, Message, describe_error
 from ..pipeline.staleness import may_start
-from ..pipeline.weight_sync import named_weights
+from ..pipeline.weight_sync import Stateless, named_weights
 from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
 
 
@@ -81,7 +81,7 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
         worker.close()
 
 
-class ProcessTransport:
+class ProcessTransport(Stateless):
     """Rollout workers in spawned processes on this machine; weights and gate in shared memory.
 
     Args:

@@ -40,7 +40,7 @@ import torch
 from ..errors import UserError
 from ..pipeline.async_source import BoundedSource, Message, describe_error
 from ..pipeline.staleness import may_start
-from ..pipeline.weight_sync import named_weights
+from ..pipeline.weight_sync import Stateless, named_weights
 from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
 
 INSTALL_HINT = "orchestrator=ray needs Ray, which is not installed: pip install 'trustbatch[ray]'"
@@ -103,7 +103,7 @@ def connect(address: str | None, cpus: int) -> bool:
     return True
 
 
-class RayTransport:
+class RayTransport(Stateless):
     """Rollout workers as Ray actors (``RolloutWorker`` with ``ray.remote``, ``num_cpus=1``); see the module docstring.
 
     Args:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -58,6 +59,29 @@ def sample_groups(engine, foreign, prompts: list[list[int]], group_size: int, fo
     return out
 
 
+@dataclass(frozen=True)
+class SourceSpec:
+    """How a round's batch is made from the engine's samples, as plain values (picklable: every rollout worker
+    makes its batches from the same spec). The one place a sampling or batching option is declared.
+
+    sampling: temperature, top-p, max_new_tokens of the rollouts. group_size: G completions per prompt;
+    prompts_per_step: groups per batch. seed: with the batch index, fixes each batch's prompts and every group's
+    random streams. dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
+    overlong_cache: DAPO overlong shaping zone (tokens), or None. advantage, std: ``advantages.group_advantages``
+    estimator and std convention.
+    """
+
+    sampling: SamplingParams
+    group_size: int
+    prompts_per_step: int
+    seed: int
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong_cache: int | None = None
+    advantage: str = "zscore"
+    std: str = "population"
+
+
 class SyncSource:
     """Sample, score, filter, shape and compute advantages for one round, on demand.
 
@@ -65,41 +89,35 @@ class SyncSource:
         engine: the behaviour policy (an ``Engine``). foreign: an engine on another model, or None.
         prompts: token ids of the training prompts; references: their gold answers (same order).
         pool: a ``RewardPool`` or ``WeightedRewards`` (``score(texts, references[, contexts=])``); decode: ids -> text.
+        spec: the sampling, group, filter, shaping and advantage settings (``SourceSpec``); its seed, with the
+            batch index, makes batch b the same whichever process makes it and whenever (``make_batch(b)``).
         contexts: per prompt, its text and data row (``Example.context``) for batch-form reward functions, or None.
         owns_pool: ``close`` closes ``pool`` (a pool made for this source alone, e.g. ``reward.functions``).
-        sampling: temperature, top-p, max_new_tokens of the rollouts.
-        group_size: G completions per prompt; prompts_per_step: groups per batch.
-        dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
-        overlong_cache: DAPO overlong shaping zone (tokens), or None.
-        advantage, std: ``advantages.group_advantages`` estimator and std convention.
-        seed: with the batch index, fixes each batch's prompts and every group's random streams, so
-            batch b is the same whichever process makes it and whenever (``make_batch(b)``).
         world: data-parallel world; each rank samples its share of the round's prompts and every rank
             receives the whole scored round, so every rank makes the same batch decisions.
         check_round: called as ``check_round(result, n)`` after each scoring call (scorer-failure limits).
     """
 
-    def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str], *,
-                 sampling: SamplingParams, group_size: int, prompts_per_step: int, pad_id: int, seed: int,
-                 dynamic_sampling: bool = False, max_sampling_rounds: int = 4, overlong_cache: int | None = None,
-                 advantage: str = "zscore", std: str = "population", foreign=None, foreign_fraction: float = 0.0,
+    def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str],
+                 spec: SourceSpec, *, pad_id: int, foreign=None, foreign_fraction: float = 0.0,
                  world: World | None = None, check_round: Callable | None = None, contexts: list[dict] | None = None,
                  owns_pool: bool = False):
         if not prompts:
             raise ValueError("the task produced no training prompts; raise task.train_size")
         self.engine, self.foreign = engine, foreign
         self.prompts, self.references, self.pool, self.decode = prompts, references, pool, decode
-        self.sampling = sampling
-        self.G, self.P = group_size, prompts_per_step
+        self.spec = spec
+        self.sampling = spec.sampling
+        self.G, self.P = spec.group_size, spec.prompts_per_step
         self.pad_id = pad_id
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
-        self.overlong_cache = overlong_cache
-        self.advantage, self.std = advantage, std
+        self.dynamic_sampling, self.max_sampling_rounds = spec.dynamic_sampling, spec.max_sampling_rounds
+        self.overlong_cache = spec.overlong_cache
+        self.advantage, self.std = spec.advantage, spec.std
         self.foreign_fraction = foreign_fraction
         self.world = world or World()
         self.check_round = check_round
         self.contexts, self.owns_pool = contexts, owns_pool
-        self.seed = seed
+        self.seed = spec.seed
         self.batch_index = 0  # batches made so far; batch b's randomness is a function of (seed, b)
         self.last_metrics: dict[str, float] = {}
 

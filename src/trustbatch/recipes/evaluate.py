@@ -15,8 +15,6 @@ from typing import Callable, Sequence
 
 from ..errors import UserError
 
-ENGINES = ("transformers", "vllm")
-
 
 def parse_ks(k: str, n: int) -> list[int]:
     """The sorted distinct k of a comma-separated ``-k`` option (``"1,2,4"``), each checked against n.
@@ -98,12 +96,14 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
     from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
+    from ..rollout.spec import EngineSpec, check_engine, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
         raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    if engine not in ENGINES:
-        raise UserError(f"--engine {engine!r} must be transformers or vllm")
+    if engine not in engine_names():
+        raise UserError(f"--engine {engine!r} must be {' or '.join(engine_names())}")
+    check_engine(EngineSpec(name=engine))  # vLLM not installed fails before anything loads
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     if not re.fullmatch(DEVICE_SPEC, device):
@@ -115,19 +115,13 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
 
 
 def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
-    """The transformers engine on ``dev``, or a vLLM engine whose context holds the longest prompt's completion."""
-    if engine == "vllm":
-        from ..rollout.vllm_engine import VLLMEngine
+    """The engine ``engine`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
+    longest prompt's completion."""
+    from ..rollout.spec import EngineSpec, make_engine
 
-        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-        try:
-            return VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
-                              max_model_len=max(ctx or 0, longest + max_new_tokens))
-        except (ImportError, ValueError) as e:
-            raise UserError(str(e)) from None
-    from ..rollout import TransformersEngine
-
-    return TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
+    longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
+    return make_engine(EngineSpec(name=engine, seed=seed), policy, model_dir=str(model), device=dev,
+                       max_model_len=max(ctx or 0, longest + max_new_tokens))
 
 
 def save_results(res: dict, dest: str | Path) -> Path:

@@ -91,7 +91,7 @@ class TrainHooks:
     @property
     def sharded(self) -> bool:
         """FSDP2: the learner's forwards and gathers of its weights are collectives every rank must reach."""
-        return bool(getattr(self.built.parts.learner, "sharded", False))
+        return self.built.parts.learner.sharded
 
     def refresh_eval(self) -> None:
         """Fill the evaluation engine's whole copy with the learner's weights, where it has one of its own
@@ -110,8 +110,9 @@ class TrainHooks:
         state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
         if not self.world.is_main:
             return
-        if hasattr(parts.sync, "state_dict"):
-            state["sync"] = parts.sync.state_dict()
+        sync_state = parts.sync.state_dict()
+        if sync_state:  # only a sync that serves other weights than the learner's (lagged) has any
+            state["sync"] = sync_state
         save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state)
 
     def before_train(self, round_: int, batch) -> None:
@@ -124,8 +125,8 @@ class TrainHooks:
         record = record and self.world.is_main
         # a replayed round (several optimizer steps per batch) also records each step's mini-batch
         self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
-        # learner ranks in Ray actors have no such hook: their replayed rounds keep the one record
-        hooks = getattr(learner, "on_step_ratios", None)
+        # learner ranks in Ray actors have no such hook (None): their replayed rounds keep the one record
+        hooks = learner.on_step_ratios
         if self._ratio_round is not None and hooks is not None and self._record_step_ratios not in hooks:
             hooks.append(self._record_step_ratios)
 
@@ -312,7 +313,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if state is not None:
             parts.learner.load_state_dict(state["learner"])
             parts.source.load_state_dict(state["source"])
-            if "sync" in state and hasattr(parts.sync, "load_state_dict"):
+            if "sync" in state:
                 parts.sync.load_state_dict(state["sync"])
                 parts.sync.push(policy.model, version)  # serve the restored (lagged) weights
             torch.set_rng_state(state["torch_rng"])

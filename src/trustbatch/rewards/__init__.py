@@ -21,6 +21,8 @@ from .functions import Terms, WeightedRewards, make_reward
 from .pool import RewardPool
 from .scorers import (BUILTIN, FinalAnswerScorer, ReasoningGymScorer, ScoreResult, Scorer, check_scoring, get,
                       one_line, score_all, score_local, score_one)
+from .spec import RewardSpec
 
-__all__ = ["Terms", "WeightedRewards", "functions", "make_reward", "BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
-           "score_all", "score_local", "score_one"]
+__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "RewardSpec", "ScoreResult", "Scorer",
+           "Terms", "WeightedRewards", "check_scoring", "functions", "get", "make_reward", "score_all", "score_local",
+           "score_one"]

@@ -204,6 +204,9 @@ class Learner(ForwardPasses):
         self.version = int(state["policy_version"])
         self.bad_steps = int(state.get("bad_steps", 0))
 
+    def close(self) -> None:
+        """Nothing to release: the module and optimizer live in this process (``LearnerProtocol``)."""
+
     # ---- optimizer steps -----------------------------------------------------------------------
     def train_on(self, batch: TrainBatch, *,
                  stop_before: Callable[[int, TrainBatch], bool] | None = None) -> dict[str, float]:
