@@ -392,7 +392,7 @@ def async_source(cfg: Config, task, policy, version: int, world: World) -> Bound
         max_failure_rate=cfg.reward.max_failure_rate, dynamic_sampling=ro.dynamic_sampling,
         max_sampling_rounds=ro.max_sampling_rounds, overlong_cache=ro.overlong_cache,
         advantage=cfg.objective.advantage, std=cfg.objective.std, engine=ro.engine, quantization=ro.quantization)
-    kw = dict(version=version, workers=ro.workers, max_staleness=ro.max_staleness,
+    kw = dict(version=version, workers=ro.workers, max_staleness=ro.max_staleness, async_order=ro.async_order,
               steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
     if cfg.orchestrator == "ray":  # the same rules over Ray actors; ray is imported only in there
         from ..orchestration.ray_rollout import ray_source
