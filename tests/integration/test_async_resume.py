@@ -53,12 +53,6 @@ def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, c
 
     state = load_trainer_state(latest_checkpoint(killed))
     s = int(state["step"])
-    # the checkpoint holds the policy version (one optimizer step a round), the next batch, and the weights of
-    # the k rounds before it: batches s, s + 1 are sampled by versions s − 2, s − 1
-    assert state["learner"]["policy_version"] == s and state["source"]["batch_index"] == s
-    snaps = state["source"]["snapshots"]
-    assert sorted(snaps) == list(range(max(0, s - K), s)) and all(snaps[r][0] == r for r in snaps)
-
     for args in (resume_args(killed), train_args(full, *ASYNC)):
         done = run(args, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -66,8 +60,13 @@ def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, c
     recs = _records(full)
     assert [r["step"] for r in recs] == list(range(STEPS + 1))
     assert any(abs(r.get("loss", 0.0)) > 1e-6 for r in recs)  # the comparison covers real updates
+    assert _records(killed) == recs
+    assert_same_weights(latest_checkpoint(full), latest_checkpoint(killed))  # torch.equal, tensor by tensor
     # round t trains on batch t − 1, sampled by policy version max(0, t − 1 − k) whichever worker made it
     assert [r["behaviour_version"] for r in recs[1:]] == [max(0, t - 1 - K) for t in range(1, STEPS + 1)]
-    assert _records(killed) == recs
     assert [g["start_round"] for g in records(killed, "segments.jsonl")] == [0, s]
-    assert_same_weights(latest_checkpoint(full), latest_checkpoint(killed))  # torch.equal, tensor by tensor
+    # the checkpoint holds the policy version (one optimizer step a round), the next batch, and the weights of
+    # the k rounds before it: batches s, s + 1 are sampled by versions s − 2, s − 1
+    assert state["learner"]["policy_version"] == s and state["source"]["batch_index"] == s
+    snaps = state["source"]["snapshots"]
+    assert sorted(snaps) == list(range(max(0, s - K), s)) and all(snaps[r][0] == r for r in snaps)
