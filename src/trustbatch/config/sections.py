@@ -149,7 +149,7 @@ class LoraConfig(_Strict):
 
 
 # read only by the async pipeline (pipeline.async_source, orchestration)
-_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s")
+_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s", "async_order")
 
 
 class RolloutConfig(_Strict):
@@ -179,6 +179,10 @@ class RolloutConfig(_Strict):
         0, description="async: samples at most this many policy versions old; auto: the batch ESS moves the bound")
     workers: Int = Field(1, ge=1, description="async: rollout worker processes (one torch thread each)")
     worker_timeout_s: Float = Field(300.0, gt=0, description="async: restart a worker that holds the awaited batch this long")
+    async_order: Literal["deterministic", "latest"] = Field(
+        "deterministic", description="async: deterministic: batch b is sampled by the policy of round b − ⌊k / optimizer "
+        "steps per round⌋ (reproducible, resume included; the checkpoint keeps those rounds' weights); latest: by the "
+        "newest weights when a worker starts it (timing-dependent). max_staleness=auto runs latest")
 
     @field_validator("max_staleness")
     @classmethod

@@ -165,7 +165,7 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
 def _bounds(inp: Inputs) -> dict:
     """The async source's bound, workers and fault limit: ``AsyncSource``'s and ``ray_source``'s keywords."""
     ro, tr = inp.cfg.rollout, inp.cfg.train
-    return dict(version=inp.version, workers=ro.workers, max_staleness=ro.max_staleness,
+    return dict(version=inp.version, workers=ro.workers, max_staleness=ro.max_staleness, async_order=ro.async_order,
                 steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
 
 
