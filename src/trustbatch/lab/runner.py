@@ -159,7 +159,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     as interrupted before KeyboardInterrupt propagates.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..trainer.progress import progress_display
 
     console = console or Console()
     root = out / exp.name
@@ -194,9 +195,8 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     try:
         build_shared_base(exp, console, jobs=jobs)
         t0 = time.time()
-        with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console) as progress:
-            bar = progress.add_task("runs", total=len(todo))
+        with progress_display(console, f"lab {exp.name}", lines=len(todo)) as progress:  # a line per run off a terminal
+            bar = progress.add_task(f"lab {exp.name}: runs", total=len(todo))
             queue = list(todo)
             while queue or running:
                 while queue and len(running) < jobs:

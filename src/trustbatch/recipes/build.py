@@ -29,6 +29,7 @@ from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, r
 from ..rollout import NOT_THE_POLICY, SamplingParams, TransformersEngine
 from ..trainer.learner import Learner
 from ..trainer.loop import Parts
+from .base import load_default_base
 from ..parallel import World
 
 
@@ -156,10 +157,8 @@ def prepare_run(cfg: Config, console=None):
         policy, source = load_policy(cfg.model.path), cfg.model.path
         base = str(Path(cfg.model.path).expanduser().resolve())
     else:
-        if console:
-            console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
-        policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
-        source, base = f"{path} ({'built now' if built else 'cached'})", str(path)
+        policy, path, how = load_default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"), console)
+        source, base = f"{path} ({how})", str(path)
     fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
     if cfg.model.lora is not None:
         lo = cfg.model.lora

@@ -29,7 +29,8 @@ from ..rewards.pool import read_in_process_marker
 from ..seeding import row_seed
 from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
 from ..trainer.loop import run_loop
-from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
+from ..trainer.progress import Progress
+from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records, plot_run
 from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
                     restore_checkpoint_policy, scoring_check)
 from .rundir import RunLock, check_resume_changes, record_segment
@@ -202,7 +203,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     """
     from rich.console import Console
 
-    console = console or Console()
+    console = console or Console(soft_wrap=True)  # a line to a log file stays one line
     cfg, run_dir, changed = _resolve_run(cfg, resume, overrides)
     preflight(cfg)
     if cfg.threads:
