@@ -10,7 +10,8 @@ from ..records import atomic_write, truncate_records
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard; an evaluation's
+    sample completions go to ``samples.jsonl`` and TensorBoard text.
 
     ``enabled=False`` (data-parallel ranks other than 0) writes nothing.
     """
@@ -40,6 +41,22 @@ class MetricsLog:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append one line per sample (``{"step", "prompt", "completion", "reward"}``) to ``samples.jsonl``, and the
+        evaluation's samples as one TensorBoard text (tag ``samples``) at ``step``."""
+        if not self.enabled or not samples:
+            return
+        with open(self.path.parent / "samples.jsonl", "a") as f:
+            for smp in samples:
+                f.write(json.dumps({"step": step, **smp}) + "\n")
+            f.flush()
+        if self._tb is not None:
+            # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
+            text = "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
+                                for smp in samples)
+            self._tb.add_text("samples", text, step)
             self._tb.flush()
 
     def close(self) -> None:
