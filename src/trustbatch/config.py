@@ -116,12 +116,14 @@ class TaskConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Training data from local files (GSM8K, MATH, AIME, AMC, Countdown or any JSONL); replaces ``task`` when ``train`` is set.
+    """Training data from local files (JSONL, JSON, Parquet or a saved ``datasets`` directory, in the GSM8K, MATH,
+    AIME, AMC, Countdown or any row format); replaces ``task`` when ``train`` is set.
 
     ``data=FILE`` on the command line is short for ``data.train=FILE``.
     """
 
-    train: str | None = Field(None, description="JSONL file or benchmark name to train on")
+    train: str | None = Field(None, description="a JSONL, JSON or Parquet file, a datasets directory (save_to_disk) "
+                                                "or a benchmark name, to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
@@ -131,12 +133,27 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
+    system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
+
+
+class RewardFunctionConfig(_Strict):
+    """One of several weighted reward functions (``reward.functions``)."""
+
+    name: str = Field(description="a scorer as in reward.name; a module:function may take TRL's batch form "
+                                  "(prompts, completions, **columns) -> list")
+    weight: Float = Field(1.0, description="its weight w_i in the training reward sum_i w_i r_i")
 
 
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
+                                          "training, each logged as rewards/NAME; held-out evaluation keeps the "
+                                          "data's scorer (reward.name must be unset)")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
                                                "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
@@ -144,6 +161,13 @@ class RewardConfig(_Strict):
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
                                      "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
                                      "failure is reported as a warning")
+
+    @model_validator(mode="after")
+    def _one_reward_source(self):
+        if self.name is not None and self.functions:
+            raise ValueError("reward.name and reward.functions are both set; put the scorer in reward.functions "
+                             "(with its weight) and unset reward.name")
+        return self
 
 
 class ModelConfig(_Strict):
@@ -304,6 +328,9 @@ class TrainConfig(_Strict):
                                 "this, or null: the full path")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
+    diagnostics: bool = Field(
+        False, description="also log the share of tokens GRPO's clip would zero (grpo_zeroed_0.2/0.4) at every "
+                           "optimizer step, whatever the objective (the lab sets it)")
 
     @field_validator("device")
     @classmethod

@@ -216,7 +216,8 @@ def test_step_records_hold_each_steps_ess_kl_weight_and_zeroed_share_by_hand():
     zero (A > 0 and ρ > 1 + ε, or A < 0 and ρ < 1 − ε), all worked in float64 from the step's own
     log-ratios as the ``on_step_ratios`` hook sees them; and the round's record is their mean."""
     model = _llama(torch.float64)
-    learner = Learner(model, "p3o", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2)
+    learner = Learner(model, "p3o", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2,
+                      diagnostics=True)
     seen = []
     learner.on_step_ratios.append(lambda j, e, mb, lr: seen.append(lr.clone().double()))
     adv_of_token = []
@@ -254,7 +255,7 @@ def test_train_writes_steps_jsonl_for_replayed_rounds_only(tmp_path):
     from trustbatch.cli import app
 
     run, plain = tmp_path / "run", tmp_path / "plain"
-    for d, extra in ((run, ["train.epochs=2", "train.minibatches=2"]), (plain, [])):
+    for d, extra in ((run, ["train.epochs=2", "train.minibatches=2", "train.diagnostics=true"]), (plain, [])):
         res = CliRunner().invoke(app, ["train", *TINY, "train.steps=2", *extra, f"run_dir={d}", "threads=1"])
         assert res.exit_code == 0, res.output
     assert not (plain / "steps.jsonl").exists()  # one optimizer step per round: metrics.jsonl is per step already

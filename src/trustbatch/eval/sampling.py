@@ -71,7 +71,8 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         part = examples[s:s + chunk_prompts]
         ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
         completions = [policy.decode(x.completion_ids) for x in ro]
-        res = pool.score(completions, [part[x.prompt_index].reference for x in ro], **stop)
+        res = pool.score(completions, [part[x.prompt_index].reference for x in ro],
+                         contexts=[part[x.prompt_index].context() for x in ro], **stop)
         if check is not None:
             check(res, len(res.rewards))
         if res.unscored:

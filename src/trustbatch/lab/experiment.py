@@ -45,6 +45,7 @@ LAB_COMMON: dict = {
     "eval.samples_per_prompt": 8,
     "checkpoint_every": 25,
     "threads": 1,
+    "train.diagnostics": True,  # the report's GRPO clip share (grpo_zeroed_*) on every arm's own data
 }
 LAB_SEEDS = [0, 1, 2, 3, 4, 5]
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[3] / "examples" / "lab"

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from ..records import atomic_write
+from ..records import atomic_write, git_commit
 from . import records
 from .reproduce import reproduced_line
 from .calls import WALL, covered_seconds, elapsed_seconds, load_calls
@@ -578,14 +578,6 @@ def _mixed_line(mixed: dict[int, dict[str, float]]) -> str:
              for s, arms in sorted(mixed.items())]
     return ("**Mixed bases:** arms of this experiment started from bases that score differently at round 0, so "
             "their pairing at these seeds compares different bases (" + "; ".join(parts) + ").")
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def descends(commit: str, ancestor: str) -> bool | None:

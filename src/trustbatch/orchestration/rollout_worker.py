@@ -27,7 +27,7 @@ class WorkerSpec:
     model_dir: str
     prompts: list[list[int]]
     references: list
-    reward: str
+    reward: str | tuple  # a scorer name, or (name, weight) terms (``rewards.make_reward``)
     sampling: SamplingParams
     group_size: int
     prompts_per_step: int
@@ -45,6 +45,7 @@ class WorkerSpec:
     engine: str = "transformers"  # or "vllm" (its own vllm.LLM in the worker's process)
     quantization: str | None = None  # vllm engine only
     extra: dict = field(default_factory=dict)
+    contexts: list | None = None  # per prompt, for batch-form reward functions (``SyncSource``)
 
 
 class RolloutWorker:
@@ -67,17 +68,19 @@ class RolloutWorker:
         else:
             self.engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=spec.precision,
                                              share=spec.precision == "float32")
-        self.pool = rewards.RewardPool(spec.reward, workers=spec.reward_workers, timeout_s=spec.reward_timeout_s)
+        self.pool = rewards.make_reward(spec.reward, workers=spec.reward_workers, timeout_s=spec.reward_timeout_s)
+        scorer = spec.reward if isinstance(spec.reward, str) else rewards.WeightedRewards.describe(spec.reward)
 
         def check(result, n):  # a broken scorer stops the run from the learner's side, with its message
-            rewards.check_scoring(result, n=n, scorer=spec.reward, max_failure_rate=spec.max_failure_rate,
+            rewards.check_scoring(result, n=n, scorer=scorer, max_failure_rate=spec.max_failure_rate,
                                   where="a rollout worker's batch")
 
         self.source = SyncSource(
             self.engine, spec.prompts, spec.references, self.pool, policy.decode, sampling=spec.sampling,
             group_size=spec.group_size, prompts_per_step=spec.prompts_per_step, pad_id=policy.pad_id,
             seed=spec.seed, dynamic_sampling=spec.dynamic_sampling, max_sampling_rounds=spec.max_sampling_rounds,
-            overlong_cache=spec.overlong_cache, advantage=spec.advantage, std=spec.std, check_round=check)
+            overlong_cache=spec.overlong_cache, advantage=spec.advantage, std=spec.std, check_round=check,
+            contexts=spec.contexts)
 
     @property
     def version(self) -> int:

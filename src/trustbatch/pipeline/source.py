@@ -64,7 +64,9 @@ class SyncSource:
     Args:
         engine: the behaviour policy (an ``Engine``). foreign: an engine on another model, or None.
         prompts: token ids of the training prompts; references: their gold answers (same order).
-        pool: a ``RewardPool`` (``score(texts, references)``); decode: token ids -> text.
+        pool: a ``RewardPool`` or ``WeightedRewards`` (``score(texts, references[, contexts=])``); decode: ids -> text.
+        contexts: per prompt, its text and data row (``Example.context``) for batch-form reward functions, or None.
+        owns_pool: ``close`` closes ``pool`` (a pool made for this source alone, e.g. ``reward.functions``).
         sampling: temperature, top-p, max_new_tokens of the rollouts.
         group_size: G completions per prompt; prompts_per_step: groups per batch.
         dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
@@ -81,7 +83,8 @@ class SyncSource:
                  sampling: SamplingParams, group_size: int, prompts_per_step: int, pad_id: int, seed: int,
                  dynamic_sampling: bool = False, max_sampling_rounds: int = 4, overlong_cache: int | None = None,
                  advantage: str = "zscore", std: str = "population", foreign=None, foreign_fraction: float = 0.0,
-                 world: World | None = None, check_round: Callable | None = None):
+                 world: World | None = None, check_round: Callable | None = None, contexts: list[dict] | None = None,
+                 owns_pool: bool = False):
         if not prompts:
             raise ValueError("the task produced no training prompts; raise task.train_size")
         self.engine, self.foreign = engine, foreign
@@ -95,6 +98,7 @@ class SyncSource:
         self.foreign_fraction = foreign_fraction
         self.world = world or World()
         self.check_round = check_round
+        self.contexts, self.owns_pool = contexts, owns_pool
         self.seed = seed
         self.batch_index = 0  # batches made so far; batch b's randomness is a function of (seed, b)
         self.last_metrics: dict[str, float] = {}
@@ -110,7 +114,8 @@ class SyncSource:
         pass
 
     def close(self) -> None:
-        pass
+        if self.owns_pool:
+            self.pool.close()
 
     # ---- one round -----------------------------------------------------------------------------
     def _sample_and_score(self, idx: list[int], seeds: list[int]):
@@ -119,21 +124,25 @@ class SyncSource:
         part = idx[mine]
         ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
                            self.foreign_fraction, self.sampling, seeds[mine])
+        ctx = {} if self.contexts is None else {"contexts": [self.contexts[part[x.prompt_index]] for x in ro]}
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
-                                 [self.references[part[x.prompt_index]] for x in ro])
+                                 [self.references[part[x.prompt_index]] for x in ro], **ctx)
         if self.check_round is not None:
             self.check_round(scored, len(ro))
         if self.world.size == 1:
-            return ro, scored.rewards, scored.errors, scored.timeouts
-        rollouts, rewards, errors, timeouts = [], [], 0, 0
-        for start, (r, s, e, t) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
-                                       self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts))):
+            return ro, scored.rewards, scored.errors, scored.timeouts, scored.components
+        rollouts, rewards, errors, timeouts, components = [], [], 0, 0, {}
+        for start, (r, s, e, t, c) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
+                                          self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts,
+                                                             scored.components))):
             for x in r:
                 x.prompt_index += start
             rollouts += r
             rewards += s
             errors, timeouts = errors + e, timeouts + t
-        return rollouts, rewards, errors, timeouts
+            for label, v in c.items():
+                components[label] = components.get(label, []) + v
+        return rollouts, rewards, errors, timeouts, components
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
         batch = self.make_batch(self.batch_index)
@@ -147,14 +156,16 @@ class SyncSource:
         """
         t0 = time.time()
         G = self.G
-        rollouts, rew, sampled, errors, timeouts, dropped = [], [], [], 0, 0, 0
+        rollouts, rew, sampled, errors, timeouts, dropped, parts = [], [], [], 0, 0, 0, {}
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             rng = random.Random(row_seed(self.seed, b, refill))
             idx = [rng.randrange(len(self.prompts)) for _ in range(need)]
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
-            new, r, e, t = self._sample_and_score(idx, seeds)
+            new, r, e, t, c = self._sample_and_score(idx, seeds)
             errors, timeouts = errors + e, timeouts + t
+            for label, v in c.items():
+                parts[label] = parts.get(label, []) + v
             sampled += r
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
@@ -166,6 +177,7 @@ class SyncSource:
             if len(rollouts) // G >= self.P:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
+        self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
         if not rollouts:
             return None
         rew_t = torch.tensor(rew)

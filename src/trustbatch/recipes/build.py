@@ -43,7 +43,9 @@ def configured_task(cfg: Config):
 
 def task_key(cfg: Config) -> dict:
     """What determines the task's prompts, for the default base's cache key."""
-    return cfg.data.model_dump(mode="json") if cfg.data.train else cfg.task.model_dump(mode="json")
+    # the prompt format is not the task's: the default base's tokenizer has no chat template
+    return (cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt"}) if cfg.data.train
+            else cfg.task.model_dump(mode="json"))
 
 
 def check_objective(cfg: Config) -> None:
@@ -112,10 +114,20 @@ def check_orchestrator(cfg: Config) -> None:
     check_ray_installed()
 
 
+def reward_of(cfg: Config, task) -> str | rewards.Terms:
+    """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
+    terms. Held-out evaluation always uses the former (``prepare_run``'s pool): pass@1 counts correct answers."""
+    if cfg.reward.functions:
+        return tuple((f.name, f.weight) for f in cfg.reward.functions)
+    return cfg.reward.name or task.reward
+
+
 def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     """``check_round(result, n)`` for the rollout source and held-out evaluation: warn on any scorer failure,
     stop past ``reward.max_failure_rate``; ``where`` names what was scored in the messages."""
     scorer = cfg.reward.name or task.reward
+    if cfg.reward.functions and where == "a rollout round":
+        scorer = rewards.functions.WeightedRewards.describe(reward_of(cfg, task))
 
     def check(result, n):
         warning = rewards.check_scoring(result, n=n, scorer=scorer, max_failure_rate=cfg.reward.max_failure_rate,
@@ -146,7 +158,8 @@ def fit_to_context(task, policy, max_new_tokens: int, console=None):
 def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
-    Prompts that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
+    Prompts are framed as ``data.chat_template`` and ``data.system_prompt`` say (``Policy.set_prompt_format``);
+    those that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
     With ``model.lora`` the policy gets LoRA adapters (``policy.lora.apply_lora``; only they train),
     naming the base directory (``model.path`` or the default base's cache folder) for checkpoints.
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
@@ -159,15 +172,17 @@ def prepare_run(cfg: Config, console=None):
     else:
         policy, path, how = load_default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"), console)
         source, base = f"{path} ({how})", str(path)
-    fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
-    if cfg.model.lora is not None:
-        lo = cfg.model.lora
-        try:
+    lo = cfg.model.lora
+    try:
+        policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+        if lo is not None:
             apply_lora(policy, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                        base=base, seed=cfg.model.seed)
-        except BaseException:
-            pool.close()
-            raise
+    except BaseException:
+        pool.close()
+        raise
+    if lo is not None:
         source += f" + LoRA r={lo.r} alpha={lo.alpha:g}"
     return task, policy, pool, source
 
@@ -186,6 +201,7 @@ def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
         UserError: the checkpoint's adapter names another base than this run's (a moved cache or model.path).
     """
     if cfg.model.lora is None:
+        loaded.chat_template, loaded.system_prompt = policy.chat_template, policy.system_prompt  # the run's framing
         return loaded
     saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path
     if saved != now:
@@ -244,7 +260,7 @@ def build_learner(cfg: Config, policy, world: World, version: int):
                       micro_batch_size=tr.micro_batch_size, ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps,
                       epochs=tr.epochs, minibatches=tr.minibatches, version=version, max_bad_steps=tr.max_bad_steps,
                       precision=tr.precision, activation_checkpointing=tr.activation_checkpointing,
-                      logprob_chunk_size=tr.logprob_chunk_size)
+                      logprob_chunk_size=tr.logprob_chunk_size, diagnostics=tr.diagnostics)
     if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1:  # learner ranks as Ray actors
         if policy.adapter is not None:
             raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
@@ -323,15 +339,19 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
             source.on_close.append(learner.close)
         return Built(Parts(source, learner, source.sync), eval_engine)
     engine, sync = sync_engine(cfg, policy, learner, version, whole=whole, sharded=sharded)
+    train_pool = pool if not cfg.reward.functions else rewards.make_reward(
+        reward_of(cfg, task), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+    if train_pool is not pool:
+        train_pool.in_process_marker = pool.in_process_marker
     source = SyncSource(
-        engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], pool,
+        engine, [policy.encode_prompt(e.prompt) for e in task.train], [e.reference for e in task.train], train_pool,
         policy.decode, sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
                                                max_new_tokens=ro.max_new_tokens),
         group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, pad_id=policy.pad_id, seed=tr.seed,
         dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
         overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std,
         foreign=foreign, foreign_fraction=ro.foreign_fraction if foreign is not None else 0.0, world=world,
-        check_round=check_round,
+        check_round=check_round, contexts=[e.context() for e in task.train], owns_pool=train_pool is not pool,
     )
     # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
     return Built(Parts(source, learner, sync), eval_engine, CopySync(eval_engine) if sharded and shifted else None)
@@ -384,7 +404,8 @@ def async_source(cfg: Config, task, policy, version: int, world: World) -> Bound
             raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
     spec = WorkerSpec(
         model_dir="", prompts=[policy.encode_prompt(e.prompt) for e in task.train],
-        references=[e.reference for e in task.train], reward=cfg.reward.name or task.reward,
+        references=[e.reference for e in task.train], reward=reward_of(cfg, task),
+        contexts=[e.context() for e in task.train],
         sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
         group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=tr.seed, precision=ro.precision,
         reward_workers=cfg.reward.workers, reward_timeout_s=cfg.reward.timeout_s,

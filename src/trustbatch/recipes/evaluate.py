@@ -42,14 +42,16 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
-             progress=None, warn: Callable[[str], None] | None = None) -> dict:
+             chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
     ``model``: a local Hugging Face model directory. ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
-    countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL files, or ``hf:PATH:SPLIT``. ``reward``
+    countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL, JSON or Parquet files, saved ``datasets``
+    directories, or ``hf:PATH:SPLIT``. ``reward``
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
-    vllm. ``progress``: a rich Progress, entered only while sampling; ``warn(message)`` hears that prompts plus
+    vllm. ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
+    (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)`` hears that prompts plus
     ``max_new_tokens`` exceed the model's context.
 
     Returns ``{"model", "engine", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
@@ -59,7 +61,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
     Raises:
         UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
-            ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, or
+            ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, a
+            chat template asked of a tokenizer without one, or
             vLLM missing or refusing the model.
     """
     import torch
@@ -74,6 +77,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
     policy = load_policy(model)
+    policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     if ctx and warn is not None:
         over = sum(len(policy.encode_prompt(e.prompt)) + max_new_tokens > ctx for b in benches for e in b.examples)

@@ -16,7 +16,7 @@ from ..trainer.progress import Progress
 from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records
 from .build import scoring_check
 
-_EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
+EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 SAMPLES_PER_EVAL = 4  # sample completions each evaluation writes to samples.jsonl and TensorBoard
 TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
 
@@ -39,7 +39,7 @@ class TrainHooks:
         it runs (``eval.every``, a resumable key) never moves the training's random streams."""
         c = self.cfg
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
+            torch.manual_seed(row_seed(c.train.seed, round_, EVAL_STREAM))
             # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
             # times out must not cost a whole evaluation before round 1 stops the run
             check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")

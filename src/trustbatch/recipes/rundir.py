@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..records import git_commit
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
 RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "threads", "reward.workers", "reward.timeout_s",
@@ -100,8 +101,9 @@ def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -
 
 
 def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) -> None:
-    """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed."""
+    """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed, and
+    the trustbatch commit that ran it (``records.git_commit``; the model card of ``trustbatch export`` names it)."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(), "start_round": start_round,
-           "rounds": rounds, "changed": changed}
+           "rounds": rounds, "changed": changed, "commit": git_commit()}
     with open(Path(run_dir) / "segments.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
