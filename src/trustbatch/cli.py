@@ -54,17 +54,18 @@ def sft(
 
     from .config import load_config
     from .policy import load_policy
-    from .policy.base import default_base, sft_demos
+    from .policy.base import sft_demos
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
+    from .recipes.base import load_default_base
 
-    console = Console()
+    console = Console(soft_wrap=True)
     cfg = load_config(config, overrides)
     task = configured_task(cfg)
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
-        policy, path, built = default_base(task, task_key(cfg), model_cfg)
-        console.print(f"default base {'built' if built else 'already cached'} at {path}")
+        policy, path, how = load_default_base(task, task_key(cfg), model_cfg, console)
+        console.print(f"default base ({how}) at {path}")
     else:
         if out is None:
             raise UserError("SFT of model.path needs --out DIR for the result")
@@ -106,14 +107,14 @@ def eval_(
     from pathlib import Path
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from .recipes.evaluate import evaluate, parse_ks, save_results
+    from .trainer.progress import progress_display
 
     ks = parse_ks(k, n)
     console = Console()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    progress = progress_display(console)
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, chat_template=chat_template,

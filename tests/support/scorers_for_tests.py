@@ -71,3 +71,9 @@ def even_length(completion: str, reference: str) -> float:
     """1 for a completion of an even number of characters, else 0: a 0/1 reward with spread for any policy (its
     mean is pass@1)."""
     return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+def hang_always(completion: str, reference: str) -> float:
+    """Never returns: a run scoring in-process with it stays in its base's evaluation, before any checkpoint."""
+    while True:
+        time.sleep(3600)

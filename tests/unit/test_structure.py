@@ -45,7 +45,7 @@ def test_only_the_recipes_and_the_cli_read_config_below_the_top():
 
 
 def test_progress_prints_plain_lines_when_not_a_terminal():
-    from trustbatch.trainer.runlog import Progress
+    from trustbatch.trainer.progress import Progress
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=200)

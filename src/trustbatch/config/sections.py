@@ -159,7 +159,8 @@ class RolloutConfig(_Strict):
     prompts_per_step: Int = Field(64, ge=1, description="prompts per rollout round")
     temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
     top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
-    max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens")
+    max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
+                                "/ AIME / AMC gets 512 / 1024 / 20480 / 20480, at most half the model's context")
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
     max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")

@@ -51,6 +51,11 @@ KNOWN = {  # benchmark name -> file under the data directory
 }
 log = logging.getLogger("trustbatch.data")
 
+# Completion budgets (tokens) that fit each benchmark's answers, from peers' training configs: verl's GRPO examples
+# for GSM8K (examples/grpo_trainer/run_qwen2-7b.sh, data.max_response_length=512) and for GSM8K + MATH
+# (run_qwen2-7b_math.sh, 1024), and verl's DAPO recipe, validated on AIME 2024 (max_response_length=1024 * 20)
+ANSWER_TOKENS = {"gsm8k": 512, "math": 1024, "aime": 20480, "amc": 20480}
+
 
 @dataclass
 class Benchmark:
@@ -145,6 +150,28 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
         prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
         return Example(prompt, gold_text(row[af]), answer)
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
+
+
+def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
+    """Which long-answer benchmark (a key of ``ANSWER_TOKENS``) a data file holds, or None.
+
+    GSM8K by its row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
+    first row only. A file that cannot be read or whose format is unknown gives None (loading it says why).
+    """
+    try:
+        path = resolve(name_or_path, data_dir)
+        if format == "auto":
+            with open(path, "rb") as f:
+                first = next((line for line in f if line.strip()), b"")
+            format = detect_format(json.loads(first))
+    except (UserError, OSError, ValueError, TypeError):
+        return None
+    if format == "gsm8k":
+        return "gsm8k"
+    if format != "math":
+        return None
+    named = f"{name_or_path} {path}".lower()
+    return next((k for k in ("aime", "amc") if k in named), "math")
 
 
 def resolve(name_or_path: str, data_dir: str | None = None) -> Path:

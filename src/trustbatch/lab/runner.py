@@ -232,11 +232,10 @@ def _write_spec(exp: Experiment, root: Path, commit: str, command: str) -> None:
 def _run_all(exp: Experiment, root: Path, todo: list[tuple[str, int]], jobs: int, console, tally: _Tally) -> None:
     """Train or resume each run of ``todo`` not yet done, ``jobs`` processes at a time, with a progress bar; a
     failed run is printed and added to ``tally.failed``, the others go on."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from ..trainer.progress import progress_display
 
-    with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        bar = progress.add_task("runs", total=len(todo))
+    with progress_display(console, f"lab {exp.name}", lines=len(todo)) as progress:  # a line per run off a terminal
+        bar = progress.add_task(f"lab {exp.name}: runs", total=len(todo))
         queue = list(todo)
         while queue or tally.running:
             while queue and len(tally.running) < jobs:

@@ -25,6 +25,7 @@ from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, r
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
 from ..trainer.loop import Parts
+from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
 from .checks import check_objective, check_orchestrator
@@ -128,10 +129,8 @@ def prepare_run(cfg: Config, console=None):
         policy, source = load_policy(cfg.model.path), cfg.model.path
         base = str(Path(cfg.model.path).expanduser().resolve())
     else:
-        if console:
-            console.print("[dim]building or loading the cached default base model (SFT warm-up)…[/dim]")
-        policy, path, built = default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"))
-        source, base = f"{path} ({'built now' if built else 'cached'})", str(path)
+        policy, path, how = load_default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"), console)
+        source, base = f"{path} ({how})", str(path)
     lo = cfg.model.lora
     try:
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)

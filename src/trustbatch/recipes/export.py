@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..records import git_commit, read_metrics
 from ..seeding import row_seed
 from ..trainer.checkpoint import checkpoints
-from .train import EVAL_STREAM
+from .hooks import EVAL_STREAM
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
 

@@ -54,6 +54,22 @@ class RunLock:
             self._fd = None
 
 
+def set_aside(run_dir: Path) -> Path:
+    """Move everything in ``run_dir`` but its lock into a new subfolder ``interrupted-YYYYmmdd-HHMMSS`` (and earlier
+    such subfolders stay where they are), so that a start interrupted before its first checkpoint can start over in
+    the same directory without losing its records. Returns the subfolder. The caller holds the ``RunLock``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = run_dir / f"interrupted-{stamp}", 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / f"interrupted-{stamp}-{n}"
+    dest.mkdir()
+    for p in sorted(run_dir.iterdir()):
+        if p.name != ".lock" and not p.name.startswith("interrupted-"):
+            os.replace(p, dest / p.name)
+    return dest
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
