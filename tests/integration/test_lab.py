@@ -1,5 +1,6 @@
 """``trustbatch lab``: every bundled experiment loads, a miniature experiment runs, resumes and is reported."""
 
+import hashlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from trustbatch.errors import UserError
 from trustbatch.lab import load_experiment, run_experiment
 from trustbatch.lab.experiment import bundled_experiments, default_comparisons, family_and_dose
 from trustbatch.lab.archive import archive_runs
+from trustbatch.lab.bases import check_bases
 from trustbatch.lab.report import write_report
 from trustbatch.lab.report.runs import mean_se
 
@@ -126,6 +128,14 @@ def test_miniature_experiment_runs_resumes_and_reports(tmp_path, monkeypatch):
     # the archive (no checkpoints) rebuilds the same report once the run folders are gone
     archive_runs(out, tmp_path / "archive")
     assert not list((tmp_path / "archive").rglob("checkpoints")) and list((out / "tiny_exp").rglob("checkpoints"))
+    # each run's base, named by key and the SHA-256 of its weights, hashed here from the cache's files
+    bases = json.loads((tmp_path / "archive" / "tiny_exp" / "bases.json").read_text())
+    cached = {p.parent.name.rsplit("-", 1)[1]: hashlib.sha256(p.read_bytes()).hexdigest()
+              for p in (tmp_path / "cache" / "base").glob("*/model.safetensors")}
+    assert sorted(bases) == sorted(f"{a}/seed{s}" for a in exp.arms for s in (0, 1))
+    assert all(cached[b["key"]] == b["sha256"] for b in bases.values())
+    assert bases["onpolicy/seed0"] == bases["grpo@T1.2/seed0"] and bases["onpolicy/seed0"] != bases["onpolicy/seed1"]
+    assert set(check_bases(tmp_path / "archive" / "tiny_exp", out / "tiny_exp").values()) == {"reproduction"}
     again = write_report(tmp_path / "archive", tmp_path / "report2").read_text()
     stamp = re.compile(r"Generated \d{4}-\d\d-\d\d \d\d:\d\d")  # the two reports may straddle a minute
     assert stamp.sub("", again.replace(str(tmp_path / "archive"), str(out)).replace("report2", "report")) == stamp.sub("", text)
@@ -148,7 +158,8 @@ def test_archive_follows_linked_arms_skips_unfinished_runs_and_replaces_whole(tm
     (dest / "shift" / "stale.txt").write_text("from an older archive")
     sizes = archive_runs(tmp_path / "runs", dest, ["shift"])
     got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
-    assert got == ["shift/experiment.yaml", "shift/runs.tar.xz"]  # the run files are packed, one file per experiment
+    # the run files are packed, one file per experiment; bases.json names each run's base
+    assert got == ["shift/bases.json", "shift/experiment.yaml", "shift/runs.tar.xz"]
     with tarfile.open(dest / "shift" / "runs.tar.xz") as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     assert members == {"onpolicy/seed0.yaml": b"train: {seed: 0}\n", "onpolicy/seed0/metrics.jsonl": b'{"step": 0}\n',

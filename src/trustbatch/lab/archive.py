@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from . import records
+from .bases import write_bases
 
 # What load_runs, experiment_section and the pre-flight table read, relative to OUT/EXPERIMENT/.
 EXPERIMENT_FILES = ("experiment.yaml", "preflight.json", "wall_s.txt", "calls.jsonl")
@@ -25,7 +26,8 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "ratios.jsonl", "steps.jsonl")
 def archive_experiment(exp_dir: Path, dest: Path) -> int:
     """Archive one experiment's report inputs from ``exp_dir`` into ``dest`` (replaced as a whole). Returns bytes written.
 
-    Copied as files: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``.
+    Copied as files: the experiment's ``experiment.yaml``, ``preflight.json``, ``wall_s.txt`` and ``calls.jsonl``;
+    written: ``bases.json``, each run's base key and weights' SHA-256 (``lab.bases``).
     Packed into ``dest/runs.tar.xz`` (``records.PACK``) under their relative names: each finished run's
     ``ARM/seedK.yaml`` (the resolved config), ``summary.json``, ``metrics.jsonl``, ``ratios.jsonl`` and
     ``steps.jsonl``. Symlinked arms (an ``onpolicy`` arm linked to a shared reference) are packed as files. Runs
@@ -49,6 +51,7 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
             if (exp_dir / f).exists():
                 shutil.copyfile(exp_dir / f, tmp / f)
                 written += (tmp / f).stat().st_size
+        written += write_bases(exp_dir, tmp)
         packed: dict[str, bytes] = {}
         for run in records.finished_runs(exp_dir):
             for src in (run.parent / f"{run.name}.yaml", *(run / f for f in RUN_FILES)):
