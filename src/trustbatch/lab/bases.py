@@ -10,26 +10,18 @@ trustbatch lab run ...`` makes the runs find them there before building any.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from ..config import load_config
 from ..errors import UserError
 from ..policy.base import base_key, cache_dir
+from ..policy.shipped import file_sha256
 from ..recipes.build import task_key
 from . import records
 from .report.runs import run_config
 
 BASES = "bases.json"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def run_base(run_dir: Path) -> dict | None:
@@ -46,7 +38,7 @@ def run_base(run_dir: Path) -> dict | None:
     task = task_key(cfg)
     key = base_key(task, cfg.model.model_dump(mode="json"))
     weights = cache_dir() / "base" / f"{task['name']}-{key}" / "model.safetensors"
-    return {"task": task["name"], "key": key, "sha256": sha256(weights) if weights.is_file() else None}
+    return {"task": task["name"], "key": key, "sha256": file_sha256(weights) if weights.is_file() else None}
 
 
 def experiment_bases(exp_dir: Path) -> dict[str, dict]:
