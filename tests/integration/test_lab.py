@@ -22,7 +22,7 @@ from tiny import TINY
 
 BUNDLED = sorted(bundled_experiments())
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
-FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3, "temperature_steps_control": 3}
+FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3}
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
 
 
