@@ -20,6 +20,8 @@ import pytest
 
 from trustbatch.config import load_config
 from trustbatch.recipes import train
+from trustbatch.trainer.runlog import MetricsLog
+from trustbatch.trainer.trackers import open_trackers
 
 from runproc import TIMING, cache, records  # noqa: F401
 from tiny import TINY
@@ -129,3 +131,32 @@ def test_trackers_do_not_move_the_run(tracked, tmp_path):
     assert not (plain / "tensorboard").exists() and not (plain / "trackers.json").exists()
     strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]  # noqa: E731
     assert strip(records(run_dir)) == strip(records(plain))
+
+
+def test_mlflow_failed_segment_then_resume_and_a_stored_run_the_store_lacks(tracked, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = tracked[1]  # a store whose tables exist already
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "segments")
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    run_dir = tmp_path / "segments"
+    run_dir.mkdir()
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=False, mlflow_uri=uri))
+    log.log(1, {"x": 1.0})
+    log.close(failed=True)  # Ctrl-C, a crash
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert client.get_run(run_id).info.status == "FAILED"
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=True, mlflow_uri=uri))
+    assert client.get_run(run_id).info.status == "RUNNING"
+    log.log(2, {"x": 2.0})
+    log.close()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(1, 1.0), (2, 2.0)]
+    # trackers.json names a run this store does not hold (another store, a deleted run): a new run, with a warning
+    (run_dir / "trackers.json").write_text(json.dumps({"mlflow": "0" * 32}))
+    with pytest.warns(UserWarning, match="not in the tracking store"):
+        log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=True, mlflow_uri=uri))
+    log.close()
+    new_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert new_id != "0" * 32 and client.get_run(new_id).info.status == "FINISHED"

@@ -296,13 +296,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
         hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console)
         if state is not None:
-            parts.learner.load_state_dict(state["learner"])
-            parts.source.load_state_dict(state["source"])
-            if "sync" in state and hasattr(parts.sync, "load_state_dict"):
-                parts.sync.load_state_dict(state["sync"])
-                parts.sync.push(policy.model, version)  # serve the restored (lagged) weights
-            torch.set_rng_state(state["torch_rng"])
-            random.setstate(state["python_rng"])
+            _restore_state(parts, state, policy.model, version)
             console.print(f"resuming {run_dir} from {ckpt.name}")
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
@@ -338,6 +332,17 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     summary = _summary(cfg, task, run_dir, last, time.time() - t_start, console)
     log.close(artifacts=(run_dir / "plot.png",))
     return summary
+
+
+def _restore_state(parts, state: dict, model, version: int) -> None:
+    """The checkpoint's learner, source and weight-sync state and its torch and Python random streams."""
+    parts.learner.load_state_dict(state["learner"])
+    parts.source.load_state_dict(state["source"])
+    if "sync" in state and hasattr(parts.sync, "load_state_dict"):
+        parts.sync.load_state_dict(state["sync"])
+        parts.sync.push(model, version)  # serve the restored (lagged) weights
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
 
 
 def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:
