@@ -66,7 +66,7 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         part = examples[s:s + chunk_prompts]
         ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
         res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro],
-                         **stop)
+                         contexts=[part[x.prompt_index].context() for x in ro], **stop)
         if check is not None:
             check(res, len(res.rewards))
         if res.unscored:

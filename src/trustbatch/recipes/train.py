@@ -36,7 +36,7 @@ from .rundir import RunLock, check_resume_changes, open_metrics_log, record_segm
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
-_EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
+EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -64,7 +64,7 @@ class TrainHooks:
         it runs (``eval.every``, a resumable key) never moves the training's random streams."""
         c = self.cfg
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
+            torch.manual_seed(row_seed(c.train.seed, round_, EVAL_STREAM))
             # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
             # times out must not cost a whole evaluation before round 1 stops the run
             check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
@@ -76,7 +76,7 @@ class TrainHooks:
     @property
     def sharded(self) -> bool:
         """FSDP2: the learner's forwards and gathers of its weights are collectives every rank must reach."""
-        return bool(getattr(self.built.parts.learner, "sharded", False))
+        return self.built.parts.learner.sharded
 
     def refresh_eval(self) -> None:
         """Fill the evaluation engine's whole copy with the learner's weights, where it has one of its own
@@ -95,8 +95,9 @@ class TrainHooks:
         state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
         if not self.world.is_main:
             return
-        if hasattr(parts.sync, "state_dict"):
-            state["sync"] = parts.sync.state_dict()
+        sync_state = parts.sync.state_dict()
+        if sync_state:  # only a sync that serves other weights than the learner's (lagged) has any
+            state["sync"] = sync_state
         save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state)
 
     def before_train(self, round_: int, batch) -> None:
@@ -109,8 +110,8 @@ class TrainHooks:
         record = record and self.world.is_main
         # a replayed round (several optimizer steps per batch) also records each step's mini-batch
         self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
-        # learner ranks in Ray actors have no such hook: their replayed rounds keep the one record
-        hooks = getattr(learner, "on_step_ratios", None)
+        # learner ranks in Ray actors have no such hook (None): their replayed rounds keep the one record
+        hooks = learner.on_step_ratios
         if self._ratio_round is not None and hooks is not None and self._record_step_ratios not in hooks:
             hooks.append(self._record_step_ratios)
 
@@ -338,7 +339,7 @@ def _restore_state(parts, state: dict, model, version: int) -> None:
     """The checkpoint's learner, source and weight-sync state and its torch and Python random streams."""
     parts.learner.load_state_dict(state["learner"])
     parts.source.load_state_dict(state["source"])
-    if "sync" in state and hasattr(parts.sync, "load_state_dict"):
+    if "sync" in state:
         parts.sync.load_state_dict(state["sync"])
         parts.sync.push(model, version)  # serve the restored (lagged) weights
     torch.set_rng_state(state["torch_rng"])
