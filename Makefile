@@ -91,6 +91,22 @@ $(ADAPTERS_VENV)/.installed: pyproject.toml constraints.txt
 test-adapters: $(ADAPTERS_VENV)/.installed
 	$(ADAPTERS_BIN)/python -m pytest -q -m adapters tests/unit/test_adapters_trl.py tests/integration/test_adapters_verl.py
 
+# The W&B and MLflow trackers get their own environment: `trustbatch[wandb,mlflow]` are extras the default install
+# does not carry (wandb ships its Go core; MLflow's SQL store brings SQLAlchemy and Alembic).
+TRACKERS_VENV := .venv-trackers
+TRACKERS_BIN := $(TRACKERS_VENV)/bin
+
+$(TRACKERS_VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(TRACKERS_VENV)
+	$(TRACKERS_BIN)/pip install -q --upgrade pip
+	$(TRACKERS_BIN)/pip install -q $(TORCH)
+	$(TRACKERS_BIN)/pip install -q $(PIN) -e '.[test,wandb,mlflow]'
+	touch $@
+
+.PHONY: test-trackers
+test-trackers: $(TRACKERS_VENV)/.installed
+	$(TRACKERS_BIN)/python -m pytest -q tests/unit/test_log_trackers.py tests/integration/test_trackers.py
+
 # Wheels for the GPU check (bench/gpu_check.py) on a machine with torch + CUDA but no network: what trustbatch
 # needs beyond that machine's image, for CPython 3.12 on manylinux x86-64, into the ignored .whl/ (under 40 MiB).
 WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

@@ -33,7 +33,7 @@ def test_packed_runs_read_as_the_files_they_came_from(tmp_path):
     plain = _experiment(tmp_path / "runs")
     archive_runs(tmp_path / "runs", tmp_path / "archive")
     packed = tmp_path / "archive" / "e"
-    assert sorted(p.name for p in packed.iterdir()) == ["experiment.yaml", "runs.tar.xz"]
+    assert sorted(p.name for p in packed.iterdir()) == ["bases.json", "experiment.yaml", "runs.tar.xz"]
     # the order glob-then-sort gives (seed10 of b@x after a's seeds), unfinished runs left out
     assert [p.relative_to(packed).as_posix() for p in records.finished_runs(packed)] == ["a/seed0", "a/seed1", "b@x/seed10"]
     assert [p.relative_to(plain).as_posix() for p in records.finished_runs(plain)] == ["a/seed0", "a/seed1", "b@x/seed10"]

@@ -12,8 +12,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..errors import UserError
-from .sections import (DataConfig, EvalConfig, Int, ModelConfig, ObjectiveConfig, RewardConfig, RolloutConfig,
-                       TaskConfig, TrainConfig, _Strict)
+from .sections import (DataConfig, EvalConfig, Int, LogConfig, ModelConfig, ObjectiveConfig, RewardConfig,
+                       RolloutConfig, TaskConfig, TrainConfig, _Strict)
 from .yaml_io import read_yaml_file, yaml_loads
 
 
@@ -26,6 +26,7 @@ class Config(_Strict):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
     run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
     checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
                                                         "base evaluation)")

@@ -299,4 +299,17 @@ class EvalConfig(_Strict):
     temperature: Float = Field(1.0, gt=0, description="sampling temperature of the evaluation")
 
 
+class LogConfig(_Strict):
+    """Where each round's metrics go besides ``metrics.jsonl`` (docs/guide/trackers.md)."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="experiment trackers, each fed the config, every round's metrics and the final plot: tensorboard "
+                    "(RUN_DIR/tensorboard), wandb (needs trustbatch[wandb]; offline unless WANDB_MODE or WANDB_API_KEY "
+                    "is set), mlflow (needs trustbatch[mlflow]); [] for none")
+    mlflow_uri: str | None = Field(
+        None, description="mlflow: the tracking store, e.g. sqlite:///mlflow.db or http://host:5000 (default "
+                          "MLFLOW_TRACKING_URI, else MLflow's own: sqlite:///mlflow.db in the working directory)")
+
+
 ModelConfig.model_rebuild()

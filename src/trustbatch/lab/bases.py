@@ -26,8 +26,11 @@ BASES = "bases.json"
 
 def run_base(run_dir: Path) -> dict | None:
     """``{"task", "key", "sha256"}`` of the default base a finished run trained from (``sha256`` None when that base
-    is not in this machine's cache); None for a run on a local model (``model.path``)."""
-    raw = run_config(run_dir.parent / f"{run_dir.name}.yaml")
+    is not in this machine's cache); None for a run on a local model (``model.path``) or without a readable config."""
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    if not records.exists(path):
+        return None
+    raw = run_config(path)
     raw.pop("run_dir", None)
     try:
         cfg = load_config(None, base=raw)
@@ -53,9 +56,16 @@ def experiment_bases(exp_dir: Path) -> dict[str, dict]:
 
 def write_bases(exp_dir: Path, dest: Path) -> int:
     """Write ``dest/bases.json`` from ``exp_dir``'s runs (kept as it is where ``exp_dir`` already holds one: an
-    archived folder's hashes came from the machine that built its bases). Returns the bytes written."""
+    archived folder's hashes came from the machine that built its bases); none when no run trained from a default
+    base. Returns the bytes written."""
     src = Path(exp_dir) / BASES
-    text = src.read_text() if src.is_file() else json.dumps(experiment_bases(exp_dir), indent=1, sort_keys=True)
+    if src.is_file():
+        text = src.read_text()
+    else:
+        bases = experiment_bases(exp_dir)
+        if not bases:  # no run on a default base: nothing to name
+            return 0
+        text = json.dumps(bases, indent=1, sort_keys=True)
     (Path(dest) / BASES).write_text(text)
     return len(text.encode())
 

@@ -7,18 +7,37 @@ resume, while a live owner always refuses a second run on the same directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import time
 from pathlib import Path
 
+from ..config import Config
 from ..errors import UserError
 from ..records import git_commit
+from ..trainer.runlog import MetricsLog
+from ..trainer.trackers import open_trackers
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
 RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "threads", "reward.workers", "reward.timeout_s",
-                  "run_dir")
+                  "run_dir", "log.trackers")
+
+# errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
+# permissions / not a folder / no such parent when the path is the run directory, inside it or above it
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
+
+
+def run_dir_write_error(e: OSError, run_dir: Path) -> bool:
+    """Whether ``e`` means the run directory cannot be written (the run then ends on one line, not a traceback)."""
+    if e.errno in _DISK_FULL:
+        return True
+    if e.errno not in _PATH_ERRNOS or not e.filename:
+        return False
+    f, r = Path(os.path.abspath(e.filename)), Path(os.path.abspath(run_dir))
+    return f == r or r in f.parents or f in r.parents
 
 
 class RunLock:
@@ -107,3 +126,17 @@ def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) 
            "rounds": rounds, "changed": changed, "commit": git_commit()}
     with open(Path(run_dir) / "segments.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
+
+
+def open_metrics_log(cfg: Config, run_dir: Path, resuming: bool, enabled: bool = True) -> MetricsLog:
+    """``metrics.jsonl`` with the trackers of ``log.trackers``, fed the config as ``config.yaml`` holds it; a resume
+    continues the trackers' runs. ``enabled=False`` (data-parallel ranks other than 0) opens nothing.
+
+    Raises:
+        UserError: a tracker whose package is not installed.
+    """
+    if not enabled:
+        return MetricsLog(run_dir, enabled=False)
+    config = cfg.model_copy(update={"run_dir": str(run_dir)}).model_dump(mode="json")
+    return MetricsLog(run_dir, open_trackers(cfg.log.trackers, run_dir, config, resuming=resuming,
+                                             mlflow_uri=cfg.log.mlflow_uri))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import json
 import os
 import random
@@ -29,26 +28,12 @@ from ..trainer.checkpoint import checkpoints, clean_temporaries, load_latest
 from ..trainer.loop import run_loop
 from ..trainer.progress import Progress
 from ..trainer.runlog import MetricsLog, plot_run
+from ..trainer.trackers import require_trackers
 from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
-from .rundir import RunLock, check_resume_changes, record_segment, set_aside
-
-
-# errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
-# permissions / not a folder / no such parent when the path is the run directory, inside it or above it
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
-_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
-
-
-def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
-    if e.errno in _DISK_FULL:
-        return True
-    if e.errno not in _PATH_ERRNOS or not e.filename:
-        return False
-    f, r = Path(os.path.abspath(e.filename)), Path(os.path.abspath(run_dir))
-    return f == r or r in f.parents or f in r.parents
+from .rundir import RunLock, check_resume_changes, open_metrics_log, record_segment, run_dir_write_error, set_aside
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
@@ -115,6 +100,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     for line in notes:
         console.print(line, highlight=False, markup=False)
     preflight(cfg)
+    require_trackers(cfg.log.trackers)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
@@ -136,7 +122,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise RunInterrupted(f"interrupted; the last checkpoint is intact: resume with "
                              f"`trustbatch train --resume {run_dir}`") from None
     except OSError as e:  # the run directory cannot be written: one line, not a traceback
-        if not _run_dir_write_error(e, run_dir):
+        if not run_dir_write_error(e, run_dir):
             raise
         raise UserError(f"cannot write {e.filename or run_dir} ({os.strerror(e.errno)}); free disk space, fix the "
                         f"permissions or give another run_dir (a run with a checkpoint continues with "
@@ -204,8 +190,9 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     if world.is_main:
         world.barrier()
         _in_process_scoring(cfg, run_dir, pool, console)
-    built = None
+    built = log = None
     try:
+        log = open_metrics_log(cfg, run_dir, resuming, enabled=world.is_main)
         policy.model.to(world.device)
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
         start = 0
@@ -219,17 +206,10 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version,
                             check_round=scoring_check(cfg, task, console))
         parts = built.parts
-        log = MetricsLog(run_dir, enabled=world.is_main)
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
         hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console)
         if state is not None:
-            parts.learner.load_state_dict(state["learner"])
-            parts.source.load_state_dict(state["source"])
-            if "sync" in state:
-                parts.sync.load_state_dict(state["sync"])
-                parts.sync.push(policy.model, version)  # serve the restored (lagged) weights
-            torch.set_rng_state(state["torch_rng"])
-            random.setstate(state["python_rng"])
+            _restore_state(parts, state, policy.model, version)
             console.print(f"resuming {run_dir} from {ckpt.name}")
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
@@ -252,14 +232,30 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         # ---- the loop -----------------------------------------------------------------------------
         with progress:
             last = run_loop(parts, hooks, start_round=start, rounds=cfg.train.steps)
-        log.close()
+    except BaseException:
+        if log is not None:
+            log.close(failed=True)
+        raise
     finally:
         if built is not None:
             built.parts.source.close()
         pool.close()
     if not world.is_main:
         return {}
-    return _summary(cfg, task, run_dir, last, time.time() - t_start, console)
+    summary = _summary(cfg, task, run_dir, last, time.time() - t_start, console)
+    log.close(artifacts=(run_dir / "plot.png",))
+    return summary
+
+
+def _restore_state(parts, state: dict, model, version: int) -> None:
+    """The checkpoint's learner, source and weight-sync state and its torch and Python random streams."""
+    parts.learner.load_state_dict(state["learner"])
+    parts.source.load_state_dict(state["source"])
+    if "sync" in state:
+        parts.sync.load_state_dict(state["sync"])
+        parts.sync.push(model, version)  # serve the restored (lagged) weights
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
 
 
 def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:

@@ -1,32 +1,29 @@
-"""Run-directory output: metrics as JSONL and TensorBoard events, the final plot (file records: ``records``)."""
+"""Run-directory output: metrics as JSONL, mirrored to the experiment trackers; the final plot (file records: ``records``)."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from ..records import atomic_write, truncate_records
+from .trackers import kept_random, scalars
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard; an evaluation's
-    sample completions go to ``samples.jsonl`` and TensorBoard text.
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors its finite scalars to the trackers; an
+    evaluation's sample completions go to ``samples.jsonl`` and the trackers' text (TensorBoard's text tab).
 
+    ``trackers``: started ``trackers.Tracker`` runs (``trackers.open_trackers``), closed by ``close``.
     ``enabled=False`` (data-parallel ranks other than 0) writes nothing.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: Path, trackers: list = (), enabled: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self._tb = None
-        if tensorboard and enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.trackers = list(trackers) if enabled else []
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` and any torn last line (used on resume)."""
+        """Drop records past ``step`` and any torn last line (used on resume); trackers keep what they were sent."""
         if self.enabled:
             truncate_records(self.path, step)
 
@@ -37,31 +34,35 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        values = scalars(metrics)
+        with kept_random():
+            for tracker in self.trackers:
+                tracker.log(values, step)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Append one line per sample (``{"step", "prompt", "completion", "reward"}``) to ``samples.jsonl``, and the
-        evaluation's samples as one TensorBoard text (tag ``samples``) at ``step``."""
+        evaluation's samples as one text (tag ``samples``) at ``step`` to each tracker (``Tracker.log_text``)."""
         if not self.enabled or not samples:
             return
         with open(self.path.parent / "samples.jsonl", "a") as f:
             for smp in samples:
                 f.write(json.dumps({"step": step, **smp}) + "\n")
             f.flush()
-        if self._tb is not None:
-            # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
-            text = "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
-                                for smp in samples)
-            self._tb.add_text("samples", text, step)
-            self._tb.flush()
+        # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
+        text = "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
+                            for smp in samples)
+        with kept_random():
+            for tracker in self.trackers:
+                tracker.log_text("samples", text, step)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, artifacts: tuple[Path, ...] = (), failed: bool = False) -> None:
+        """Attach ``artifacts`` (the final plot) to every tracker and end their runs; once (later calls do nothing)."""
+        trackers, self.trackers = self.trackers, []
+        with kept_random():
+            for tracker in trackers:
+                for path in artifacts:
+                    tracker.log_artifact(path)
+                tracker.close(failed=failed)
 
 
 def plot_run(records: list[dict], path: Path, title: str = "") -> None:

@@ -1,0 +1,121 @@
+"""Experiment trackers: where each round's metrics go besides ``metrics.jsonl`` (TensorBoard, W&B, MLflow).
+
+One module per backend, each a class with ``Tracker``'s methods; its package is imported only when the tracker is
+opened, so an extra that is not installed costs nothing until ``log.trackers`` names it. The id of every tracker's
+run is kept in ``RUN_DIR/trackers.json``: a resumed run continues the same W&B and MLflow runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+from typing import Protocol
+
+from ...errors import UserError
+from ...records import atomic_write
+
+IDS_FILE = "trackers.json"
+# the tracker's name -> the package it needs (the extra of the same name installs it)
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class Tracker(Protocol):
+    """One experiment tracker's run, started once per process (a resume starts it again with the stored id)."""
+
+    def start(self, config: dict, run_dir: Path, resume_id: str | None) -> str | None:
+        """Open (or, given ``resume_id``, continue) the run; record ``config``. Returns the id to store, or None."""
+        ...
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record finite scalars at rollout round ``step`` (0: the base policy's evaluation)."""
+        ...
+
+    def log_artifact(self, path: Path) -> None:
+        """Attach a file (the final plot)."""
+        ...
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """Record a markdown text at round ``step`` (an evaluation's sample completions); TensorBoard's text tab
+        shows it, W&B and MLflow ignore it (the same text is in ``samples.jsonl``)."""
+        ...
+
+    def close(self, failed: bool = False) -> None:
+        """End this process's part of the run; ``failed``: it ended on an exception or Ctrl-C."""
+        ...
+
+
+def require_trackers(names: list[str]) -> None:
+    """Check before any work that every named tracker's package is installed.
+
+    Raises:
+        UserError: a tracker whose package is missing; the message names the extra that installs it.
+    """
+    for name in names:
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise UserError(f"log.trackers names {name}, but the {PACKAGES[name]} package is not installed: "
+                            f"pip install 'trustbatch[{name}]', or remove {name} from log.trackers")
+
+
+def open_trackers(names: list[str], run_dir: Path, config: dict, *, resuming: bool,
+                  mlflow_uri: str | None = None) -> list[Tracker]:
+    """Start the named trackers for ``run_dir``; on a resume, continue the runs whose ids ``trackers.json`` holds.
+
+    ``config``: the resolved configuration as plain data (``Config.model_dump(mode="json")``); ``mlflow_uri``: the
+    MLflow tracking store (None: ``MLFLOW_TRACKING_URI``, else MLflow's default).
+
+    Raises:
+        UserError: a named tracker whose package is not installed (``require_trackers``).
+    """
+    require_trackers(names)
+    path = Path(run_dir) / IDS_FILE
+    ids = json.loads(path.read_text()) if resuming and path.exists() else {}
+    opened = []
+    try:
+        for name in dict.fromkeys(names):
+            tracker = _make(name, mlflow_uri)
+            with kept_random():
+                ids[name] = tracker.start(config, Path(run_dir), ids.get(name))
+            opened.append(tracker)
+    except BaseException:
+        for tracker in opened:
+            with kept_random():
+                tracker.close(failed=True)
+        raise
+    stored = {k: v for k, v in ids.items() if v is not None}
+    if stored or path.exists():
+        atomic_write(path, json.dumps(stored, indent=2))
+    return opened
+
+
+def _make(name: str, mlflow_uri: str | None) -> Tracker:
+    if name == "tensorboard":
+        from .tensorboard import TensorBoardTracker
+
+        return TensorBoardTracker()
+    if name == "wandb":
+        from .wandb import WandbTracker
+
+        return WandbTracker()
+    from .mlflow import MlflowTracker
+
+    return MlflowTracker(mlflow_uri)
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """The finite numbers of a metrics record, as floats (strings, lists, NaN and ±inf are not plotted)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+@contextlib.contextmanager
+def kept_random():
+    """Python's global random state, as it was before the block: the trackers' clients draw ids from it (W&B's
+    request ids), and a checkpoint stores it, so a run with trackers must leave it where a run without them does."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)

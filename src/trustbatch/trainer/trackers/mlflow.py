@@ -1,0 +1,88 @@
+"""MLflow: a run named after the run directory in experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``trustbatch``).
+
+The tracking store is ``log.mlflow_uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db``
+in the working directory; artifacts go where the experiment's artifact location says, ``./mlruns`` by default). A
+resumed run sets the stored run back to RUNNING and appends to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+
+MAX_PARAM = 6000  # MLflow's longest parameter value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH)
+BATCH = 100  # MLflow's most parameters in one log_batch call
+
+
+class MlflowTracker:
+    """An MLflow run through ``MlflowClient`` (no fluent active-run state in the trainer's process)."""
+
+    def __init__(self, uri: str | None = None):
+        self.uri, self.client, self.run_id = uri, None, None
+
+    def start(self, config: dict, run_dir: Path, resume_id: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        if resume_id is not None:
+            try:
+                self.client.update_run(resume_id, status="RUNNING")
+                self.run_id = resume_id
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                warnings.warn(f"MLflow run {resume_id} (RUN_DIR/trackers.json) is not in the tracking store "
+                              f"{self.client.tracking_uri}; the resumed rounds go to a new run", stacklevel=2)
+        if self.run_id is None:
+            self.run_id = self._create(Path(run_dir), config)
+        # parameters cannot change once logged; the config artifact holds a resume's latest values
+        self.client.log_dict(self.run_id, config, "config.json")
+        return self.run_id
+
+    def _create(self, run_dir: Path, config: dict) -> str:
+        from mlflow.entities import Param
+
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "trustbatch")
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        run = self.client.create_run(experiment_id, run_name=run_dir.name,
+                                     tags={"trustbatch.run_dir": str(run_dir.resolve())})
+        params = [Param(k, str(v)[:MAX_PARAM]) for k, v in flat_config(config).items()]
+        for i in range(0, len(params), BATCH):
+            self.client.log_batch(run.info.run_id, params=params[i:i + BATCH])
+        return run.info.run_id
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), v, now, step) for k, v in metrics.items()])
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        pass  # the samples are in samples.jsonl; a text per evaluation would clutter this tracker's run
+
+    def log_artifact(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
+    """Nested config sections as dotted keys (``train.lr``): MLflow's parameters are flat."""
+    out: dict[str, object] = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def mlflow_key(key: str) -> str:
+    """A metric name MLflow accepts (letters, digits, ``_ - . / :`` and space): ``pass@k`` becomes ``pass_at_k``."""
+    return re.sub(r"[^\w./\- :]", "_", key.replace("@", "_at_"))

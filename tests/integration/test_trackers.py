@@ -1,0 +1,162 @@
+"""Weights & Biases and MLflow as trackers (issue 37 item 1): a real tiny run and a ``--resume`` of it, read back
+through each package's own reader, against ``metrics.jsonl``.
+
+W&B runs offline; its ``.wandb`` transaction logs are read with ``wandb leet inspect --json`` (W&B's own reader of
+its own format). MLflow writes to a temporary SQLite store, read with ``MlflowClient``. Run with
+``make test-trackers`` (its own environment with ``trustbatch[wandb,mlflow]``); without the packages these skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trustbatch.config import load_config
+from trustbatch.recipes import train
+from trustbatch.trainer.runlog import MetricsLog
+from trustbatch.trainer.trackers import open_trackers
+
+from runproc import TIMING, cache, records  # noqa: F401
+from tiny import TINY
+
+SKIP = "needs trustbatch[wandb,mlflow] (`make test-trackers` builds an environment with them)"
+RUN = TINY + ["threads=1", "reward.workers=0"]
+pytestmark = pytest.mark.trackers
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, cache):
+    """A tiny run of 2 rounds with every tracker, then ``--resume`` to 4; W&B offline and MLflow on SQLite, all
+    in a temporary folder (W&B's staging and config folders included, so nothing lands in the home folder)."""
+    pytest.importorskip("wandb", reason=SKIP)
+    pytest.importorskip("mlflow", reason=SKIP)
+    tmp = tmp_path_factory.mktemp("trackers")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+            mp.delenv(var, raising=False)
+        for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+            mp.setenv(var, str(tmp / var.lower()))
+        mp.chdir(tmp)  # MLflow's default artifact location is ./mlruns
+        uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        run_dir = tmp / "tracked"
+        train(load_config(None, RUN + ["train.steps=2", f"run_dir={run_dir}", f"log.mlflow_uri={uri}",
+                                       "log.trackers=[tensorboard, wandb, mlflow]"]))
+        first_ids = json.loads((run_dir / "trackers.json").read_text())
+        train(resume=str(run_dir), overrides=["train.steps=4"])
+    return run_dir, uri, first_ids
+
+
+def _expected(run_dir: Path) -> dict[int, dict[str, float]]:
+    """metrics.jsonl's finite numbers by round: what every tracker must hold."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+            for r in map(json.loads, lines)}
+
+
+def _wandb_records(run_file: Path) -> list[dict]:
+    out = subprocess.run([str(Path(sys.executable).with_name("wandb")), "leet", "inspect", str(run_file), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _b64md5(path: Path) -> str:
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def test_wandb_offline_run_holds_every_round_and_the_resume_appends_to_it(tracked):
+    run_dir, _, first_ids = tracked
+    run_files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2  # one per process: the first segment and the resume
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    assert ids["wandb"] == first_ids["wandb"]
+    history, config = {}, {}
+    for run_file in run_files:
+        recs = _wandb_records(run_file)
+        run = next(r["run"] for r in recs if r["type"] == "run")
+        assert run["run_id"] == ids["wandb"] and run["display_name"] == run_dir.name and run["project"] == "trustbatch"
+        for r in recs:
+            if r["type"] == "history":
+                item = {k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
+                history[item.pop("round")] = item
+            elif r["type"] == "config":
+                config.update(r["config"]["update"])
+        assert [r["exit"]["exit_code"] for r in recs if r["type"] == "exit"] == [0]
+        artifacts = [r["artifact"] for r in recs if r["type"] == "artifact"]
+        assert [c["path"] for a in artifacts for c in a["manifest"]["contents"]] == ["plot.png"]
+    expected = _expected(run_dir)
+    assert sorted(history) == [0, 1, 2, 3, 4] == sorted(expected)
+    for step, metrics in expected.items():
+        assert history[step] == metrics, step
+    # the resume's plot, the final one, is the last artifact logged; the config holds the resumed value
+    assert artifacts[0]["manifest"]["contents"][0]["digest"] == _b64md5(run_dir / "plot.png")
+    assert config["train"]["steps"] == 4 and config["run_dir"] == str(run_dir)
+
+
+def test_mlflow_run_holds_every_round_and_the_resume_appends_to_it(tracked, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, uri, first_ids = tracked
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert run_id == first_ids["mlflow"]
+    run = client.get_run(run_id)
+    assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume opened no second run
+    expected = _expected(run_dir)
+    keys = {k for m in expected.values() for k in m}
+    assert "heldout_pass@2" in keys  # MLflow refuses '@' in a name: logged as pass_at_k
+    for key in keys:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key.replace("@", "_at_")))
+        assert history == sorted((s, m[key]) for s, m in expected.items() if key in m), key
+    # parameters are the first segment's (MLflow's cannot change); config.json is the resumed config
+    assert run.data.params["train.steps"] == "2" and run.data.params["objective.name"] == "p3o"
+    config = json.loads(Path(client.download_artifacts(run_id, "config.json", str(tmp_path))).read_text())
+    assert config["train"]["steps"] == 4
+    plot = Path(client.download_artifacts(run_id, "plot.png", str(tmp_path)))
+    assert plot.read_bytes() == (run_dir / "plot.png").read_bytes()
+
+
+def test_trackers_do_not_move_the_run(tracked, tmp_path):
+    """The same 4 rounds without any tracker, uninterrupted: the tracked and resumed run's records are equal."""
+    run_dir = tracked[0]
+    plain = tmp_path / "plain"
+    train(load_config(None, RUN + ["train.steps=4", f"run_dir={plain}", "log.trackers=[]"]))
+    assert not (plain / "tensorboard").exists() and not (plain / "trackers.json").exists()
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]  # noqa: E731
+    assert strip(records(run_dir)) == strip(records(plain))
+
+
+def test_mlflow_failed_segment_then_resume_and_a_stored_run_the_store_lacks(tracked, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = tracked[1]  # a store whose tables exist already
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "segments")
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    run_dir = tmp_path / "segments"
+    run_dir.mkdir()
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=False, mlflow_uri=uri))
+    log.log(1, {"x": 1.0})
+    log.close(failed=True)  # Ctrl-C, a crash
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert client.get_run(run_id).info.status == "FAILED"
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=True, mlflow_uri=uri))
+    assert client.get_run(run_id).info.status == "RUNNING"
+    log.log(2, {"x": 2.0})
+    log.close()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(1, 1.0), (2, 2.0)]
+    # trackers.json names a run this store does not hold (another store, a deleted run): a new run, with a warning
+    (run_dir / "trackers.json").write_text(json.dumps({"mlflow": "0" * 32}))
+    with pytest.warns(UserWarning, match="not in the tracking store"):
+        log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=True, mlflow_uri=uri))
+    log.close()
+    new_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert new_id != "0" * 32 and client.get_run(new_id).info.status == "FINISHED"
