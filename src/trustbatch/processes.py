@@ -1,6 +1,6 @@
 """Processes that never outlive the process that started them: reward and rollout workers (children of the
 trainer), the ranks of a torchrun job (children of its launcher) and a lab's runs (children of its forkserver,
-started by the lab).
+started by the lab); and the process tree read from ``/proc``, for waiting until a local Ray cluster is gone.
 """
 
 from __future__ import annotations
@@ -77,3 +77,56 @@ def die_with_sentinel(sentinel: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="trustbatch-starter-watch").start()
+
+
+def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0]
+
+
+def process_tree(roots: list[int]) -> list[int]:
+    """``roots`` and every descendant of them now, from ``/proc`` (Linux); ``roots`` alone where there is none."""
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return list(roots)
+    children: dict[int, list[int]] = {}
+    for pid in pids:
+        info = _ppid_and_state(pid)
+        if info is not None:
+            children.setdefault(info[0], []).append(pid)
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and waiting to be reaped, does not); False where there is no ``/proc``."""
+    info = _ppid_and_state(pid)
+    return info is not None and info[1] not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` seconds for every process of ``pids`` to end; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if running(p)]
+    return left
+
+
+def kill(pids: list[int]) -> None:
+    """Send SIGKILL to each process of ``pids``; one that has already ended is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

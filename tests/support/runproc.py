@@ -125,14 +125,10 @@ def survivors(pids: list[int], within: float = 5.0) -> list[int]:
 
 def outlived(pids: list[int], within: float = 10.0) -> list[int]:
     """``survivors`` after ``within`` s, each then killed with SIGKILL, so that a failing test leaves nothing training."""
-    import signal
+    from trustbatch.processes import kill
 
     left = survivors(pids, within)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill(left)
     return left
 
 

@@ -97,7 +97,7 @@ def check_orchestrator(cfg: Config) -> None:
 
     Raises:
         UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra), or
-            Ray learners with ``train.strategy=fsdp2``.
+            an address that does not answer, or Ray learners with ``train.strategy=fsdp2``.
     """
     if cfg.orchestrator != "ray":
         return
@@ -106,9 +106,9 @@ def check_orchestrator(cfg: Config) -> None:
                         "set train.strategy=ddp or ray_learners=0")
     if cfg.rollout.mode != "async":
         raise UserError("orchestrator=ray runs the rollout workers of rollout.mode=async; add rollout.mode=async")
-    from ..orchestration.ray_rollout import check_ray_installed  # imports no ray
+    from ..orchestration.ray_cluster import check_ray  # imports no ray
 
-    check_ray_installed()
+    check_ray(cfg.ray_address)
 
 
 def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
