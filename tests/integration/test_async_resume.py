@@ -1,63 +1,72 @@
-"""Issue 12 item 5: an asynchronous run's checkpoint records the policy version, and a resume continues the run.
+"""Issues 12 item 5 and 39 item 1: an asynchronous run at k > 0 is a function of its configuration, resume included.
 
-A real ``trustbatch train`` with one rollout worker process and k = 1 is killed (SIGKILL) after a
-checkpoint, with rounds logged past it; ``--resume`` then finishes it. Checked from the files the runs
-write: the checkpoint's policy version and batch index, the versions in metrics.jsonl (monotone and
-continuing from the checkpoint's), the staleness of every trained-on sample from its tag, and no process
-of the killed run left alive.
+Two real ``trustbatch train`` runs with the same seed, k = 2 and two rollout worker processes
+(``rollout.async_order=deterministic``, the default): one runs through; the other is killed (SIGKILL) at a
+round drawn by a seeded random choice and finished with ``--resume``. Checked from the files they write:
+identical metrics.jsonl (timing fields aside) and ``torch.equal`` final weights; batch ``b`` sampled by
+policy version ``max(0, b − k)`` exactly (one optimizer step a round), worked out here by hand; the
+checkpoint's policy version, next batch and the weights of the k rounds before it; no process of the
+killed run left alive.
+
+With ``rollout.async_order=latest`` this test fails (which version samples a batch then depends on worker
+timing; seen on the run that introduced the order, see docs/guide/async-ray.md).
 """
 
+import random
 import signal
 import time
 
-from trustbatch.recipes import train
 from trustbatch.trainer.checkpoint import latest_checkpoint, load_trainer_state
 
-from runproc import cache, descendants, n_records, records, start, survivors, train_args  # noqa: F401
+from runproc import (assert_same_weights, cache, descendants, n_records, records, resume_args, run,  # noqa: F401
+                     start, survivors, train_args)
 
-K = 1
-ASYNC = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", "train.steps=6", "checkpoint_every=2",
-         "eval.every=100", "rollout.mode=async", f"rollout.max_staleness={K}", "rollout.workers=1"]
+K, WORKERS, STEPS = 2, 2, 8
+ORDER = "deterministic"
+ASYNC = ["reward.name=scorers_for_tests:digit_fraction", "reward.workers=0", f"train.steps={STEPS}", "eval.every=4",
+         "rollout.mode=async", f"rollout.max_staleness={K}", f"rollout.workers={WORKERS}", f"rollout.async_order={ORDER}"]
+NOT_REPRODUCIBLE = {"learner_wait_s"}  # a timing field the async source adds to runproc's
+
+
+def _records(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in NOT_REPRODUCIBLE} for r in records(run_dir)]
 
 
 # support_on_pythonpath: the trainer and its spawned rollout workers import the scorer module
-def test_a_killed_async_run_resumes_from_its_checkpoints_policy_version(tmp_path, cache, support_on_pythonpath):
-    run = tmp_path / "run"
-    proc = start(train_args(run, *ASYNC), tmp_path / "first.log")
-    try:  # rounds 0-3 logged: the checkpoint of round 2 is written, round 3 is past it
-        deadline = time.time() + 300
-        while n_records(run) < 4:  # a sleeping poll: a round lasts far longer, and the run needs the cores
-            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before round 3"
-            assert time.time() < deadline, "timed out waiting for round 3"
+def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, cache, support_on_pythonpath):
+    kill_after = random.Random(39).randint(2, STEPS - 1)  # rounds logged before the kill
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    proc = start(train_args(killed, *ASYNC), tmp_path / "killed.log")
+    try:
+        deadline = time.time() + 400
+        while n_records(killed) < kill_after + 1:  # a sleeping poll: a round lasts far longer, and the run needs the cores
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before round {kill_after}"
+            assert time.time() < deadline, f"timed out waiting for round {kill_after}"
             time.sleep(0.02)
         kids = descendants(proc.pid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert kids, "the run had no rollout worker process"
+    assert len(kids) >= WORKERS, "the run had no rollout worker processes"
     assert not survivors(kids, within=10), "processes of the killed run outlived it"
-    assert not (run / "summary.json").exists(), "killed after the run had finished"
+    assert not (killed / "summary.json").exists(), "killed after the run had finished"
 
-    ckpt = latest_checkpoint(run)
-    state = load_trainer_state(ckpt)
+    state = load_trainer_state(latest_checkpoint(killed))
     s = int(state["step"])
-    logged_before = records(run)
-    assert s % 2 == 0 and 2 <= s < len(logged_before) - 1 < 6, (s, len(logged_before))
-    # the checkpoint records the policy version (one optimizer step a round) and the next batch to make
-    assert state["learner"]["policy_version"] == s and state["source"]["batch_index"] == s
+    for args in (resume_args(killed), train_args(full, *ASYNC)):
+        done = run(args, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
 
-    train(resume=str(run))
-    recs = records(run)
-    assert [r["step"] for r in recs] == list(range(7))
-    assert recs[:s + 1] == logged_before[:s + 1]  # the rounds up to the checkpoint are kept as they were
-    # the learner's version continues from the checkpoint's, one step a round: monotone across the resume
-    assert [r["policy_version"] for r in recs[1:]] == list(range(1, 7))
-    after = recs[s + 1:]
-    # the resumed worker starts from the checkpoint's policy: nothing sampled before the kill is trained on
-    assert after[0]["behaviour_version"] == s and after[0]["staleness"] == 0
-    for r in after:
-        assert r["policy_version"] - r["optimizer_steps"] - r["behaviour_version"] == r["staleness"]
-        assert s <= r["behaviour_version"] and 0 <= r["staleness"] <= K, r
-    assert max(r["staleness"] for r in after) >= 1  # the resumed pipeline did run ahead
-    segments = records(run, "segments.jsonl")
-    assert [g["start_round"] for g in segments] == [0, s]
+    recs = _records(full)
+    assert [r["step"] for r in recs] == list(range(STEPS + 1))
+    assert any(abs(r.get("loss", 0.0)) > 1e-6 for r in recs)  # the comparison covers real updates
+    assert _records(killed) == recs
+    assert_same_weights(latest_checkpoint(full), latest_checkpoint(killed))  # torch.equal, tensor by tensor
+    # round t trains on batch t − 1, sampled by policy version max(0, t − 1 − k) whichever worker made it
+    assert [r["behaviour_version"] for r in recs[1:]] == [max(0, t - 1 - K) for t in range(1, STEPS + 1)]
+    assert [g["start_round"] for g in records(killed, "segments.jsonl")] == [0, s]
+    # the checkpoint holds the policy version (one optimizer step a round), the next batch, and the weights of
+    # the k rounds before it: batches s, s + 1 are sampled by versions s − 2, s − 1
+    assert state["learner"]["policy_version"] == s and state["source"]["batch_index"] == s
+    snaps = state["source"]["snapshots"]
+    assert sorted(snaps) == list(range(max(0, s - K), s)) and all(snaps[r][0] == r for r in snaps)

@@ -11,14 +11,14 @@ import yaml
 
 from trustbatch.errors import UserError
 from trustbatch.lab import load_experiment, run_experiment
-from trustbatch.lab.experiment import EXPERIMENTS_DIR
-from trustbatch.lab.experiment import default_comparisons, family_and_dose
+from trustbatch.lab.experiment import bundled_experiments, default_comparisons, family_and_dose
 from trustbatch.lab.archive import archive_runs
-from trustbatch.lab.report import _mean_se, write_report
+from trustbatch.lab.report import write_report
+from trustbatch.lab.report.runs import mean_se
 
 from tiny import TINY
 
-BUNDLED = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+BUNDLED = sorted(bundled_experiments())
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
 FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3, "temperature_steps_control": 3}
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
@@ -52,21 +52,22 @@ def test_the_registered_confirmatory_experiment_has_the_registered_design():
 
 
 def test_report_checks_a_registered_design_against_its_calls(monkeypatch):
-    from trustbatch.lab import report
-    from trustbatch.lab.stats import EQUIVALENCE_RULE, POST_HOC_RULE
+    from trustbatch.lab.report import provenance
+    from trustbatch.lab.report.tables import equivalence_lines
+    from trustbatch.lab.stats import EQUIVALENCE_RULE, POST_HOC_RULE, tost
 
     history = {"reg": {POST_HOC_RULE, EQUIVALENCE_RULE}, "b": {"reg"}, "c": {"b", "reg"}, "old": set()}
-    monkeypatch.setattr(report, "descends", lambda commit, ancestor: commit == ancestor or ancestor in history[commit])
+    monkeypatch.setattr(provenance, "descends", lambda commit, ancestor: commit == ancestor or ancestor in history[commit])
     calls = [{"start": 1, "commit": "c"}, {"start": 2, "commit": "b"}, {"legacy_wall_s": 5.0}]
-    line, before = report._registration("reg", calls)
+    line, before = provenance.registration_line("reg", calls)
     assert line == "**Registered** at `reg` before any run: every `lab run` call's commit (`b`, `c`) descends from it."
     assert before  # the post-hoc rules predate this registration: fixed before its runs
-    line, _ = report._registration("reg", calls + [{"start": 3, "commit": "old"}])
+    line, _ = provenance.registration_line("reg", calls + [{"start": 3, "commit": "old"}])
     assert "**not before every run**: the calls at `old` do not descend from it" in line
-    assert report._registration("reg", [])[0].endswith("no `lab run` call recorded yet.")
-    assert report._registration(None, calls) == (None, False)
-    assert not report._registration("old", [])[1]  # registered before the rules existed: they are post hoc there
-    lines = report._equivalence_lines([(report.tost("a", "b", {0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.6}, 1), False)], fixed_before=True)
+    assert provenance.registration_line("reg", [])[0].endswith("no `lab run` call recorded yet.")
+    assert provenance.registration_line(None, calls) == (None, False)
+    assert not provenance.registration_line("old", [])[1]  # registered before the rules existed: they are post hoc there
+    lines = equivalence_lines([(tost("a", "b", {0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.6}, 1), False)], fixed_before=True)
     assert "fixed before these runs" in lines[0] and "post hoc" not in lines[0]
 
 
@@ -162,7 +163,7 @@ def test_archive_follows_linked_arms_skips_unfinished_runs_and_replaces_whole(tm
 
 
 def test_standard_error_and_arm_names():
-    m, se = _mean_se([1.0, 2.0, 3.0])
+    m, se = mean_se([1.0, 2.0, 3.0])
     assert m == 2.0 and abs(se - (1.0 / 3 ** 0.5)) < 1e-12  # sample sd 1, over √3
     assert family_and_dose("grpo_eps0.2@int8") == ("grpo_eps0.2", "int8")
     assert family_and_dose("onpolicy") == ("onpolicy", None)
@@ -217,11 +218,11 @@ def test_preflight_only_arms_are_probed_but_not_run(tmp_path, monkeypatch):
     assert res["done"] == 1 and res["failed"] == []
     assert (tmp_path / "runs" / "tiny_only" / "p3o@T1.2" / "seed0" / "summary.json").is_file()
     assert not (tmp_path / "runs" / "tiny_only" / "grpo@T1.2").exists()
-    from trustbatch.lab.report import _preflight_table
+    from trustbatch.lab.report.tables import preflight_table
 
     exp_dir = tmp_path / "runs" / "tiny_only"
     (exp_dir / "preflight.json").write_text(json.dumps({"seeds": [0], "arms": [{"arm": "p3o@T1.2"}, {"arm": "grpo@T1.2"}]}))
-    marked = [ln for ln in _preflight_table(exp_dir) if "pre-flight only" in ln]
+    marked = [ln for ln in preflight_table(exp_dir) if "pre-flight only" in ln]
     assert len(marked) == 1 and marked[0].startswith("| grpo@T1.2 (pre-flight only")
     spec["preflight_only"] = ["nope"]
     f.write_text(yaml.safe_dump(spec))
@@ -361,10 +362,10 @@ def test_calls_record_every_lab_run_and_time_counts_overlaps_once(tmp_path, monk
     record_call(d, {"start": 100.0, "end": 160.0, "build_s": 20.0, "seeds": [0], "commit": "a", "command": "c0"})
     assert record_call(d, {"start": 130.0, "end": 250.0, "build_s": 0.0, "seeds": [1], "commit": "b", "command": "c1"}) == 150.0
     assert (d / "wall_s.txt").read_text() == "150\n"
-    from trustbatch.lab.report import _calls_line, _experiment_time
+    from trustbatch.lab.report.provenance import calls_line, experiment_time
 
-    assert _experiment_time(d, load_calls(d)) == "; the whole experiment took 2.5 min wall-clock on 2 cores (base builds 0.3 min of it; calls overlapped for 0.5 min, counted once)."
-    assert "seeds [0] at commit `a`" in _calls_line(load_calls(d)) and "seeds [1] at commit `b`" in _calls_line(load_calls(d))
+    assert experiment_time(d, load_calls(d)) == "; the whole experiment took 2.5 min wall-clock on 2 cores (base builds 0.3 min of it; calls overlapped for 0.5 min, counted once)."
+    assert "seeds [0] at commit `a`" in calls_line(load_calls(d)) and "seeds [1] at commit `b`" in calls_line(load_calls(d))
     (d / "calls.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="calls.jsonl:1 is not JSON"):
         load_calls(d)

@@ -25,9 +25,8 @@ def test_declarations():
         s = objectives.spec(name)
         assert (s.needs_proximal, s.batch_stats, s.ess_scopes) == (False, (), ("batch",))
         assert s.fn is objectives.get(name)
-    # the old sets, now derived from the specs
-    assert objectives.USES_BATCH_ESS == {"p3o", "p3o_two_anchor"}
-    assert objectives.NEEDS_PROXIMAL == {"p3o_two_anchor", "decoupled_ppo"}
+    # the spec is the only declaration: no name sets beside it
+    assert not hasattr(objectives, "USES_BATCH_ESS") and not hasattr(objectives, "NEEDS_PROXIMAL")
 
 
 def test_an_objective_sets_its_own_default_of_a_common_option_as_a_keyword_default():

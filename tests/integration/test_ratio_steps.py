@@ -116,7 +116,7 @@ def test_histogram_record_has_the_exact_quantiles_of_the_unclamped_ratios(tmp_pa
 
 
 def test_step_ratio_line_uses_exact_quantiles_and_says_when_it_cannot():
-    from trustbatch.lab.report import _step_ratio_line
+    from trustbatch.lab.report.tables import step_ratio_line
 
     edges = [round(-2.0 + 0.05 * i, 4) for i in range(81)]
     near_zero = [0] * 80
@@ -129,12 +129,12 @@ def test_step_ratio_line_uses_exact_quantiles_and_says_when_it_cannot():
     runs = [{"ratios": [rec(0, (-1e-7, 0.0, 1e-7)), rec(1, (-0.30, -0.01, 0.10))]},
             {"ratios": [rec(0, (-2e-7, 1e-8, 2e-7)), rec(1, (-0.50, 0.03, 0.20))]},
             {"ratios": [rec(0, (-3e-7, 0.0, 3e-7)), rec(1, (-0.40, 0.02, 0.40))]}]
-    line = _step_ratio_line({"p3o": runs})
+    line = step_ratio_line({"p3o": runs})
     # medians over the three records, by hand: step 1 → 5% −0.40, 50% +0.02, 95% +0.20
     assert "p3o: +0.000 [-0.000, +0.000] at step 0 → +0.020 [-0.400, +0.200] at step 1" in line, line
     assert "exact quantile" in line and "cannot resolve" not in line
     old = [{"ratios": [{k: v for k, v in r.items() if k != "quantiles"} for r in run["ratios"]]} for run in runs]
-    coarse = _step_ratio_line({"p3o": old})
+    coarse = step_ratio_line({"p3o": old})
     assert "cannot resolve |log ρ| < 0.05" in coarse
     # the pooled histogram interpolates inside the two bins around 0: the median 0.05·(50−30)/70 = +0.014
     assert "+0.014" in coarse, coarse
@@ -151,13 +151,13 @@ def test_histogram_quantile_hand_worked():
 
 
 def test_report_draws_the_step_figure_only_for_replayed_arms(tmp_path):
-    from trustbatch.lab.report import _step_ratio_figure
+    from trustbatch.lab.report.figures import step_ratio_figure
 
     edges = [-2.0 + 0.05 * i for i in range(81)]
     one = {"step": 1, "edges": edges, "counts": [1] * 80}
     replayed = [{**one, "opt_step": j, "epoch": j // 2, "minibatch": j % 2} for j in range(4)]
-    assert _step_ratio_figure("x", {"a": [{"ratios": [one]}]}, tmp_path) is None
-    f = _step_ratio_figure("x", {"a": [{"ratios": [one]}], "b": [{"ratios": [one, *replayed]}]}, tmp_path)
+    assert step_ratio_figure("x", {"a": [{"ratios": [one]}]}, tmp_path) is None
+    f = step_ratio_figure("x", {"a": [{"ratios": [one]}], "b": [{"ratios": [one, *replayed]}]}, tmp_path)
     assert f == "x_step_ratios.png" and (tmp_path / f).stat().st_size > 1000
 
 
@@ -189,7 +189,7 @@ def test_resume_redoes_a_rounds_per_step_records_once(tmp_path):
 
 
 def test_report_line_quotes_the_first_and_last_steps_spread():
-    from trustbatch.lab.report import _step_ratio_line
+    from trustbatch.lab.report.tables import step_ratio_line
 
     edges = [-2.0 + 0.05 * i for i in range(81)]
     one = {"step": 1, "edges": edges, "counts": [1] * 80}
@@ -199,10 +199,10 @@ def test_report_line_quotes_the_first_and_last_steps_spread():
         counts[bin_] = n
         return {"step": 1, "edges": edges, "counts": counts, "opt_step": j, "epoch": j // 2, "minibatch": j % 2}
 
-    assert _step_ratio_line({"a": [{"ratios": [one]}]}) == ""
+    assert step_ratio_line({"a": [{"ratios": [one]}]}) == ""
     # two seeds pooled: step 0 in bin [0, 0.05) (bin 40), step 3 in bin [0.5, 0.55) (bin 50)
     runs = [{"ratios": [one, at(40, 0), at(45, 1), at(40, 2), at(50, 3)]}, {"ratios": [at(40, 0), at(50, 3)]}]
-    line = _step_ratio_line({"a": [{"ratios": [one]}], "b": runs})
+    line = step_ratio_line({"a": [{"ratios": [one]}], "b": runs})
     # uniform inside one bin: quantile q sits at lo + q·0.05
     m = re.search(r"b: (\S+) \[(\S+), (\S+)\] at step 0 → (\S+) \[(\S+), (\S+)\] at step 3", line)
     want = [0.025, 0.0025, 0.0475, 0.525, 0.5025, 0.5475]
@@ -216,7 +216,8 @@ def test_step_records_hold_each_steps_ess_kl_weight_and_zeroed_share_by_hand():
     zero (A > 0 and ρ > 1 + ε, or A < 0 and ρ < 1 − ε), all worked in float64 from the step's own
     log-ratios as the ``on_step_ratios`` hook sees them; and the round's record is their mean."""
     model = _llama(torch.float64)
-    learner = Learner(model, "p3o", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2)
+    learner = Learner(model, "p3o", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=64, epochs=2, minibatches=2,
+                      diagnostics=True)
     seen = []
     learner.on_step_ratios.append(lambda j, e, mb, lr: seen.append(lr.clone().double()))
     adv_of_token = []
@@ -254,7 +255,7 @@ def test_train_writes_steps_jsonl_for_replayed_rounds_only(tmp_path):
     from trustbatch.cli import app
 
     run, plain = tmp_path / "run", tmp_path / "plain"
-    for d, extra in ((run, ["train.epochs=2", "train.minibatches=2"]), (plain, [])):
+    for d, extra in ((run, ["train.epochs=2", "train.minibatches=2", "train.diagnostics=true"]), (plain, [])):
         res = CliRunner().invoke(app, ["train", *TINY, "train.steps=2", *extra, f"run_dir={d}", "threads=1"])
         assert res.exit_code == 0, res.output
     assert not (plain / "steps.jsonl").exists()  # one optimizer step per round: metrics.jsonl is per step already
@@ -294,7 +295,9 @@ def test_within_round_means_are_hand_worked_per_step_index(tmp_path):
 
     import pytest
 
-    from trustbatch.lab.report import _within_round_figure, _within_round_lines, within_round
+    from trustbatch.lab.report import within_round
+    from trustbatch.lab.report.figures import within_round_figure
+    from trustbatch.lab.report.tables import within_round_lines
 
     def rec(step, j, ess, g):
         return {"step": step, "opt_step": j, "ess": ess, "grad_norm": g}
@@ -309,17 +312,17 @@ def test_within_round_means_are_hand_worked_per_step_index(tmp_path):
     assert mean == pytest.approx([2.0, 4.5]) and se == pytest.approx([1.0, 1.5])
     assert within_round([a], "grad_norm")[1:] == ([3.0, 6.0], [0.0, 0.0])  # one seed: no spread to show
     assert within_round([{"steps": []}], "ess") == ([], [], [])
-    lines = _within_round_lines({"p3o": [a, b], "onpolicy": [{"steps": []}]})
+    lines = within_round_lines({"p3o": [a, b], "onpolicy": [{"steps": []}]})
     assert lines[2] == "- p3o: ESS 1.000, 0.850; gradient norm 2.00, 4.50"
     assert not any("onpolicy" in x for x in lines)
-    assert _within_round_lines({"onpolicy": [{"steps": []}]}) == []
+    assert within_round_lines({"onpolicy": [{"steps": []}]}) == []
     # a key missing at step 2 of 3: the values keep their own step indices
     gap = {"steps": [rec(1, 0, 1.0, 2.0), rec(1, 1, 0.9, 4.0), {"step": 1, "opt_step": 2, "ess": 0.8}]}
     assert within_round([gap], "grad_norm")[:2] == ([1, 2], [2.0, 4.0])
     gap["steps"][1].pop("grad_norm")
     assert within_round([gap], "grad_norm")[:2] == ([1], [2.0])
     gap["steps"].append({"step": 1, "opt_step": 2, "grad_norm": 5.0})
-    assert "gradient norm 1: 2.00, 3: 5.00" in _within_round_lines({"g": [gap]})[2]
-    assert _within_round_figure("x", {"onpolicy": [{"steps": []}]}, tmp_path) is None
-    f = _within_round_figure("x", {"onpolicy": [{"steps": []}], "p3o": [a, b]}, tmp_path)
+    assert "gradient norm 1: 2.00, 3: 5.00" in within_round_lines({"g": [gap]})[2]
+    assert within_round_figure("x", {"onpolicy": [{"steps": []}]}, tmp_path) is None
+    f = within_round_figure("x", {"onpolicy": [{"steps": []}], "p3o": [a, b]}, tmp_path)
     assert f == "x_within_round.png" and (tmp_path / f).stat().st_size > 1000

@@ -129,6 +129,24 @@ def test_ray_actors_at_k0_write_the_sync_metrics_through_a_resume(tmp_path, cach
     _assert_ray_gone(ray, watch)
 
 
+@pytest.mark.ray
+def test_ray_actors_in_deterministic_order_write_the_process_workers_metrics_through_a_resume(tmp_path, cache):
+    # issue 39: at k = 2 with two workers, batch b is sampled by version max(0, b − 2) whatever carries it, and a
+    # resume reloads the two older versions' weights from the checkpoint
+    ray = pytest.importorskip("ray", reason=SKIP_REASON)
+    base = TINY + SIGNAL + ["eval.every=100", "rollout.mode=async", "rollout.max_staleness=2", "rollout.workers=2"]
+    train(load_config(None, base + ["train.steps=5", f"run_dir={tmp_path / 'procs'}"]))
+    with _Watch() as watch:
+        train(load_config(None, base + RAY + ["train.steps=3", f"run_dir={tmp_path / 'ray'}"]))
+        train(resume=str(tmp_path / "ray"), overrides=["train.steps=5"])
+    procs, viaray = records(tmp_path / "procs"), records(tmp_path / "ray")
+    assert [r["behaviour_version"] for r in procs[1:]] == [0, 0, 0, 1, 2]
+    viaray[3] = {k: v for k, v in viaray[3].items() if not k.startswith("heldout_")}  # the first segment's end
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in procs] == \
+           [{k: v for k, v in r.items() if k not in TIMING} for r in viaray]
+    _assert_ray_gone(ray, watch)
+
+
 def _swap_in_recording_sgd(learner):
     from grad_probe import sgd_recording_grads
 

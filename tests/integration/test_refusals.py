@@ -47,7 +47,7 @@ def test_async_key_in_sync_mode_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("override", ["rollout.max_staleness=3", "rollout.max_staleness=auto", "rollout.workers=2",
-                                      "rollout.worker_timeout_s=30"])
+                                      "rollout.worker_timeout_s=30", "rollout.async_order=latest"])
 def test_each_async_only_key_is_refused_in_sync_mode(override):
     key = override.split("=")[0]
     for mode in ([], ["rollout.mode=sync"]):

@@ -129,7 +129,7 @@ class _Pool:
     # prompt -> rewards of its samples (the greedy completion is sample 0)
     REWARDS = {0: [1.0, 1.0], 1: [1.0, 0.0], 2: [0.0, 0.0], 3: [0.25, 0.75]}
 
-    def score(self, completions, references):
+    def score(self, completions, references, **_):
         rewards = [self.REWARDS[int(c.split(":")[0])][int(c.split(":")[1])] for c in completions]
         return SimpleNamespace(rewards=rewards, errors=0, timeouts=0, unscored=0)
 

@@ -17,8 +17,8 @@ from trustbatch.recipes import train
 from trustbatch.trainer import checkpoint as ckpt_mod
 from trustbatch.trainer.checkpoint import load_latest
 
-from runproc import (cache, descendants, n_records, one_line, outlived, resume_args, run, snapshot, start,  # noqa: F401
-                     survivors, train_args, wait_until, weights)
+from runproc import (cache, descendants, n_records, one_line, outlived, resume_args, run,  # noqa: F401
+                     signal_and_wait, snapshot, start, survivors, train_args, wait_until, weights)
 from test_resume import QUICK, _cli
 
 LONG = ["train.steps=100000", "reward.workers=2"]  # runs until the test stops it
@@ -74,12 +74,8 @@ def test_sigterm_stops_with_one_line_and_the_run_resumes(tmp_path, cache):
         wait_until(proc, lambda: n_records(run_dir) >= 3, "round 2")
         tree = descendants(proc.pid)
         assert len(tree) >= 2
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = (tmp_path / "run.log.err").read_text()
+        rc, err = signal_and_wait(proc, signal.SIGTERM, tmp_path / "run.log")
     assert rc == 130, err[-3000:]  # documented in cli.main: Ctrl-C and SIGTERM exit 130
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     line = one_line(err)

@@ -54,6 +54,18 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
                             preexec_fn=lambda: os.nice(5))
 
 
+def signal_and_wait(proc: subprocess.Popen, sig: int, log: Path, timeout: float = 60) -> tuple[int, str]:
+    """Send ``sig`` to ``proc`` (started by ``start`` with ``log``) and wait for it, killing it if it outlives
+    ``timeout``; returns (exit code, its stderr)."""
+    try:
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc, Path(f"{log}.err").read_text()
+
+
 def run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 

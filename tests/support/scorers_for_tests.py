@@ -51,3 +51,29 @@ def hang_once(completion: str, reference: str) -> float:
             while True:
                 time.sleep(3600)
     return digit_fraction(completion, reference)
+
+
+def column_bonus(prompts, completions, bonus, **columns):
+    """TRL's batch form: the data row's ``bonus`` column, for every completion (a reward only the data can give)."""
+    return [float(b) for b in bonus]
+
+
+def contains_answer(prompts, completions, reference, **columns):
+    """TRL's batch form: 1 when the completion contains the gold answer, 0.25 when the prompt mentions it."""
+    return [1.0 if r in c else 0.25 if r in p else 0.0 for p, c, r in zip(prompts, completions, reference)]
+
+
+def batch_wrong_length(prompts, completions, **columns):
+    return [1.0, 1.0]
+
+
+def even_length(completion: str, reference: str) -> float:
+    """1 for a completion of an even number of characters, else 0: a 0/1 reward with spread for any policy (its
+    mean is pass@1)."""
+    return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+def hang_always(completion: str, reference: str) -> float:
+    """Never returns: a run scoring in-process with it stays in its base's evaluation, before any checkpoint."""
+    while True:
+        time.sleep(3600)

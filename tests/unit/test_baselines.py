@@ -233,7 +233,7 @@ def test_every_objective_is_covered_by_a_gradient_check():
 def test_gradcheck_float64(name):
     lp, blp, adv, m = _batch(21, B=2, T=4, spread=0.3)
     lp = lp.detach().requires_grad_(True)
-    kw = {"proximal_logprobs": blp + 0.1} if name in objectives.NEEDS_PROXIMAL else {}
+    kw = {"proximal_logprobs": blp + 0.1} if objectives.spec(name).needs_proximal else {}
     assert torch.autograd.gradcheck(lambda x: OBJ(name)(x, blp, adv, m, check_finite=False, **kw).loss, (lp,), eps=1e-6, atol=1e-7)
 
 
@@ -280,7 +280,7 @@ def test_stop_gradient_objectives_match_finite_differences_of_their_surrogate(na
     lp, blp, adv, m = _batch(21, B=2, T=4, spread=0.3)
     x0 = lp.detach()
     prox = blp + 0.1
-    kw = {"proximal_logprobs": prox} if name in objectives.NEEDS_PROXIMAL else {}
+    kw = {"proximal_logprobs": prox} if objectives.spec(name).needs_proximal else {}
     if name == "gspo":
         kw.update(eps_low=0.2, eps_high=0.2)
     x = x0.clone().requires_grad_(True)

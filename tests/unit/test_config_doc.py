@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_page_is_what_the_models_generate():
     page = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
-    assert page == config_doc.render(), f"docs/config.md is out of date with config.py; run `{config_doc.COMMAND}`"
+    assert page == config_doc.render(), f"docs/config.md is out of date with trustbatch.config; run `{config_doc.COMMAND}`"
 
 
 def test_every_key_has_a_description():

@@ -185,13 +185,13 @@ def test_tost_with_equal_differences_everywhere():
 
 
 def test_report_says_a_match_at_an_unresolved_margin_is_no_difference_found():
-    from trustbatch.lab.report import _equivalence_lines
+    from trustbatch.lab.report.tables import equivalence_lines
     from trustbatch.lab.stats import Equivalence
 
     wide = Equivalence("a", "b", 6, 0.001, 0.012, 0.02, 0.025, 0.001, 0.0125)  # resolvable ±0.025 > ±0.02
     narrow = Equivalence("a", "c", 6, 0.001, 0.005, 0.02, 0.010, 0.001, 0.0125)
-    lines = _equivalence_lines([(wide, True), (narrow, True)])
+    lines = equivalence_lines([(wide, True), (narrow, True)])
     assert "±0.010 to ±0.025" in lines[0]
     assert lines[2].endswith("read it as 'no difference found', not as equivalence.") and "beyond it" in lines[2]
     assert lines[3].endswith("**equivalent within ±0.02**.")
-    assert _equivalence_lines([]) == []
+    assert equivalence_lines([]) == []

@@ -63,3 +63,44 @@ def test_cap_weight_removed_is_the_batch_ratio_over_micro_batches(tiny):
     for micro in (6, 2, 1):
         _, metrics = _grads(model, b, micro=micro)
         assert metrics["cap_weight_removed"] == pytest.approx(want, rel=1e-6), micro  # ρ is float32 in the objective
+
+
+def test_grpo_zeroed_share_is_logged_only_with_diagnostics(tiny):
+    """GRPO's clip diagnostic runs only when asked (train.diagnostics): absent by default, and with it on, the share
+    of valid tokens with A > 0 and ρ > 1 + ε or A < 0 and ρ < 1 − ε (ρ = π_θ/π_b), counted by hand over the batch."""
+    from trustbatch.policy.forward import response_logprobs
+
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    _, plain = _grads(model, b, micro=2)
+    assert not [k for k in plain if k.startswith("grpo_zeroed")]
+    learner = Learner(copy.deepcopy(model), "p3o", micro_batch_size=2, lr=0.0, diagnostics=True)
+    got = learner.step(b)
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, b.packed)
+    m = b.packed.response_mask
+    rho = (logp - b.behavior_logprobs).exp()[m]
+    adv = b.advantages[:, None].expand_as(m)[m]
+    for eps in (0.2, 0.4):
+        want = float((((adv > 0) & (rho > 1 + eps)) | ((adv < 0) & (rho < 1 - eps))).double().mean())
+        assert got[f"grpo_zeroed_{eps}"] == pytest.approx(want, abs=1e-12), eps
+    assert 0 < got["grpo_zeroed_0.2"]  # the batch is off-policy enough for the clip to zero some tokens
+    assert {k: v for k, v in got.items() if not k.startswith("grpo_zeroed")}.keys() == plain.keys()
+
+
+def test_stop_before_ends_train_on_before_that_optimizer_step(tiny):
+    """The hook sees each step's mini-batch before the step; True there ends train_on without that step."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    learner = Learner(copy.deepcopy(model), "p3o", lr=1e-3, epochs=2, minibatches=2)
+    seen = []
+
+    def stop_before(opt_step, mini_batch):
+        seen.append((opt_step, len(mini_batch)))
+        return opt_step == 3
+
+    out = learner.train_on(b, stop_before=stop_before)
+    assert [s for s, _ in seen] == [0, 1, 2, 3] and sum(n for _, n in seen[:2]) == len(b)  # an epoch covers the batch
+    assert learner.version == 3 and out["optimizer_steps"] == 3.0 and len(learner.step_records) == 3

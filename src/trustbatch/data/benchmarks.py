@@ -1,10 +1,13 @@
-"""Benchmarks and training data from local JSONL files: GSM8K, MATH/MATH-500, AIME, AMC, Countdown, any JSONL.
+"""Benchmarks and training data from local files: GSM8K, MATH/MATH-500, AIME, AMC, Countdown, any rows.
+
+Files are JSON Lines, or Parquet, JSON or a saved ``datasets`` directory (``data.files``); the rows of each go
+through the same format detection and field mapping.
 
 The format is detected from the first row's fields, or named:
 - ``gsm8k``: ``question`` and ``answer`` ending in ``#### N`` (openai/grade-school-math);
 - ``math``: ``problem`` and ``answer`` (MATH-500, AIME, AMC; a ``solution`` is used as the SFT demonstration);
 - ``countdown``: ``input`` (comma-separated numbers) and ``output`` (the target) (TinyZero / d1);
-- ``jsonl``: any rows, with ``prompt_field`` and ``answer_field`` named by the user (math reward by default).
+- ``jsonl``: any rows (of any file type), with ``prompt_field`` and ``answer_field`` named by the user (math reward by default).
 
 Each format brings its prompt instruction and its default reward. Names such as ``gsm8k`` or
 ``math500`` resolve to ``DATA_DIR/<name>/test.jsonl`` (``--data-dir`` or ``$TRUSTBATCH_DATA``);
@@ -20,6 +23,7 @@ earlier row's is skipped, counted (``Benchmark.duplicates``) and reported by a w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import UserError
+from .files import is_table, read_table
 from .tasks import Example
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -45,6 +50,11 @@ KNOWN = {  # benchmark name -> file under the data directory
     "countdown": "countdown/test.jsonl",
 }
 log = logging.getLogger("trustbatch.data")
+
+# Completion budgets (tokens) that fit each benchmark's answers, from peers' training configs: verl's GRPO examples
+# for GSM8K (examples/grpo_trainer/run_qwen2-7b.sh, data.max_response_length=512) and for GSM8K + MATH
+# (run_qwen2-7b_math.sh, 1024), and verl's DAPO recipe, validated on AIME 2024 (max_response_length=1024 * 20)
+ANSWER_TOKENS = {"gsm8k": 512, "math": 1024, "aime": 20480, "amc": 20480}
 
 
 @dataclass
@@ -86,13 +96,18 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
 
 
 def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_field: str | None = None) -> Example:
-    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration.
+    """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration,
+    and the row's fields as ``columns`` (for batch-form reward functions).
 
     Raises:
         UserError: a missing, null or empty prompt or answer, or an answer the format cannot read
             (GSM8K without ``#### N`` or with an empty last ``####``, Countdown numbers that are not
             integers). The message does not name the file; ``load_benchmark`` adds it.
     """
+    return dataclasses.replace(_example(row, fmt, prompt_field, answer_field), columns=dict(row))
+
+
+def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
     from ..rewards.countdown import solve
     from ..rewards.gsm8k import after_last_hashes, gsm8k_answer
     from ..rewards.math_answer import gold_text
@@ -137,10 +152,33 @@ def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_fiel
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
 
 
+def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
+    """Which long-answer benchmark (a key of ``ANSWER_TOKENS``) a data file holds, or None.
+
+    GSM8K by its row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
+    first row only. A file that cannot be read or whose format is unknown gives None (loading it says why).
+    """
+    try:
+        path = resolve(name_or_path, data_dir)
+        if format == "auto":
+            with open(path, "rb") as f:
+                first = next((line for line in f if line.strip()), b"")
+            format = detect_format(json.loads(first))
+    except (UserError, OSError, ValueError, TypeError):
+        return None
+    if format == "gsm8k":
+        return "gsm8k"
+    if format != "math":
+        return None
+    named = f"{name_or_path} {path}".lower()
+    return next((k for k in ("aime", "amc") if k in named), "math")
+
+
 def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
-    """A benchmark name (``gsm8k``, ``math500``, ``aime2024``, ``amc2023``, ``countdown``) or a file path → the file."""
+    """A benchmark name (``gsm8k``, ``math500``, ``aime2024``, ``amc2023``, ``countdown``), a file path or a
+    ``datasets`` directory → the path."""
     p = Path(name_or_path).expanduser()
-    if p.is_file():
+    if p.is_file() or p.is_dir():
         return p
     if name_or_path in KNOWN:
         root = data_dir or os.environ.get("TRUSTBATCH_DATA")
@@ -202,7 +240,7 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
     row's is skipped and counted in ``duplicates``, with a warning on the ``trustbatch.data`` logger.
 
     Raises:
-        UserError: missing file, a line that is not UTF-8 or not JSON, unknown format, a missing,
+        UserError: missing file, a line that is not UTF-8 or not JSON, a table that does not read (``data.files``), unknown format, a missing,
             null or empty field, an unreadable answer; one line naming the file and line.
     """
     if name_or_path.startswith("hf:"):
@@ -210,8 +248,9 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
         name, source = name_or_path, name_or_path
     else:
         path = resolve(name_or_path, data_dir)
-        rows = _read_rows(path)
-        name = name_or_path if name_or_path in KNOWN else path.parent.name if path.stem in ("test", "train") else path.stem
+        rows = read_table(path) if is_table(path) else _read_rows(path)
+        stem = path.name if path.is_dir() else path.stem
+        name = name_or_path if name_or_path in KNOWN else path.parent.name if stem in ("test", "train") else stem
         source = str(path)
     fmt = format
     if fmt == "auto":

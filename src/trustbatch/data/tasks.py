@@ -54,11 +54,20 @@ def chain_sum_steps(expression: str) -> str:
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt. ``reference`` is what the scorer compares against (for reasoning-gym, the entry as JSON)."""
+    """One prompt. ``reference`` is what the scorer compares against (for reasoning-gym, the entry as JSON).
+
+    ``columns``: every field of the data row it came from (empty for generated tasks), which a batch-form reward
+    function receives by name (``rewards.scorers.BatchForm``).
+    """
 
     prompt: str
     reference: str
     answer: str  # the SFT demonstration: the gold answer text, or worked steps ending in it (STEPS_TASKS)
+    columns: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def context(self) -> dict:
+        """What a batch-form reward function is told about this prompt: its text and its data row's fields."""
+        return {**self.columns, "prompt": self.prompt}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from .sampling import sample_and_score
 
 def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, samples_per_prompt: int,
                      temperature: float, max_new_tokens: int, check=None,
-                     max_failure_rate: float | None = None) -> dict[str, float]:
+                     max_failure_rate: float | None = None, keep_samples: int = 0) -> dict:
     """Score ``samples_per_prompt`` sampled completions and one greedy completion per held-out prompt.
 
     Returns ``heldout_accuracy`` (mean reward of the samples: the pass@1 estimate at ``temperature``,
@@ -17,6 +17,8 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
     standard deviation of the per-prompt mean rewards over √P; NaN for one prompt), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
     ``heldout_greedy_accuracy``, ``heldout_reward_errors`` and ``heldout_reward_timeouts``.
     ``check`` and ``max_failure_rate`` judge each scoring call as a rollout round's (``sample_and_score``).
+    With ``keep_samples`` > 0 the dict also holds ``samples``: a list of ``{"prompt", "completion", "reward"}``, the
+    first sampled completion of each of the first ``keep_samples`` prompts (the same prompts at every call).
 
     Raises:
         UserError: from ``check`` (the scorer failed on more than ``reward.max_failure_rate`` of a call).
@@ -24,10 +26,10 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
     n = samples_per_prompt
     rule = dict(check=check, max_failure_rate=max_failure_rate)
     s = sample_and_score(policy, engine, examples, pool, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                         chunk_prompts=max(1, 512 // n), **rule)
+                         chunk_prompts=max(1, 512 // n), keep_samples=keep_samples, **rule)
     g = sample_and_score(policy, engine, examples, pool, n=1, temperature=1.0, max_new_tokens=max_new_tokens,
                          greedy=True, chunk_prompts=512, **rule)
-    return {
+    out = {
         "heldout_accuracy": s.reward_mean,
         "heldout_accuracy_se": s.reward_se,
         f"heldout_pass@{n}": s.pass_at(n)[0],
@@ -35,3 +37,6 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
         "heldout_reward_errors": float(s.reward_errors + g.reward_errors),
         "heldout_reward_timeouts": float(s.reward_timeouts + g.reward_timeouts),
     }
+    if keep_samples > 0:
+        out["samples"] = s.samples
+    return out

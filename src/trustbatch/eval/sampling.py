@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..data import Example
@@ -24,6 +24,7 @@ class Scored:
     response_tokens: float  # mean completion length
     truncated_fraction: float
     reward_se: float = math.nan  # standard error over prompts of the per-prompt mean reward (NaN when P = 1)
+    samples: list[dict] = field(default_factory=list)  # ``keep_samples`` of them: prompt, completion, reward
 
     def pass_at(self, k: int) -> tuple[float, float]:
         """(mean over prompts of the unbiased pass@k, its standard error over prompts).
@@ -40,7 +41,7 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
                      max_new_tokens: int, greedy: bool = False, chunk_prompts: int = 64,
                      on_progress: Callable[[int], None] | None = None,
                      check: Callable[[ScoreResult, int], None] | None = None,
-                     max_failure_rate: float | None = None) -> Scored:
+                     max_failure_rate: float | None = None, keep_samples: int = 0) -> Scored:
     """Generate ``n`` completions per example (greedy: one) and score them with ``pool`` (a RewardPool).
 
     A sample counts as correct when its reward is ≥ 0.5, so partial-credit scorers (reasoning-gym
@@ -50,6 +51,9 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     ``check(result, n)`` judges each chunk's scoring as a rollout round's is judged (``recipes.build.scoring_check``:
     a warning on any failure, a UserError past ``reward.max_failure_rate``); with ``max_failure_rate`` (the
     check's rate) the pool stops scoring a chunk as soon as the check's refusal is certain.
+    ``keep_samples``: ``Scored.samples`` holds the first sample of each of the first ``keep_samples`` prompts
+    (``{"prompt", "completion", "reward"}``), the same prompts at every call, so a run's samples can be read side
+    by side across evaluations.
 
     Raises:
         UserError: from ``check``.
@@ -60,13 +64,15 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     n = 1 if greedy else n
     sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, greedy=greedy)
     correct: list[int] = []
+    kept: list[dict] = []
     prompt_means: list[float] = []
     total, tokens, truncated, errors, timeouts = 0.0, 0, 0, 0, 0
     for s in range(0, len(examples), chunk_prompts):
         part = examples[s:s + chunk_prompts]
         ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
-        res = pool.score([policy.decode(x.completion_ids) for x in ro], [part[x.prompt_index].reference for x in ro],
-                         **stop)
+        completions = [policy.decode(x.completion_ids) for x in ro]
+        res = pool.score(completions, [part[x.prompt_index].reference for x in ro],
+                         contexts=[part[x.prompt_index].context() for x in ro], **stop)
         if check is not None:
             check(res, len(res.rewards))
         if res.unscored:
@@ -76,6 +82,8 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         total += sum(res.rewards)
         tokens += sum(len(x.completion_ids) for x in ro)
         truncated += sum(x.truncated for x in ro)
+        for i in range(min(len(part), keep_samples - len(kept))):
+            kept.append({"prompt": part[i].prompt, "completion": completions[i * n], "reward": float(res.rewards[i * n])})
         for i in range(len(part)):
             correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= 0.5))
             prompt_means.append(sum(res.rewards[i * n:(i + 1) * n]) / n)
@@ -83,7 +91,8 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
             on_progress(min(s + chunk_prompts, len(examples)))
     m = n * len(examples)
     return Scored(n=n, correct=correct, reward_mean=total / m, reward_errors=errors, reward_timeouts=timeouts,
-                  response_tokens=tokens / m, truncated_fraction=truncated / m, reward_se=_standard_error(prompt_means))
+                  response_tokens=tokens / m, truncated_fraction=truncated / m, reward_se=_standard_error(prompt_means),
+                  samples=kept)
 
 
 def _standard_error(xs: list[float]) -> float:

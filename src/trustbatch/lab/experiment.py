@@ -1,6 +1,6 @@
 """An experiment: named arms (config overrides) × seeds, on top of the lab's common settings.
 
-YAML form (see examples/lab/)::
+YAML form (the bundled experiments: ``trustbatch/lab/experiments/*.yaml``, package data)::
 
     description: one line on what the experiment asks
     common: {rollout.temperature: 1.2}        # applied to every arm (dotted keys)
@@ -25,6 +25,8 @@ dose the strength of the shift (in the order the arms list them). An arm without
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
@@ -36,8 +38,8 @@ from ..errors import UserError
 # (the paper's recipe; replay overrides it), held-out pass@1 from the 256 default prompts × 8 samples
 # at five points (rounds 0, 25, 50, 75, 100), and 6 seeds each with its own SFT base (``model.seed``
 # follows the seed). 64 prompts per round, not 32: at 32 the on-policy reference neither gained nor
-# collapsed in 100 rounds at lr 3e-4 and lost ground at 1e-3 (examples/lab/collapse_check.yaml); at 64
-# and 3e-4 it gains (examples/lab/calibrate_batch.yaml). A run takes about 2.2 min on one thread.
+# collapsed in 100 rounds at lr 3e-4 and lost ground at 1e-3 (experiments/collapse_check.yaml); at 64
+# and 3e-4 it gains (experiments/calibrate_batch.yaml). A run takes about 2.2 min on one thread.
 LAB_COMMON: dict = {
     "train.steps": 100,
     "rollout.prompts_per_step": 64,
@@ -45,9 +47,9 @@ LAB_COMMON: dict = {
     "eval.samples_per_prompt": 8,
     "checkpoint_every": 25,
     "threads": 1,
+    "train.diagnostics": True,  # the report's GRPO clip share (grpo_zeroed_*) on every arm's own data
 }
 LAB_SEEDS = [0, 1, 2, 3, 4, 5]
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[3] / "examples" / "lab"
 
 
 @dataclass
@@ -107,16 +109,26 @@ class Experiment:
                 for k, v in merged.items()]
 
 
-def resolve_experiment(name_or_path: str) -> Path:
-    """A YAML path, or the name of one of the bundled experiments under examples/lab/."""
+def bundled_experiments() -> dict[str, Traversable]:
+    """{name: file} of the experiments shipped with the package (``trustbatch/lab/experiments/*.yaml``, read
+    through ``importlib.resources``, so an installed wheel has them as a checkout does)."""
+    folder = resources.files(__package__).joinpath("experiments")
+    return {f.name.removesuffix(".yaml"): f for f in folder.iterdir() if f.name.endswith(".yaml")}
+
+
+def resolve_experiment(name_or_path: str) -> Path | Traversable:
+    """A YAML path, or the name of one of the bundled experiments (``bundled_experiments``).
+
+    Raises:
+        UserError: neither a file nor a bundled experiment's name (names the bundled ones).
+    """
     p = Path(name_or_path)
     if p.is_file():
         return p
-    q = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
-    if q.is_file():
-        return q
-    known = sorted(x.stem for x in EXPERIMENTS_DIR.glob("*.yaml")) if EXPERIMENTS_DIR.is_dir() else []
-    raise UserError(f"no experiment {name_or_path!r}: give a YAML file or one of {', '.join(known) or '(none found)'}")
+    bundled = bundled_experiments()
+    if name_or_path in bundled:
+        return bundled[name_or_path]
+    raise UserError(f"no experiment {name_or_path!r}: give a YAML file or one of {', '.join(sorted(bundled)) or '(none found)'}")
 
 
 def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experiment:
@@ -125,8 +137,9 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     Raises:
         UserError: a missing file, a malformed experiment or an invalid arm config.
     """
-    path = resolve_experiment(name_or_path)
-    spec = read_yaml_file(path, what="experiment") or {}
+    # a bundled experiment is a plain file in an installed package; as_file copies it out only from a zip
+    with resources.as_file(resolve_experiment(name_or_path)) as path:
+        spec = read_yaml_file(path, what="experiment") or {}
     if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
         raise UserError(f"experiment {str(path)!r} needs an 'arms' mapping of arm name -> overrides")
     common = {**LAB_COMMON, **(spec.get("common") or {})}

@@ -54,6 +54,7 @@ from ..config import Config, load_config
 from ..errors import UserError
 
 EPSILONS = (0.2, 0.4)  # GRPO's usual clip and the paper's for its temperature and FP8 runs
+PROBED = "p3o"  # the objective whose gradient is compared with GRPO's
 CONTROL_COSINE = 0.99  # above it (at every ε) and ...
 CONTROL_ZEROED = 0.01  # ... under this share zeroed (at every ε): the objectives compute the same update
 CONTROL_LABEL = "control"  # no difference expected: a no-difference control, not a test of the claim
@@ -166,7 +167,7 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
         ess = RatioStats.from_logprobs(logp, batch.behavior_logprobs, mask).ess()[0]
         valid = mask.bool()
         gap = (logp.double() - batch.behavior_logprobs.double())[valid].abs()
-    g_p3o, _ = learner_gradient(model, batch, "p3o", p3o_options, micro_batch_size=micro_batch_size,
+    g_p3o, _ = learner_gradient(model, batch, PROBED, p3o_options, micro_batch_size=micro_batch_size,
                                 ess_scope=ess_scope)
     zeroed, cos, ratio = {}, {}, {}
     for eps in epsilons:
@@ -230,19 +231,14 @@ class _Quiet:
 
 def _last_step_batch(learner, batch):
     """Run ``learner.train_on(batch)`` but its last optimizer step; return the batch that step would see."""
+    last = learner.epochs * learner.minibatches - 1
     seen = []
-    real_step = learner.step
-    steps = learner.epochs * learner.minibatches
 
-    def step(mb):
-        seen.append(mb)
-        return real_step(mb) if len(seen) < steps else {}
+    def stop_before(opt_step, mini_batch):
+        seen.append(mini_batch)
+        return opt_step == last
 
-    learner.step = step
-    try:
-        learner.train_on(batch)
-    finally:
-        del learner.step  # the instance attribute hid the method
+    learner.train_on(batch, stop_before=stop_before)
     return seen[-1]
 
 
@@ -289,9 +285,10 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         measured = _last_step_batch(parts.learner, batch)
         versions = measured.behaviour_versions()
         age = parts.learner.version - int(versions.min()) if versions.numel() else 0
-        p3o_opts = cfg.objective.options if cfg.objective.name == "p3o" else {}
-        scope = cfg.train.ess_scope if cfg.objective.name == "p3o" else "batch"
-        res = probe_batch(policy.model, measured, p3o_options=p3o_opts, ess_scope=scope,
+        # an arm that trains the probed objective has it probed as it trains it; other arms get its defaults
+        own = cfg.objective.name == PROBED
+        res = probe_batch(policy.model, measured, p3o_options=cfg.objective.options if own else {},
+                          ess_scope=cfg.train.ess_scope if own else "batch",
                           micro_batch_size=cfg.train.micro_batch_size)
     finally:
         if parts is not None:

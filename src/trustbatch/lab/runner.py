@@ -14,6 +14,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -149,6 +150,16 @@ def _stop(running: list, grace_s: float = 60.0) -> None:
     running.clear()
 
 
+@dataclass
+class _Tally:
+    """One call's runs so far: updated as runs start and end, so that a Ctrl-C or SIGTERM still stops the ones
+    ``running`` and records how many started and which failed."""
+
+    started: int = 0
+    failed: list[str] = field(default_factory=list)
+    running: list[tuple[Run, str, int]] = field(default_factory=list)
+
+
 def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -> dict:
     """Run every (arm, seed) not yet done, ``jobs`` at a time. Returns {"done", "failed", "wall_s"} (this call's,
     base builds included).
@@ -162,17 +173,50 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
     as interrupted before KeyboardInterrupt propagates.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .report.provenance import git_commit
 
     console = console or Console()
     root = out / exp.name
     root.mkdir(parents=True, exist_ok=True)
-    from .report import git_commit
-
     t_call = time.time()
     commit, command = git_commit(), f"trustbatch lab run {exp.source or exp.name} --out {out} --jobs {jobs}"
     if exp.selected is not None:
         command += f" --arms {','.join(exp.selected)}"
+    _write_spec(exp, root, commit, command)
+    todo = exp.runs
+    t0 = None
+    tally = _Tally()
+    interrupted = True
+    # SIGTERM (a scheduler, `kill`) is handled as Ctrl-C: the runs are stopped with the runner, never orphaned
+    restore = _sigterm_as_interrupt()
+    try:
+        build_shared_base(exp, console, jobs=jobs)
+        t0 = time.time()
+        _run_all(exp, root, todo, jobs, console, tally)
+        interrupted = False
+    except KeyboardInterrupt as e:
+        if str(e):
+            raise
+        # not the recorded command: it omits --seeds, and a resume must name the same seeds
+        raise KeyboardInterrupt("interrupted; finished runs are kept, and the same `trustbatch lab run` command "
+                                "resumes the others from their last checkpoints") from None
+    finally:
+        _stop(tally.running)
+        restore()
+        # recorded even when interrupted (Ctrl-C, a failed build): its time was spent all the same
+        end = time.time()
+        record_call(root, {"start": t_call, "end": end, "build_s": round((t0 or end) - t_call, 1),
+                           "seeds": list(exp.seeds), "tune_seeds": list(exp.tune_seeds),
+                           "arms": sorted({a for a, _ in todo}), "runs_started": tally.started, "failed": tally.failed,
+                           "interrupted": interrupted, "commit": commit, "command": command})
+    wall = end - t_call
+    return {"done": len(todo) - len(tally.failed), "failed": tally.failed, "wall_s": wall}
+
+
+def _write_spec(exp: Experiment, root: Path, commit: str, command: str) -> None:
+    """Write ``root/experiment.yaml``: the experiment as this call runs it, its seeds joined with those of the
+    earlier calls into this folder."""
     seeds = list(exp.seeds)
     if (root / "experiment.yaml").exists():  # seeds added in a later call join the earlier ones
         try:
@@ -186,56 +230,33 @@ def run_experiment(exp: Experiment, out: Path, *, jobs: int = 2, console=None) -
          **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}),
          **({"registered": exp.registered} if exp.registered else {}), "commit": commit,
          "command": command}, sort_keys=False))
-    todo = exp.runs
-    t0 = None
-    started = 0
-    failed: list[str] = []
-    interrupted = True
-    running: list[tuple[Run, str, int]] = []
-    # SIGTERM (a scheduler, `kill`) is handled as Ctrl-C: the runs are stopped with the runner, never orphaned
-    restore = _sigterm_as_interrupt()
-    try:
-        build_shared_base(exp, console, jobs=jobs)
-        t0 = time.time()
-        with Progress(TextColumn(f"[bold]lab {exp.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console) as progress:
-            bar = progress.add_task("runs", total=len(todo))
-            queue = list(todo)
-            while queue or running:
-                while queue and len(running) < jobs:
-                    arm, seed = queue.pop(0)
-                    run_dir = root / arm / f"seed{seed}"
-                    cmd = _command(exp, arm, seed, run_dir)
-                    if cmd is None:
-                        progress.advance(bar)
-                        continue
-                    started += 1
-                    running.append((Run(cmd, run_dir.parent / f"seed{seed}.log"), arm, seed))
-                time.sleep(0.5)
-                for item in list(running):
-                    proc, arm, seed = item
-                    if proc.poll() is None:
-                        continue
-                    running.remove(item)
+
+
+def _run_all(exp: Experiment, root: Path, todo: list[tuple[str, int]], jobs: int, console, tally: _Tally) -> None:
+    """Train or resume each run of ``todo`` not yet done, ``jobs`` processes at a time, with a progress bar; a
+    failed run is printed and added to ``tally.failed``, the others go on."""
+    from ..trainer.progress import progress_display
+
+    with progress_display(console, f"lab {exp.name}", lines=len(todo)) as progress:  # a line per run off a terminal
+        bar = progress.add_task(f"lab {exp.name}: runs", total=len(todo))
+        queue = list(todo)
+        while queue or tally.running:
+            while queue and len(tally.running) < jobs:
+                arm, seed = queue.pop(0)
+                run_dir = root / arm / f"seed{seed}"
+                cmd = _command(exp, arm, seed, run_dir)
+                if cmd is None:
                     progress.advance(bar)
-                    if proc.returncode != 0:
-                        failed.append(f"{arm}/seed{seed}")
-                        console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")
-        interrupted = False
-    except KeyboardInterrupt as e:
-        if str(e):
-            raise
-        # not the recorded command: it omits --seeds, and a resume must name the same seeds
-        raise KeyboardInterrupt("interrupted; finished runs are kept, and the same `trustbatch lab run` command "
-                                "resumes the others from their last checkpoints") from None
-    finally:
-        _stop(running)
-        restore()
-        # recorded even when interrupted (Ctrl-C, a failed build): its time was spent all the same
-        end = time.time()
-        record_call(root, {"start": t_call, "end": end, "build_s": round((t0 or end) - t_call, 1),
-                           "seeds": list(exp.seeds), "tune_seeds": list(exp.tune_seeds),
-                           "arms": sorted({a for a, _ in todo}), "runs_started": started, "failed": failed,
-                           "interrupted": interrupted, "commit": commit, "command": command})
-    wall = end - t_call
-    return {"done": len(todo) - len(failed), "failed": failed, "wall_s": wall}
+                    continue
+                tally.started += 1
+                tally.running.append((Run(cmd, run_dir.parent / f"seed{seed}.log"), arm, seed))
+            time.sleep(0.5)
+            for item in list(tally.running):
+                proc, arm, seed = item
+                if proc.poll() is None:
+                    continue
+                tally.running.remove(item)
+                progress.advance(bar)
+                if proc.returncode != 0:
+                    tally.failed.append(f"{arm}/seed{seed}")
+                    console.print(f"[red]{arm} seed {seed} failed (exit {proc.returncode}); see {root / arm / f'seed{seed}.log'}[/red]")

@@ -26,7 +26,7 @@ those runs was made at a commit that descends from it (each archived run's commi
   changed no other verdict; the short-task loss is one it changed.) ``Paired.verdict_fixed_before_runs`` gives
   the verdict without it, and the report prints that beside each "both collapse".
 - **Equivalence** (``21f970c``, issue 38; **post hoc** for every archived Lab II experiment, written after
-  all of them had been seen; fixed before the runs of ``examples/lab/confirm_fp8.yaml``): the two one-sided tests
+  all of them had been seen; fixed before the runs of ``lab/experiments/confirm_fp8.yaml``): the two one-sided tests
   (TOST, Schuirmann 1987) at the experiment's Bonferroni level α/m. The design's **resolvable margin** is the
   smallest δ at which TOST has ``POWER`` (80 %) to show equivalence when the true difference is 0:
   δ_min = (t_{1 − α/m, n−1} + t_{1 − (1 − POWER)/2, n−1}) · sd(d)/√n, the usual sample-size relation for

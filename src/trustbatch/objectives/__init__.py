@@ -10,7 +10,8 @@ masked token mean unless ``aggregation=`` says otherwise. Formulas and sources:
 docs/design/objectives.md and each function's docstring.
 
 Each objective declares at registration what the caller must supply (``spec(name)``: needs_proximal,
-batch_stats, ess_scopes) and how its user options are checked (``validate_options``). Importing
+batch_stats, ess_scopes), how its user options are checked (``validate_options``) and how each of its
+metrics reduces over micro-batches and ranks (``spec(name).metrics``, ``objectives.metrics``). Importing
 this package imports torch and nothing else heavy (torch.distributed only when all-reducing).
 """
 
@@ -20,18 +21,15 @@ from ._common import AGGREGATIONS, ESS_SCOPES, ObjectiveOutput, aggregate
 from .clipped import cispo, dapo, decoupled_ppo, grpo, gspo, ppo_clip_per_token, reinforce  # registers them
 from .corrections import CORRECTIONS, correction_weights
 from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
+from .metrics import MAX, SUM, TOKEN_MEAN, MetricReducer, RatioOf
 from .p3o import CAP_RTOL, p3o, p3o_two_anchor  # registers them
 from .ratio_stats import RatioStats
 from .registry import (TENSOR_INPUTS, TRAINER_SUPPLIED, Objective, ObjectiveSpec, Opt, get, names, register, spec,
                        validate_options)
 
-# Derived from the specs, for code that has not switched to spec(name) yet.
-USES_BATCH_ESS = frozenset(n for n in names() if spec(n).batch_stats)
-NEEDS_PROXIMAL = frozenset(n for n in names() if spec(n).needs_proximal)
-
 __all__ = [
-    "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "NEEDS_PROXIMAL", "TENSOR_INPUTS",
-    "TRAINER_SUPPLIED", "USES_BATCH_ESS", "Objective", "ObjectiveOutput", "ObjectiveSpec", "Opt", "RatioStats",
-    "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
+    "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "MAX",
+    "SUM", "TENSOR_INPUTS", "TOKEN_MEAN", "TRAINER_SUPPLIED", "MetricReducer", "Objective", "ObjectiveOutput",
+    "ObjectiveSpec", "Opt", "RatioOf", "RatioStats", "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
     "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "validate_options",
 ]

@@ -21,11 +21,14 @@ of *kept* tokens (which needs ``old_logprobs`` for the whole batch before the fi
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ._common import (DEFAULT_LOG_RATIO_CLIP, ObjectiveOutput, Prepared, add_regularizers, aggregate, finish, prepare,
                       ratio_metrics)
 from .corrections import REJECTING, correction_weights
+from .metrics import CORRECTION_METRICS, TOKEN_MEAN
 from .registry import CORRECTION_OPTIONS, FLAG, NONNEG, number, register
 
 _CORRECTION_KEYS = ("old_logprobs", *CORRECTION_OPTIONS)
@@ -99,13 +102,19 @@ def ppo_clip_per_token(
     return loss, clipped
 
 
+ZEROED_EPS = (0.2, 0.4)  # GRPO's usual clip and the P3O paper's
+# grpo_zeroed_shares' metrics, each a share of one call's valid tokens
+GRPO_ZEROED_METRICS = {f"grpo_zeroed_{e}": TOKEN_MEAN for e in ZEROED_EPS}
+
+
 def grpo_zeroed_shares(
     logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    eps: tuple[float, ...] = (0.2, 0.4),
+    eps: tuple[float, ...] = ZEROED_EPS,
 ) -> dict[str, float]:
     """Share of valid tokens whose gradient GRPO's symmetric clip at each ε would zero, for any objective.
 
-    A diagnostic logged at every optimizer step, so the lab can see how far a P3O run's data sits
+    A diagnostic the learner logs at every optimizer step when asked (``train.diagnostics``, which the
+    lab sets; reduced as ``GRPO_ZEROED_METRICS`` declares), so the lab can see how far a P3O run's data sits
     from where a clipped objective would have stopped learning: token t counts when A > 0 and
     ρ > 1 + ε, or A < 0 and ρ < 1 − ε, with ρ = π_θ/π_b (``ppo_clip_per_token``'s zero-gradient mask;
     arXiv 1707.06347 Eq. 7).
@@ -126,24 +135,43 @@ def grpo_zeroed_shares(
         return {f"grpo_zeroed_{e}": float((ppo_clip_per_token(ratio, adv, e, e, None)[1] & valid).sum()) / n for e in eps}
 
 
-def _clipped_objective(
-    name: str, logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options
-) -> ObjectiveOutput:
-    old_logprobs, corr = _split_correction(options)
+def _surrogate(name: str, logprobs, behavior_logprobs, advantages, mask, options: dict,
+               per_token: Callable[[Prepared, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor | None]], *,
+               corrections: bool = True) -> ObjectiveOutput:
+    """The skeleton every objective of this module shares; ``per_token`` is what differs.
+
+    Inputs are prepared (``_common.prepare``), the shared ratio metrics taken against π_b, π_old and the
+    mismatch correction's weight w resolved from ``options`` (``_old_and_weight``); then
+    ``per_token(prep, log π_old, metrics)`` returns the surrogate's per-token loss [B, T] and the tokens
+    whose gradient its clip removes (None: no clip; ``clip_fraction`` then stays the shared metric's).
+    The loss is w·ℓ plus the regularisers, aggregated as ``options`` say. ``corrections=False``: an
+    objective without the correction options (they stay unknown options, refused by ``prepare``).
+    """
+    old_logprobs, corr = _split_correction(options) if corrections else (None, {})
     prep = prepare(name, logprobs, behavior_logprobs, advantages, mask, options)
     metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
     prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
-    c = prep.opts.log_ratio_clip
-    ratio = (prep.logprobs - old).clamp(-c, c).exp()
-    per_token, clipped = ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
+    loss_t, clipped = per_token(prep, old, metrics)
     if w is not None:
-        per_token = per_token * w
-    per_token = add_regularizers(per_token, prep, metrics)
-    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics, prep)
+        loss_t = loss_t * w
+    loss_t = add_regularizers(loss_t, prep, metrics)
+    if clipped is not None:
+        metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
+    return finish(aggregate(loss_t, prep), metrics, prep)
 
 
-@register("grpo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS})
+def _ppo_clip(eps_low: float, eps_high: float, dual_clip: float | None):
+    """GRPO's per-token term on r = π_θ/π_old, for ``_surrogate``."""
+
+    def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
+        c = prep.opts.log_ratio_clip
+        ratio = (prep.logprobs - old).clamp(-c, c).exp()
+        return ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
+
+    return per_token
+
+
+@register("grpo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS}, metrics=CORRECTION_METRICS)
 def grpo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
     dual_clip: float | None = None, **options,
@@ -159,24 +187,26 @@ def grpo(
     Extra options: ``old_logprobs`` [B, T] and ``correction`` (see the module docstring).
     Shapes, errors and common options as ``trustbatch.objectives.p3o``.
     """
-    return _clipped_objective("grpo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
+    return _surrogate("grpo", logprobs, behavior_logprobs, advantages, mask, options,
+                      _ppo_clip(eps_low, eps_high, dual_clip))
 
 
-@register("dapo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS})
+@register("dapo", options={**_PPO_OPTIONS, **CORRECTION_OPTIONS}, metrics=CORRECTION_METRICS)
 def dapo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
-    dual_clip: float | None = None, **options,
+    dual_clip: float | None = None, aggregation: str = "token_mean", **options,
 ) -> ObjectiveOutput:
     """DAPO preset (arXiv 2503.14476; docs/design/objectives.md §3.3): clip-higher (0.2, 0.28) and a token-level mean.
 
     Dynamic sampling and overlong shaping live on the data side (``trustbatch.advantages``).
     """
-    options.setdefault("aggregation", "token_mean")
-    return _clipped_objective("dapo", logprobs, behavior_logprobs, advantages, mask, eps_low, eps_high, dual_clip, options)
+    return _surrogate("dapo", logprobs, behavior_logprobs, advantages, mask, {**options, "aggregation": aggregation},
+                      _ppo_clip(eps_low, eps_high, dual_clip))
 
 
 @register("decoupled_ppo", needs_proximal=True,
-          options={**_PPO_OPTIONS, "behavior_weight_cap": number(gt=0, none_ok=True)})
+          options={**_PPO_OPTIONS, "behavior_weight_cap": number(gt=0, none_ok=True)},
+          metrics={"behavior_weight_capped": TOKEN_MEAN, "behavior_weight_mean": TOKEN_MEAN})
 def decoupled_ppo(
     logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs: torch.Tensor,
     eps_low: float = 0.2, eps_high: float = 0.2, behavior_weight_cap: float | None = None,
@@ -191,23 +221,23 @@ def decoupled_ppo(
     Args:
         proximal_logprobs: [B, T] log π_prox (no gradient): the policy at the start of the epoch.
     """
-    prep = prepare("decoupled_ppo", logprobs, behavior_logprobs, advantages, mask, options)
-    prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
-    c = prep.opts.log_ratio_clip
-    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    w = (prox - prep.behavior_logprobs).clamp(-c, c).exp()
-    if behavior_weight_cap is not None:
-        metrics["behavior_weight_capped"] = ((w > behavior_weight_cap) & prep.mask).sum() / prep.count.clamp_min(1.0)
-        w = w.clamp(max=behavior_weight_cap)
-    ratio = (prep.logprobs - prox).clamp(-c, c).exp()
-    per_token, clipped = ppo_clip_per_token(ratio, prep.advantages, eps_low, eps_high, dual_clip)
-    per_token = add_regularizers(per_token * w, prep, metrics)
-    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
-    metrics["behavior_weight_mean"] = (w * prep.maskf).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics, prep)
+    def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
+        prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
+        c = prep.opts.log_ratio_clip
+        w = (prox - prep.behavior_logprobs).clamp(-c, c).exp()
+        if behavior_weight_cap is not None:
+            metrics["behavior_weight_capped"] = ((w > behavior_weight_cap) & prep.mask).sum() / prep.count.clamp_min(1.0)
+            w = w.clamp(max=behavior_weight_cap)
+        metrics["behavior_weight_mean"] = (w * prep.maskf).sum() / prep.count.clamp_min(1.0)
+        loss_t, clipped = _ppo_clip(eps_low, eps_high, dual_clip)(prep, prox, metrics)
+        return loss_t * w, clipped
+
+    return _surrogate("decoupled_ppo", logprobs, behavior_logprobs, advantages, mask, options, per_token,
+                      corrections=False)
 
 
-@register("cispo", options={"eps_low": number(ge=0, none_ok=True), "eps_high": NONNEG, **CORRECTION_OPTIONS})
+@register("cispo", options={"eps_low": number(ge=0, none_ok=True), "eps_high": NONNEG, **CORRECTION_OPTIONS},
+          metrics=CORRECTION_METRICS)
 def cispo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float | None = None, eps_high: float = 4.0,
     **options,
@@ -218,23 +248,18 @@ def cispo(
     paper effectively uses; the default upper bound 1 + 4 = 5. Supports ``old_logprobs`` and
     ``correction`` like ``grpo``.
     """
-    old_logprobs, corr = _split_correction(options)
-    prep = prepare("cispo", logprobs, behavior_logprobs, advantages, mask, options)
-    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
-    c = prep.opts.log_ratio_clip
-    r = (prep.logprobs.detach() - old).clamp(-c, c).exp()
-    low = 0.0 if eps_low is None else 1.0 - eps_low
-    high = 1.0 + eps_high
-    per_token = -r.clamp(low, high) * prep.advantages * prep.logprobs
-    if w is not None:
-        per_token = per_token * w
-    per_token = add_regularizers(per_token, prep, metrics)
-    metrics["clip_fraction"] = (((r > high) | (r < low)) & prep.mask).sum() / prep.count.clamp_min(1.0)
-    return finish(aggregate(per_token, prep), metrics, prep)
+    def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
+        c = prep.opts.log_ratio_clip
+        r = (prep.logprobs.detach() - old).clamp(-c, c).exp()
+        low = 0.0 if eps_low is None else 1.0 - eps_low
+        high = 1.0 + eps_high
+        return -r.clamp(low, high) * prep.advantages * prep.logprobs, (r > high) | (r < low)
+
+    return _surrogate("cispo", logprobs, behavior_logprobs, advantages, mask, options, per_token)
 
 
-@register("gspo", options={"eps_low": NONNEG, "eps_high": NONNEG, **CORRECTION_OPTIONS})
+@register("gspo", options={"eps_low": NONNEG, "eps_high": NONNEG, **CORRECTION_OPTIONS},
+          metrics={**CORRECTION_METRICS, "seq_ratio_mean": TOKEN_MEAN})
 def gspo(
     logprobs, behavior_logprobs, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
     aggregation: str = "seq_mean_token_mean", **options,
@@ -247,27 +272,21 @@ def gspo(
     equals the GSPO sequence objective when the advantage is constant over a sequence.
     Supports ``old_logprobs`` and ``correction`` like ``grpo``.
     """
-    options["aggregation"] = aggregation
-    old_logprobs, corr = _split_correction(options)
-    prep = prepare("gspo", logprobs, behavior_logprobs, advantages, mask, options)
-    metrics = ratio_metrics(prep, prep.clamped_log_ratio().detach().exp())
-    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
-    c = prep.opts.log_ratio_clip
-    lens = prep.maskf.sum(1, keepdim=True).clamp_min(1.0)
-    seq_lr = ((prep.logprobs.detach() - old) * prep.maskf).sum(1, keepdim=True) / lens
-    s = seq_lr.clamp(-c, c).exp()
-    s_tok = s * torch.exp(prep.logprobs - prep.logprobs.detach())
-    per_token, clipped = ppo_clip_per_token(s_tok, prep.advantages, eps_low, eps_high, None)
-    if w is not None:
-        per_token = per_token * w
-    per_token = add_regularizers(per_token, prep, metrics)
-    metrics["clip_fraction"] = (clipped & prep.mask).sum() / prep.count.clamp_min(1.0)
-    rows = prep.mask.any(1, keepdim=True)
-    metrics["seq_ratio_mean"] = (s * rows).sum() / rows.sum().clamp_min(1)  # over non-empty rows
-    return finish(aggregate(per_token, prep), metrics, prep)
+    def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
+        c = prep.opts.log_ratio_clip
+        lens = prep.maskf.sum(1, keepdim=True).clamp_min(1.0)
+        seq_lr = ((prep.logprobs.detach() - old) * prep.maskf).sum(1, keepdim=True) / lens
+        s = seq_lr.clamp(-c, c).exp()
+        rows = prep.mask.any(1, keepdim=True)
+        metrics["seq_ratio_mean"] = (s * rows).sum() / rows.sum().clamp_min(1)  # over non-empty rows
+        s_tok = s * torch.exp(prep.logprobs - prep.logprobs.detach())
+        return ppo_clip_per_token(s_tok, prep.advantages, eps_low, eps_high, None)
+
+    return _surrogate("gspo", logprobs, behavior_logprobs, advantages, mask, {**options, "aggregation": aggregation},
+                      per_token)
 
 
-@register("reinforce", options={"importance_weight": FLAG, **CORRECTION_OPTIONS})
+@register("reinforce", options={"importance_weight": FLAG, **CORRECTION_OPTIONS}, metrics=CORRECTION_METRICS)
 def reinforce(
     logprobs, behavior_logprobs, advantages, mask, *, importance_weight: bool = True, **options,
 ) -> ObjectiveOutput:
@@ -277,15 +296,9 @@ def reinforce(
     ``importance_weight=False`` the weight is 1 (on-policy REINFORCE). A reference for the others:
     P3O on on-policy data equals this (docs/design/objectives.md §1.2 Limits).
     """
-    old_logprobs, corr = _split_correction(options)
-    prep = prepare("reinforce", logprobs, behavior_logprobs, advantages, mask, options)
-    ratio = prep.clamped_log_ratio().detach().exp()
-    metrics = ratio_metrics(prep, ratio)
-    prep, old, w = _old_and_weight(prep, old_logprobs, corr, metrics)
-    c = prep.opts.log_ratio_clip
-    weight = (prep.logprobs.detach() - old).clamp(-c, c).exp() if importance_weight else torch.ones_like(ratio)
-    per_token = -weight * prep.advantages * prep.logprobs
-    if w is not None:
-        per_token = per_token * w
-    per_token = add_regularizers(per_token, prep, metrics)
-    return finish(aggregate(per_token, prep), metrics, prep)
+    def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
+        c = prep.opts.log_ratio_clip
+        weight = (prep.logprobs.detach() - old).clamp(-c, c).exp() if importance_weight else torch.ones_like(old)
+        return -weight * prep.advantages * prep.logprobs, None
+
+    return _surrogate("reinforce", logprobs, behavior_logprobs, advantages, mask, options, per_token)

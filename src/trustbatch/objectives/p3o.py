@@ -24,6 +24,7 @@ from ._common import (ESS_SCOPES, ObjectiveOutput, Prepared, _check_finite, add_
                       finish, prepare, ratio_metrics)
 from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
 from .ratio_stats import RatioStats
+from .metrics import SUM, TOKEN_MEAN, RatioOf
 from .registry import choice, register
 
 # A token counts as capped (``cap_fraction``) only when the cap changes its weight by more than this
@@ -34,6 +35,11 @@ from .registry import choice, register
 CAP_RTOL = 1e-4
 _KL = choice(sorted(KL_ESTIMATORS) + list(FULL_KL_ESTIMATORS))
 _FULL_WHEN = {"kl": FULL_KL_ESTIMATORS}
+# policy_loss and kl_loss are aggregated with the caller's global num_tokens/num_sequences, like the loss;
+# ess_fallback counts calls
+_P3O_METRICS = {"cap_fraction": TOKEN_MEAN, "cap_removed_weight": TOKEN_MEAN, "score_weight": TOKEN_MEAN,
+                "cap_weight_removed": RatioOf("cap_removed_weight", "score_weight"), "kl_weight": TOKEN_MEAN,
+                "policy_loss": SUM, "kl_loss": SUM, "ess_fallback": SUM}
 # |logsumexp| beyond this at a valid position means the input is not a log-softmax (float32 log-softmax
 # over 1e5 entries is normalised to ~1e-5).
 _NORM_TOL = 1e-3
@@ -149,7 +155,8 @@ def _resolve_ess(
     return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
 
 
-@register("p3o", batch_stats=("ess",), ess_scopes=ESS_SCOPES, options={"kl": _KL}, full_logprobs_when=_FULL_WHEN)
+@register("p3o", batch_stats=("ess",), ess_scopes=ESS_SCOPES, options={"kl": _KL}, full_logprobs_when=_FULL_WHEN,
+          metrics=_P3O_METRICS)
 def p3o(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -243,7 +250,7 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
         cap_fraction=((ratio > e * (1.0 + CAP_RTOL)) & prep.mask).sum() / n,
         cap_weight_removed=removed / full_sf.clamp_min(torch.finfo(torch.float64).tiny),  # 0 ≤ removed ≤ full_sf: 0/tiny = 0
         # the two parts as token means, so that a learner can reduce them over micro-batches and ranks
-        # exactly and divide once (``trainer.learner._RATIO_METRICS``)
+        # exactly and divide once (declared RatioOf in _P3O_METRICS)
         cap_removed_weight=removed / n, score_weight=full_sf / n,
         kl_behavior=(kl_t.detach() * prep.maskf).sum() / n,
         kl_weight=1.0 - e_mean,
@@ -263,7 +270,8 @@ def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
 
 
 @register("p3o_two_anchor", needs_proximal=True, batch_stats=("ess", "ess_proximal"), options={"kl": _KL},
-          full_logprobs_when=_FULL_WHEN)
+          full_logprobs_when=_FULL_WHEN,
+          metrics={**_P3O_METRICS, "ess_behavior": TOKEN_MEAN, "ess_proximal": TOKEN_MEAN})
 def p3o_two_anchor(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Mapping
 from ._common import AGGREGATIONS, ESS_SCOPES, MAX_LOG_RATIO_CLIP, CommonOptions, ObjectiveOutput
 from .corrections import CORRECTIONS, SEQ_REDUCES
 from .kl import KL_ESTIMATORS
+from .metrics import SHARED_METRICS, Reduction, declare
 
 Objective = Callable[..., ObjectiveOutput]
 BATCH_STATS = ("ess", "ess_proximal")
@@ -132,6 +133,10 @@ class ObjectiveSpec:
         all [B, T, V]), e.g. {"kl": ("exact",)}.
     takes_kl_exact: the function also takes ``kl_exact=``, the per-token exact KL [B, T] (with gradient)
         in place of those full inputs (read from the signature at registration).
+    metrics: every metric the function reports -> how it reduces over micro-batches and ranks
+        (``objectives.metrics``: SUM, TOKEN_MEAN, MAX or RatioOf; ``SHARED_METRICS`` added).
+    defaults: the function's keyword defaults (read from the signature), the only place an objective's
+        option defaults live.
     """
 
     name: str
@@ -143,6 +148,7 @@ class ObjectiveSpec:
     defaults: Mapping[str, object] = field(default_factory=dict, repr=False)
     full_logprobs_when: Mapping[str, tuple] = field(default_factory=dict)
     takes_kl_exact: bool = False
+    metrics: Mapping[str, Reduction] = field(default_factory=lambda: dict(SHARED_METRICS), repr=False)
 
     def full_logprobs_cause(self, options: Mapping) -> str | None:
         """The option setting (e.g. "kl='exact'") that needs full distributions, or None."""
@@ -167,21 +173,24 @@ _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = False,
              batch_stats: tuple[str, ...] = (), ess_scopes: tuple[str, ...] = ("batch",),
-             options: Mapping[str, Opt] | None = None, full_logprobs_when: Mapping[str, Iterable] | None = None):
+             options: Mapping[str, Opt] | None = None, full_logprobs_when: Mapping[str, Iterable] | None = None,
+             metrics: Mapping[str, Reduction] | None = None):
     """Register ``fn`` as objective ``name``; usable as ``@register(name, ...)``. Returns ``fn``.
 
     ``options`` must declare an ``Opt`` for every keyword parameter of ``fn`` that users may set
     (keywords in ``TRAINER_SUPPLIED`` need none), plus any option ``fn`` reads from ``**options``.
     ``full_logprobs_when`` maps an option to the values that need full distributions; ``fn`` must then
     take ``logprobs_full`` and ``behavior_logprobs_full`` (and ``proximal_logprobs_full`` if needs_proximal),
-    and may take ``kl_exact`` (the per-token KL in their place).
+    and may take ``kl_exact`` (the per-token KL in their place). ``metrics`` declares how each metric
+    ``fn`` reports beyond ``SHARED_METRICS`` reduces (``objectives.metrics``).
 
     Raises:
         ValueError: a taken name; an unknown batch statistic or scope; a declaration that ``fn``'s
             signature cannot honour (needs_proximal without a ``proximal_logprobs`` keyword, full
             distributions without their keywords or for an undeclared option value, a
             batch statistic that is not a keyword, extra scopes without ``ess_scope``); a keyword
-            parameter without an option check.
+            parameter without an option check; an unknown metric reduction, or one that contradicts
+            ``SHARED_METRICS``.
     """
 
     def _add(f: Objective) -> Objective:
@@ -220,9 +229,10 @@ def register(name: str, fn: Objective | None = None, *, needs_proximal: bool = F
                     bad(f"full_logprobs_when {k}={values} must name choices of a declared choice option")
         elif "kl_exact" in params:
             bad("a kl_exact keyword needs full_logprobs_when (the option values that use it)")
+        reductions = declare(name, metrics)
         defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
         _REGISTRY[name] = ObjectiveSpec(name, f, needs_proximal, tuple(batch_stats), tuple(ess_scopes),
-                                        {**COMMON_OPTIONS, **decl}, defaults, full, "kl_exact" in params)
+                                        {**COMMON_OPTIONS, **decl}, defaults, full, "kl_exact" in params, reductions)
         return f
 
     return _add(fn) if fn is not None else _add

@@ -1,9 +1,11 @@
 """Rollout workers in spawned processes on this machine: the process transport of ``pipeline.async_source``.
 
-After each round the learner copies its state into one shared-memory copy of the named tensors and bumps a
-shared version (``ProcessTransport.push``); a worker loads them with its engine's ``load_weights`` before each
-batch when the version moved. Workers claim batch indices from a shared counter and evaluate the capacity rule
-themselves, so one that finishes while the learner trains starts the next allowed batch at once.
+After each round the learner copies its state into a shared-memory copy of the named tensors, the slot of the
+round it asks for next (``ProcessTransport.push``): one slot in latest order, ``ahead + 1`` (the rounds that
+may still sample a batch) in deterministic order. A worker loads its batch's slot (the newest, or round
+``behaviour_round(j, ahead, floor)``'s) with its engine's ``load_weights`` when the version differs from the
+one it holds. Workers claim batch indices from a shared counter and evaluate the capacity rule themselves, so
+one that finishes while the learner trains starts the next allowed batch at once.
 
 The rules (batch order, capacity bound, drop rule, restarts, metrics) are ``BoundedSource``'s. Process workers
 ignore Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close`` stops and reaps them.
@@ -20,18 +22,21 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from ..pipeline.async_source import BoundedSource, Message, describe_error
-from ..pipeline.staleness import may_start
-from ..pipeline.weight_sync import named_weights
+from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
+from ..pipeline.staleness import behaviour_round, may_start
+from ..pipeline.weight_sync import Stateless, named_weights
 from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
 
 
 class _Shared:
-    """The state learner and workers share: weights, versions, the capacity gate, the batch counter."""
+    """The state learner and workers share: weight slots by round, the capacity gate, the batch counter."""
 
-    def __init__(self, ctx, model: torch.nn.Module, version: int, n_workers: int, k: int):
-        self.weights = {name: t.detach().clone().share_memory_() for name, t in named_weights(model)}
-        self.version = ctx.Value("q", version, lock=False)
+    def __init__(self, ctx, model: torch.nn.Module, version: int, n_workers: int, k: int, slots: int):
+        self.weights = [{name: t.detach().clone().share_memory_() for name, t in named_weights(model)}
+                        for _ in range(slots)]
+        self.slot_round = ctx.Array("q", [-1] * slots, lock=False)  # the round whose weights each slot holds
+        self.slot_version = ctx.Array("q", [version] * slots, lock=False)
+        self.floor = ctx.Value("q", 0, lock=False)  # the oldest round held (staleness.behaviour_round)
         self.weights_lock = ctx.Lock()
         self.requested = ctx.Value("q", 0, lock=False)  # the batch index the learner asks for now
         self.k = ctx.Value("q", k, lock=False)  # the current staleness bound, in versions
@@ -43,7 +48,21 @@ class _Shared:
         self.stop = ctx.Event()
 
 
-def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, first: int, parent: int) -> None:
+def _slot_for(j: int, shared: _Shared, ahead: int | None) -> int:
+    """The slot whose weights sample batch ``j`` (under ``weights_lock``); −1: its round's slot already holds a
+    later round, so batch ``j`` has been trained on (a restarted worker's duplicate) and is not made."""
+    if ahead is None:
+        return 0
+    want = behaviour_round(j, ahead, shared.floor.value)
+    slot = want % len(shared.weights)
+    held = shared.slot_round[slot]
+    if held < want:  # the learner publishes round b before it lets batch b + ahead start
+        raise RuntimeError(f"batch {j} started before the weights of round {want} were published")
+    return slot if held == want else -1
+
+
+def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, ahead: int | None, first: int,
+                 parent: int) -> None:
     from ..processes import die_with_parent
 
     die_with_parent(parent)
@@ -53,7 +72,7 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
     except BaseException as e:  # report why, then exit: the learner raises it
         shared.out.put(("error", wid, -1, describe_error(e)))
         return
-    j = first
+    j, loaded = first, None  # the version this worker's engine holds; None: the model directory's (load once)
     try:
         while not shared.stop.is_set():
             if j < 0:
@@ -66,8 +85,13 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
             if shared.stop.is_set():
                 break
             with shared.weights_lock:
-                if shared.version.value != worker.version:
-                    worker.load_weights(shared.weights.items(), shared.version.value)
+                slot = _slot_for(j, shared, ahead)
+                if slot >= 0 and shared.slot_version[slot] != loaded:
+                    loaded = shared.slot_version[slot]
+                    worker.load_weights(shared.weights[slot].items(), loaded)
+            if slot < 0:
+                j = -1
+                continue
             shared.started[wid] = time.time()
             batch, metrics = worker.make_batch(j)
             # plain pickle copies the tensors into the message: torch's queue pickler would pass them as
@@ -81,7 +105,7 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
         worker.close()
 
 
-class ProcessTransport:
+class ProcessTransport(Stateless):
     """Rollout workers in spawned processes on this machine; weights and gate in shared memory.
 
     Args:
@@ -90,32 +114,63 @@ class ProcessTransport:
         version: the learner's policy version now.
         workers: processes (one torch thread each).
         steps_per_round: optimizer steps per batch, for the capacity rule.
+        ahead: deterministic order (``async_source.order_ahead``): keep ``ahead + 1`` rounds' weights, one
+            shared copy of the policy each; None: one copy, the newest.
 
     The bound starts at 0 (nothing runs ahead) until the first ``request`` sets it.
     """
 
     def __init__(self, spec: WorkerSpec, model: torch.nn.Module, *, version: int, workers: int,
-                 steps_per_round: int):
+                 steps_per_round: int, ahead: int | None = None):
         self.ctx = mp.get_context("spawn")
-        self.spec, self.n, self.m = spec, workers, steps_per_round
-        self.shared = _Shared(self.ctx, model, version, workers, 0)
+        self.spec, self.n, self.m, self.ahead = spec, workers, steps_per_round, ahead
+        self.shared = _Shared(self.ctx, model, version, workers, 0, 1 if ahead is None else ahead + 1)
         self.procs: list = [None] * workers
         self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
+        self.requested = 0
+        self._preloaded: dict = {}
 
     def _start(self, wid: int, first: int = -1) -> None:
-        p = self.ctx.Process(target=_worker_main, args=(wid, self.spec, self.shared, self.m, first, os.getpid()),
+        p = self.ctx.Process(target=_worker_main, args=(wid, self.spec, self.shared, self.m, self.ahead, first,
+                                                        os.getpid()),
                              daemon=False, name=f"trustbatch-rollout-{wid}")  # it owns a reward pool
         p.start()
         self.procs[wid] = p
 
+    def _put(self, round_: int, version: int, weights) -> None:
+        """Round ``round_``'s weights into its slot (under ``weights_lock``)."""
+        slot = round_ % len(self.shared.weights)
+        for name, t in weights:
+            self.shared.weights[slot][name].copy_(t)
+        self.shared.slot_round[slot] = round_
+        self.shared.slot_version[slot] = version
+
     def start(self, first_index: int) -> None:
-        self.shared.next_index.value = first_index
+        sh = self.shared
+        with sh.weights_lock:  # every slot holds the first weights; the first round is the newest
+            sh.slot_round[first_index % len(sh.weights)] = first_index
+            floor = first_index
+            for r in range(first_index - 1, first_index - len(sh.weights), -1):
+                if r not in self._preloaded:
+                    break
+                version, state = self._preloaded[r]
+                self._put(r, version, state.items())
+                floor = r
+            sh.floor.value = floor
+        self.requested = sh.requested.value = sh.next_index.value = first_index
         for wid in range(self.n):
             self._start(wid)
 
     def request(self, b: int, k: int) -> None:
-        self.shared.k.value = k
-        self.shared.requested.value = b
+        sh = self.shared
+        with sh.weights_lock:
+            slot, prev = b % len(sh.weights), (b - 1) % len(sh.weights)
+            if sh.slot_round[slot] != b:  # no push since round b − 1 (a batch skipped or dropped): its weights
+                if slot != prev:
+                    self._put(b, sh.slot_version[prev], sh.weights[prev].items())
+                sh.slot_round[slot] = b
+        sh.k.value = k
+        self.requested = sh.requested.value = b  # after the weights: a worker may start batch b + ahead now
 
     def poll(self, timeout_s: float) -> Message | None:
         try:
@@ -147,11 +202,22 @@ class ProcessTransport:
         return f"exited with code {p.exitcode}"
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        """Copy the state into shared memory, then publish the version (under the lock workers load under)."""
+        """Copy the state into the next round's slot (under the lock workers load under). Its previous round
+        samples no batch still to make: the batches up to the one just trained on are all made."""
         with self.shared.weights_lock:
-            for name, t in named_weights(model):
-                self.shared.weights[name].copy_(t)
-            self.shared.version.value = version
+            self._put(self.requested + 1, version, named_weights(model))
+
+    def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+        sh, out = self.shared, {}
+        with sh.weights_lock:
+            for r in rounds:
+                slot = r % len(sh.weights)
+                if sh.slot_round[slot] == r:
+                    out[r] = (int(sh.slot_version[slot]), {n: t.clone() for n, t in sh.weights[slot].items()})
+        return out
+
+    def preload(self, snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
+        self._preloaded = dict(snapshots)
 
     def close(self) -> None:
         self.shared.stop.set()
@@ -174,6 +240,8 @@ class AsyncSource(BoundedSource):
         max_staleness: k in policy versions, or "auto" (``StalenessController``, starting at 1).
         steps_per_round: optimizer steps the learner takes per batch (epochs × minibatches).
         worker_timeout_s: a worker that has been making the awaited batch this long is restarted.
+        async_order: "deterministic" (batch b sampled by round ``b − floor(k / steps_per_round)``'s weights;
+            ``staleness.behaviour_round``) or "latest" (the newest weights when a worker starts it).
 
     Raises:
         UserError: from ``next_batch``, when a worker fails for a reason the user must fix (a scorer
@@ -181,9 +249,10 @@ class AsyncSource(BoundedSource):
     """
 
     def __init__(self, spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_staleness: int | str = 0,
-                 steps_per_round: int = 1, worker_timeout_s: float = 300.0):
+                 steps_per_round: int = 1, worker_timeout_s: float = 300.0, async_order: str = "deterministic"):
         model_dir = save_worker_model(spec, policy)
         transport = ProcessTransport(spec, policy.model, version=version, workers=workers,
-                                     steps_per_round=steps_per_round)
+                                     steps_per_round=steps_per_round,
+                                     ahead=order_ahead(async_order, max_staleness, steps_per_round))
         super().__init__(transport, max_staleness=max_staleness, worker_timeout_s=worker_timeout_s,
                          model_dir=model_dir)

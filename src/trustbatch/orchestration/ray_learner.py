@@ -135,6 +135,9 @@ class RayLearnerGroup:
         self.ray = ray = import_ray()
         self.model, self.version, self.n = model, version, ranks
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []
+        # the ranks' per-step log-ratios stay in their actors: no hook (``Learner.on_step_ratios``)
+        self.on_step_ratios = None
+        self.sharded = False  # each rank holds the whole module (DDP)
         self.step_records: list[dict[str, float]] = []  # rank 0's, as ``Learner.step_records``
         self.actors: list = []
         self._weights: tuple[int, object] | None = None  # (version, rank 0's named tensors in the object store)

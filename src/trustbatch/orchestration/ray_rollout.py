@@ -8,9 +8,10 @@ as for spawned processes; only the transport differs:
 
 - Weights: ``push`` puts the learner's named tensors into Ray's object store once per version
   (``ray.put``), or takes the object learner rank 0 already returned for that version
-  (``weights_from``); an actor whose version is behind gets a ``load_weights`` call with that reference
-  before its next batch, so it fetches the tensors from the object store itself (from another node
-  if it runs there), and only when it needs them.
+  (``weights_from``); ``request(b)`` records the newest object as round ``b``'s. An actor that holds
+  another version than its batch's (the newest, or round ``behaviour_round(j, ahead, floor)``'s in
+  deterministic order) gets a ``load_weights`` call with that reference before the batch, so it fetches
+  the tensors from the object store itself (from another node if it runs there), and only when it needs them.
 - Batches: the driver hands batch ``j`` to an idle actor when the capacity rule allows it
   (``may_start``), one batch per actor at a time; results come back through the object store.
   Unlike a spawned process, which claims its next batch by itself, an actor that finishes while the
@@ -34,13 +35,14 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..pipeline.async_source import BoundedSource, Message, describe_error
-from ..pipeline.staleness import may_start
-from ..pipeline.weight_sync import named_weights
+from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
+from ..pipeline.staleness import behaviour_round, may_start
+from ..pipeline.weight_sync import Stateless, named_weights
 from .ray_cluster import close_actors, connect, import_ray
 from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
 
-class RayTransport:
+
+class RayTransport(Stateless):
     """Rollout workers as Ray actors (``RolloutWorker`` with ``ray.remote``, ``num_cpus=1``); see the module docstring.
 
     Args:
@@ -53,16 +55,21 @@ class RayTransport:
         address: the Ray cluster to join (``ray.init(address=...)``); None: ``RAY_ADDRESS``, a cluster
             started on this machine with ``ray start``, or else a new local one. Ignored when Ray is
             already initialised in this process.
+        ahead: deterministic order (``async_source.order_ahead``): the object store keeps the last
+            ``ahead + 1`` rounds' weights; None: the newest only.
 
     Raises:
         UserError: Ray is not installed; the cluster has fewer CPUs than ``workers``.
     """
 
     def __init__(self, spec: WorkerSpec, model: torch.nn.Module, *, version: int, workers: int,
-                 steps_per_round: int, address: str | None = None):
+                 steps_per_round: int, address: str | None = None, ahead: int | None = None):
         ray = import_ray()
         self.ray = ray
-        self.spec, self.n, self.m = spec, workers, steps_per_round
+        self.spec, self.n, self.m, self.ahead = spec, workers, steps_per_round, ahead
+        self.rounds: dict[int, tuple[int, object]] = {}  # round -> (version, weights object), deterministic order
+        self.floor = 0
+        self._preloaded: dict = {}
         # version -> the learner's own object of named tensors for it, or None (then ``push`` puts them)
         self.weights_from: Callable[[int], object] | None = None
         self.started_ray = connect(address, cpus=workers)
@@ -95,13 +102,22 @@ class RayTransport:
         self.calls[wid] = None
         self.dead[wid] = False
 
+    def _weights_for(self, j: int) -> tuple[int, object]:
+        """(version, weights object) that samples batch ``j``."""
+        if self.ahead is None:
+            return self.version, self.weights_ref
+        want = behaviour_round(j, self.ahead, self.floor)
+        # a round already let go samples only batches already trained on (a restarted actor's duplicate)
+        return self.rounds.get(want) or self.rounds[min(self.rounds)]
+
     def _submit(self, wid: int, j: int) -> None:
         actor = self.actors[wid]
         load = None
-        if self.actor_version[wid] != self.version:
+        version, ref = self._weights_for(j)
+        if self.actor_version[wid] != version:
             # the reference is resolved in the actor: it fetches the tensors from the object store
-            load = actor.load_weights.remote(self.weights_ref, self.version)
-            self.actor_version[wid] = self.version
+            load = actor.load_weights.remote(ref, version)
+            self.actor_version[wid] = version
         self.calls[wid] = (actor.make_batch.remote(j), load)  # an actor runs its calls in order
         self.held_batch[wid] = j
         self.submitted[wid] = time.time()
@@ -121,12 +137,20 @@ class RayTransport:
 
     # ---- the Transport protocol --------------------------------------------------------------------
     def start(self, first_index: int) -> None:
-        self.next_index = first_index
+        self.next_index = self.floor = first_index
+        while self.ahead is not None and first_index - self.floor < self.ahead and self.floor - 1 in self._preloaded:
+            version, state = self._preloaded[self.floor - 1]
+            self.floor -= 1
+            self.rounds[self.floor] = (version, self.ray.put(list(state.items())))
         for wid in range(self.n):
             self._new_actor(wid)
 
     def request(self, b: int, k: int) -> None:
         self.requested, self.k = b, k
+        if self.ahead is not None:
+            self.rounds.setdefault(b, (self.version, self.weights_ref))
+            for r in [r for r in self.rounds if r < b - self.ahead]:  # they sample no batch still to make
+                del self.rounds[r]
         self._dispatch()
 
     def poll(self, timeout_s: float) -> Message | None:
@@ -194,16 +218,25 @@ class RayTransport:
         self.weights_ref = ref if ref is not None else self.ray.put(list(named_weights(model)))
         self.version = version
 
+    def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+        return {r: (self.rounds[r][0], {n: t.clone() for n, t in self.ray.get(self.rounds[r][1])})
+                for r in rounds if r in self.rounds}
+
+    def preload(self, snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
+        self._preloaded = dict(snapshots)
+
     def close(self) -> None:
         close_actors(self.ray, self.actors, self.started_ray)
         self.actors = [None] * self.n
         self.calls = [None] * self.n
         self.weights_ref = None
+        self.rounds = {}
         self.started_ray = False
 
 
 def ray_source(spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_staleness: int | str = 0,
-               steps_per_round: int = 1, worker_timeout_s: float = 300.0, address: str | None = None) -> BoundedSource:
+               steps_per_round: int = 1, worker_timeout_s: float = 300.0, address: str | None = None,
+               async_order: str = "deterministic") -> BoundedSource:
     """The asynchronous rollout source with Ray actors as workers (arguments as ``process_rollout.AsyncSource``'s,
     plus ``address``, see ``RayTransport``).
 
@@ -213,7 +246,8 @@ def ray_source(spec: WorkerSpec, policy, *, version: int, workers: int = 1, max_
     model_dir = save_worker_model(spec, policy)
     try:
         transport = RayTransport(spec, policy.model, version=version, workers=workers,
-                                 steps_per_round=steps_per_round, address=address)
+                                 steps_per_round=steps_per_round, address=address,
+                                 ahead=order_ahead(async_order, max_staleness, steps_per_round))
     except BaseException:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise

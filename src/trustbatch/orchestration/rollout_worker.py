@@ -7,77 +7,54 @@ source's own ``make_batch``, so batch ``b`` is the same whichever worker makes i
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..pipeline.source import SyncSource
-from ..rollout.engine import SamplingParams
+from ..pipeline.source import SourceSpec, SyncSource
+from ..rewards.spec import RewardSpec
+from ..rollout.spec import EngineSpec
 
 
 @dataclass
 class WorkerSpec:
-    """What a rollout worker needs, as plain values (picklable, no modules).
+    """What a rollout worker needs, as plain values (picklable, no modules): the run's own specs.
 
-    model_dir: a local HF directory with the policy's architecture and tokenizer (weights arrive
-    through ``load_weights``); the rest mirrors ``SyncSource``'s arguments.
+    model_dir: a local HF directory with the policy's architecture and tokenizer (weights arrive through
+    ``load_weights``). prompts, references: the training prompts' token ids and gold answers. engine, source,
+    reward: the specs the trainer built from its config (``recipes.build``). threads: the worker's torch threads
+    (its engine's too). contexts: per prompt, for batch-form reward functions (``SyncSource``).
     """
 
     model_dir: str
     prompts: list[list[int]]
     references: list
-    reward: str
-    sampling: SamplingParams
-    group_size: int
-    prompts_per_step: int
-    seed: int
-    precision: str = "float32"
-    reward_workers: int = 0
-    reward_timeout_s: float = 10.0
-    max_failure_rate: float = 1.0
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
-    overlong_cache: int | None = None
-    advantage: str = "zscore"
-    std: str = "population"
+    engine: EngineSpec
+    source: SourceSpec
+    reward: RewardSpec
     threads: int = 1
-    engine: str = "transformers"  # or "vllm" (its own vllm.LLM in the worker's process)
-    quantization: str | None = None  # vllm engine only
-    extra: dict = field(default_factory=dict)
+    contexts: list | None = None
 
 
 class RolloutWorker:
     """Builds its own policy copy, engine and reward pool from a ``WorkerSpec``; makes batches on demand."""
 
     def __init__(self, spec: WorkerSpec):
-        from .. import rewards
         from ..policy import load_policy
-        from ..rollout import TransformersEngine
+        from ..rollout.spec import make_engine
 
         torch.set_num_threads(spec.threads)
         self.spec = spec
         policy = load_policy(spec.model_dir)
-        if spec.engine == "vllm":
-            from ..rollout.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(spec.model_dir, policy.eos_id, policy.pad_id, precision=spec.precision,
-                                     quantization=spec.quantization, seed=spec.seed, threads=spec.threads,
-                                     max_model_len=getattr(policy.model.config, "max_position_embeddings", None))
-        else:
-            self.engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision=spec.precision,
-                                             share=spec.precision == "float32")
-        self.pool = rewards.RewardPool(spec.reward, workers=spec.reward_workers, timeout_s=spec.reward_timeout_s)
-
-        def check(result, n):  # a broken scorer stops the run from the learner's side, with its message
-            rewards.check_scoring(result, n=n, scorer=spec.reward, max_failure_rate=spec.max_failure_rate,
-                                  where="a rollout worker's batch")
-
-        self.source = SyncSource(
-            self.engine, spec.prompts, spec.references, self.pool, policy.decode, sampling=spec.sampling,
-            group_size=spec.group_size, prompts_per_step=spec.prompts_per_step, pad_id=policy.pad_id,
-            seed=spec.seed, dynamic_sampling=spec.dynamic_sampling, max_sampling_rounds=spec.max_sampling_rounds,
-            overlong_cache=spec.overlong_cache, advantage=spec.advantage, std=spec.std, check_round=check)
+        self.engine = make_engine(dataclasses.replace(spec.engine, threads=spec.threads), policy,
+                                  model_dir=spec.model_dir)
+        self.pool = spec.reward.pool()
+        # a broken scorer stops the run from the learner's side, with its message
+        check = spec.reward.check(where="a rollout worker's batch")
+        self.source = SyncSource(self.engine, spec.prompts, spec.references, self.pool, policy.decode, spec.source,
+                                 pad_id=policy.pad_id, check_round=check, contexts=spec.contexts)
 
     @property
     def version(self) -> int:

@@ -3,9 +3,19 @@
 Same protocol as ``SyncSource``, so the loop cannot tell them apart. Each worker (one torch thread)
 holds a ``RolloutWorker`` (engine, reward pool, batch maker) and makes whole batches: batch ``b``'s
 prompts and random streams depend only on (seed, b), so a worker makes exactly the batch the sync
-source would, with the newest weights it has. With ``max_staleness=0`` the pipeline runs in lockstep
-and reproduces the sync source bit for bit (same threads); with k > 0 a worker starts batch ``b`` as soon
-as the capacity rule of ``pipeline.staleness`` allows, while the learner trains on earlier ones.
+source would. With ``max_staleness=0`` the pipeline runs in lockstep and reproduces the sync source bit for
+bit (same threads); with k > 0 a worker starts batch ``b`` as soon as the capacity rule of
+``pipeline.staleness`` allows, while the learner trains on earlier ones.
+
+Which weights sample batch ``b`` (``rollout.async_order``):
+
+- ``deterministic`` (the default): those of round ``b − floor(k / steps per round)``
+  (``staleness.behaviour_round``), whichever worker makes it and whenever; the transport keeps the weights
+  of the last ``ahead + 1`` rounds (``ahead = rounds_ahead(k, m)``), and a checkpoint holds the ``ahead``
+  older rounds' weights, so that a run, resumed or not, is a function of its configuration and seed.
+- ``latest``: the newest weights when the worker starts the batch; fresher on average, but which version a
+  batch gets depends on worker timing, and a resume samples the first batches with newer weights.
+  ``max_staleness=auto`` always runs so: its bound itself follows the learner's wait time.
 
 The rules exist once, here, whatever carries the batches:
 
@@ -26,13 +36,14 @@ from __future__ import annotations
 import shutil
 import time
 import traceback
+import warnings
 from typing import Protocol
 
 import torch
 
 from ..errors import UserError
 from .batch import TrainBatch
-from .staleness import StalenessController, too_stale
+from .staleness import StalenessController, rounds_ahead, too_stale
 
 
 _MAX_RESTARTS_WITHOUT_BATCH = 3  # per worker: beyond this a worker cannot start at all (a crash loop)
@@ -49,6 +60,9 @@ class Transport(Protocol):
     """
 
     n: int
+    ahead: int | None
+    """Deterministic order: batch ``j`` is sampled by round ``behaviour_round(j, ahead, floor)``'s weights;
+    None: by the newest weights (``latest``)."""
 
     def start(self, first_index: int) -> None:
         """Start all workers; the first batch to make is ``first_index`` (after a resume, not 0)."""
@@ -81,12 +95,31 @@ class Transport(Protocol):
         ...
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        """Weight sync: make ``model``'s named tensors, policy ``version``, the workers' next weights."""
+        """Weight sync: make ``model``'s named tensors, policy ``version``, the workers' next weights
+        (the weights of round ``b + 1`` after the last ``request(b)``)."""
+        ...
+
+    def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+        """The weights the transport holds for ``rounds``: {round: (policy version, {name: tensor})} (CPU copies)."""
+        ...
+
+    def preload(self, snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Before ``start``: the weights of rounds before the first (a resume's checkpoint holds them)."""
         ...
 
     def close(self) -> None:
         """Stop every worker and release what the transport holds; safe to call twice."""
         ...
+
+
+def order_ahead(order: str, max_staleness: int | str, steps_per_round: int) -> int | None:
+    """The transports' ``ahead`` for ``rollout.async_order``: ``rounds_ahead(k, m)`` when deterministic with a
+    fixed k, None for ``latest`` or ``max_staleness="auto"`` (a bound that follows timing cannot fix the order)."""
+    if order == "latest" or max_staleness == "auto":
+        return None
+    if order != "deterministic":
+        raise ValueError(f"async order must be 'deterministic' or 'latest', got {order!r}")
+    return rounds_ahead(int(max_staleness), steps_per_round)
 
 
 def describe_error(e: BaseException) -> tuple[bool, str]:
@@ -198,14 +231,33 @@ class BoundedSource:
     def on_update(self, learner_metrics: dict[str, float]) -> None:
         self._last_ess = learner_metrics.get("ess")
 
+    def _older_rounds(self) -> range:
+        """The rounds before the next batch whose weights sample upcoming batches (deterministic order)."""
+        ahead = self.transport.ahead
+        return range(max(0, self.batch_index - (ahead or 0)), self.batch_index)
+
     def state_dict(self) -> dict:
-        return {"batch_index": self.batch_index, "max_staleness": int(self.k)}
+        """The next batch, the bound, and in deterministic order the weights of the ``ahead`` rounds before the
+        next batch (``ahead`` copies of the policy's state: the price of a bit-identical resume)."""
+        state = {"batch_index": self.batch_index, "max_staleness": int(self.k)}
+        if self.transport.ahead is not None:
+            state["snapshots"] = self.transport.snapshots(self._older_rounds())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_index = int(state["batch_index"])
         if self.controller is not None and "max_staleness" in state:
             self.controller.k = int(state["max_staleness"])
             self.k = self.controller.k
+        if self.transport.ahead is not None:
+            snapshots = state.get("snapshots", {})
+            missing = [r for r in self._older_rounds() if r not in snapshots]
+            if missing:
+                warnings.warn(f"the checkpoint holds no weights of rounds {missing[0]}-{missing[-1]}, which sample the "
+                              "next batches in rollout.async_order=deterministic (it was written in latest order, or "
+                              "with a smaller max_staleness): those batches are sampled by the checkpoint's policy, "
+                              "so this resume differs from an uninterrupted run", stacklevel=2)
+            self.transport.preload(snapshots)
 
     def close(self) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -58,44 +59,65 @@ def sample_groups(engine, foreign, prompts: list[list[int]], group_size: int, fo
     return out
 
 
+@dataclass(frozen=True)
+class SourceSpec:
+    """How a round's batch is made from the engine's samples, as plain values (picklable: every rollout worker
+    makes its batches from the same spec). The one place a sampling or batching option is declared.
+
+    sampling: temperature, top-p, max_new_tokens of the rollouts. group_size: G completions per prompt;
+    prompts_per_step: groups per batch. seed: with the batch index, fixes each batch's prompts and every group's
+    random streams. dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
+    overlong_cache: DAPO overlong shaping zone (tokens), or None. advantage, std: ``advantages.group_advantages``
+    estimator and std convention.
+    """
+
+    sampling: SamplingParams
+    group_size: int
+    prompts_per_step: int
+    seed: int
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong_cache: int | None = None
+    advantage: str = "zscore"
+    std: str = "population"
+
+
 class SyncSource:
     """Sample, score, filter, shape and compute advantages for one round, on demand.
 
     Args:
         engine: the behaviour policy (an ``Engine``). foreign: an engine on another model, or None.
         prompts: token ids of the training prompts; references: their gold answers (same order).
-        pool: a ``RewardPool`` (``score(texts, references)``); decode: token ids -> text.
-        sampling: temperature, top-p, max_new_tokens of the rollouts.
-        group_size: G completions per prompt; prompts_per_step: groups per batch.
-        dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
-        overlong_cache: DAPO overlong shaping zone (tokens), or None.
-        advantage, std: ``advantages.group_advantages`` estimator and std convention.
-        seed: with the batch index, fixes each batch's prompts and every group's random streams, so
-            batch b is the same whichever process makes it and whenever (``make_batch(b)``).
+        pool: a ``RewardPool`` or ``WeightedRewards`` (``score(texts, references[, contexts=])``); decode: ids -> text.
+        spec: the sampling, group, filter, shaping and advantage settings (``SourceSpec``); its seed, with the
+            batch index, makes batch b the same whichever process makes it and whenever (``make_batch(b)``).
+        contexts: per prompt, its text and data row (``Example.context``) for batch-form reward functions, or None.
+        owns_pool: ``close`` closes ``pool`` (a pool made for this source alone, e.g. ``reward.functions``).
         world: data-parallel world; each rank samples its share of the round's prompts and every rank
             receives the whole scored round, so every rank makes the same batch decisions.
         check_round: called as ``check_round(result, n)`` after each scoring call (scorer-failure limits).
     """
 
-    def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str], *,
-                 sampling: SamplingParams, group_size: int, prompts_per_step: int, pad_id: int, seed: int,
-                 dynamic_sampling: bool = False, max_sampling_rounds: int = 4, overlong_cache: int | None = None,
-                 advantage: str = "zscore", std: str = "population", foreign=None, foreign_fraction: float = 0.0,
-                 world: World | None = None, check_round: Callable | None = None):
+    def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str],
+                 spec: SourceSpec, *, pad_id: int, foreign=None, foreign_fraction: float = 0.0,
+                 world: World | None = None, check_round: Callable | None = None, contexts: list[dict] | None = None,
+                 owns_pool: bool = False):
         if not prompts:
             raise ValueError("the task produced no training prompts; raise task.train_size")
         self.engine, self.foreign = engine, foreign
         self.prompts, self.references, self.pool, self.decode = prompts, references, pool, decode
-        self.sampling = sampling
-        self.G, self.P = group_size, prompts_per_step
+        self.spec = spec
+        self.sampling = spec.sampling
+        self.G, self.P = spec.group_size, spec.prompts_per_step
         self.pad_id = pad_id
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
-        self.overlong_cache = overlong_cache
-        self.advantage, self.std = advantage, std
+        self.dynamic_sampling, self.max_sampling_rounds = spec.dynamic_sampling, spec.max_sampling_rounds
+        self.overlong_cache = spec.overlong_cache
+        self.advantage, self.std = spec.advantage, spec.std
         self.foreign_fraction = foreign_fraction
         self.world = world or World()
         self.check_round = check_round
-        self.seed = seed
+        self.contexts, self.owns_pool = contexts, owns_pool
+        self.seed = spec.seed
         self.batch_index = 0  # batches made so far; batch b's randomness is a function of (seed, b)
         self.last_metrics: dict[str, float] = {}
 
@@ -110,7 +132,8 @@ class SyncSource:
         pass
 
     def close(self) -> None:
-        pass
+        if self.owns_pool:
+            self.pool.close()
 
     # ---- one round -----------------------------------------------------------------------------
     def _sample_and_score(self, idx: list[int], seeds: list[int]):
@@ -119,21 +142,25 @@ class SyncSource:
         part = idx[mine]
         ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
                            self.foreign_fraction, self.sampling, seeds[mine])
+        ctx = {} if self.contexts is None else {"contexts": [self.contexts[part[x.prompt_index]] for x in ro]}
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
-                                 [self.references[part[x.prompt_index]] for x in ro])
+                                 [self.references[part[x.prompt_index]] for x in ro], **ctx)
         if self.check_round is not None:
             self.check_round(scored, len(ro))
         if self.world.size == 1:
-            return ro, scored.rewards, scored.errors, scored.timeouts
-        rollouts, rewards, errors, timeouts = [], [], 0, 0
-        for start, (r, s, e, t) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
-                                       self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts))):
+            return ro, scored.rewards, scored.errors, scored.timeouts, scored.components
+        rollouts, rewards, errors, timeouts, components = [], [], 0, 0, {}
+        for start, (r, s, e, t, c) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
+                                          self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts,
+                                                             scored.components))):
             for x in r:
                 x.prompt_index += start
             rollouts += r
             rewards += s
             errors, timeouts = errors + e, timeouts + t
-        return rollouts, rewards, errors, timeouts
+            for label, v in c.items():
+                components[label] = components.get(label, []) + v
+        return rollouts, rewards, errors, timeouts, components
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
         batch = self.make_batch(self.batch_index)
@@ -147,14 +174,16 @@ class SyncSource:
         """
         t0 = time.time()
         G = self.G
-        rollouts, rew, sampled, errors, timeouts, dropped = [], [], [], 0, 0, 0
+        rollouts, rew, sampled, errors, timeouts, dropped, parts = [], [], [], 0, 0, 0, {}
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             rng = random.Random(row_seed(self.seed, b, refill))
             idx = [rng.randrange(len(self.prompts)) for _ in range(need)]
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
-            new, r, e, t = self._sample_and_score(idx, seeds)
+            new, r, e, t, c = self._sample_and_score(idx, seeds)
             errors, timeouts = errors + e, timeouts + t
+            for label, v in c.items():
+                parts[label] = parts.get(label, []) + v
             sampled += r
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
@@ -166,6 +195,7 @@ class SyncSource:
             if len(rollouts) // G >= self.P:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
+        self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
         if not rollouts:
             return None
         rew_t = torch.tensor(rew)

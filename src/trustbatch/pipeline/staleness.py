@@ -46,6 +46,18 @@ def may_start(batch_index: int, requested: int, max_staleness: int, steps_per_ro
     return batch_index <= requested + rounds_ahead(max_staleness, steps_per_round)
 
 
+def behaviour_round(batch_index: int, ahead: int, floor: int = 0) -> int:
+    """Deterministic order (``rollout.async_order=deterministic``): the round whose weights sample batch ``batch_index``.
+
+    Round ``r``'s weights are those the learner had when it asked for batch ``r`` (the policy after ``r``
+    rounds). Batch ``b`` is sampled by round ``max(floor, b − ahead)``, ``ahead = rounds_ahead(k, m)``: the
+    oldest weights the capacity rule lets it start with, so it never depends on which worker makes it or
+    when. With one optimizer step per round that is policy version ``max(0, b − k)``. ``floor`` is 0, or,
+    after a resume from a checkpoint without the older rounds' weights, the first resumed round.
+    """
+    return max(floor, batch_index - ahead)
+
+
 def too_stale(learner_version: int, sample_version: int, max_staleness: int) -> bool:
     """Drop rule: a sample more than ``max_staleness`` versions behind the learner is not trained on."""
     return learner_version - sample_version > max_staleness

@@ -40,8 +40,27 @@ class WeightSync(Protocol):
         """Make the behaviour policy follow ``model``, now at policy ``version``."""
         ...
 
+    def state_dict(self) -> dict:
+        """What a resume needs to serve the same weights again; empty when the learner's own weights suffice
+        (then no checkpoint stores it)."""
+        ...
 
-class SharedSync:
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict``'s state; the next ``push`` serves from it."""
+        ...
+
+
+class Stateless:
+    """A weight sync whose behaviour policy is the learner's current weights: nothing to checkpoint."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class SharedSync(Stateless):
     """The engine shares the learner's module: nothing to copy, the version moves."""
 
     def __init__(self, engine):
@@ -51,7 +70,7 @@ class SharedSync:
         self.engine.load_weights((), version)
 
 
-class CopySync:
+class CopySync(Stateless):
     """The engine holds its own copy: send the full named state after every round."""
 
     def __init__(self, engine):

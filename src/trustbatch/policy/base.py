@@ -2,7 +2,8 @@
 
 No model hub is reachable on the machines we target, so the default path builds its own model.
 The result is cached under ``$TRUSTBATCH_CACHE`` (default ``~/.cache/trustbatch``) by a hash of
-everything that determines it, and reused by later runs.
+everything that determines it, and reused by later runs. The default config's base ships with the package
+(``policy.shipped``), so a fresh machine finds it without building.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 from ..data import TaskSplit
 from .model import Policy, build_small_llama, load_policy
 from .sft import sft
+from .shipped import install_shipped, shipped_base
 from .tokenizer import train_tokenizer
 
 BASE_FORMAT = 1  # bump when the recipe changes, to invalidate old caches
@@ -64,19 +66,38 @@ def sft_demos(task: TaskSplit, model_cfg: dict) -> list[tuple[str, str]]:
     return weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
 
 
-def default_base(
+def base_folder(task_name: str, task_cfg: dict, model_cfg: dict) -> Path:
+    """Where the cache keeps the base of these task and model settings: ``cache_dir()/base/{task}-{key}``."""
+    return cache_dir() / "base" / f"{task_name}-{base_key(task_cfg, model_cfg)}"
+
+
+def find_base(task_name: str, task_cfg: dict, model_cfg: dict) -> tuple[Path | None, str]:
+    """``(folder, how)`` of an existing base for these settings, or ``(None, why one must be built)``.
+
+    Looked up in the cache first (``how`` = ``"cached"``), then among the bases shipped with the package
+    (``policy.shipped``: the key and every file's sha256 checked; ``how`` = ``"shipped"``, copied into the cache).
+    """
+    key = base_key(task_cfg, model_cfg)
+    final = cache_dir() / "base" / f"{task_name}-{key}"
+    if (final / "config.json").exists():
+        return final, "cached"
+    src, why_not = shipped_base(task_name, key)
+    if src is not None:
+        return install_shipped(src, final), "shipped"
+    return None, f"no base for these task and model settings (key {key}) is cached in {final.parent}, and {why_not}"
+
+
+def build_base(
     task: TaskSplit, task_cfg: dict, model_cfg: dict, on_step: Callable[[int, float], None] | None = None
-) -> tuple[Policy, Path, bool]:
-    """Return (policy, directory, built_now). Builds and caches the base if it is not cached yet.
+) -> Path:
+    """Build the base of these settings (tokenizer, small Llama, ``model_cfg["sft_steps"]`` SFT steps) and cache
+    it; returns its folder. ``on_step(step, loss)`` hears each SFT step (0-based, token-mean NLL in nats).
 
     model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_examples, sft_teacher_error, sft_steps,
     sft_batch_size, sft_lr, seed.
     The directory is written to a temporary sibling and renamed, so a crash never leaves half a model.
     """
-    key = base_key(task_cfg, model_cfg)
-    final = cache_dir() / "base" / f"{task.name}-{key}"
-    if (final / "config.json").exists():
-        return load_policy(final), final, False
+    final = base_folder(task.name, task_cfg, model_cfg)
     texts = [e.prompt for e in task.train] + [" " + e.answer for e in task.train]
     tok = train_tokenizer(texts, vocab_size=model_cfg["vocab_size"])
     model = build_small_llama(
@@ -97,4 +118,15 @@ def default_base(
         shutil.rmtree(tmp, ignore_errors=True)
         if not (final / "config.json").exists():
             raise
-    return load_policy(final), final, True
+    return final
+
+
+def default_base(
+    task: TaskSplit, task_cfg: dict, model_cfg: dict, on_step: Callable[[int, float], None] | None = None
+) -> tuple[Policy, Path, str]:
+    """Return (policy, directory, how): the base of these settings, found (``find_base``: ``"cached"`` or
+    ``"shipped"``) or else built now (``build_base``: ``"built now"``)."""
+    path, how = find_base(task.name, task_cfg, model_cfg)
+    if path is None:
+        path, how = build_base(task, task_cfg, model_cfg, on_step), "built now"
+    return load_policy(path), path, how

@@ -23,12 +23,42 @@ class Policy:
     pad_id: int
     # the peft.PeftModel wrapping ``model`` when LoRA adapters train (policy.lora.apply_lora), else None
     adapter: object | None = None
+    chat_template: bool | None = None  # prompts through the tokenizer's chat template; None: when it has one
+    system_prompt: str | None = None  # the system message before each prompt (chat template only)
+
+    def set_prompt_format(self, chat_template: str = "auto", system_prompt: str | None = None,
+                          keys: tuple[str, str] = ("data.chat_template", "data.system_prompt")) -> None:
+        """How ``encode_prompt`` frames a prompt: ``chat_template`` auto (the tokenizer's template when it has
+        one), on or off; ``system_prompt`` a system message before each prompt. ``keys`` name the two settings
+        in the messages (config keys or CLI options).
+
+        Raises:
+            UserError: ``on`` for a tokenizer without a chat template; a system prompt without one (or with off).
+        """
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat_template not in ("auto", "on", "off"):
+            raise UserError(f"{keys[0]}={chat_template!r} must be auto, on or off")
+        if chat_template == "on" and not has:
+            raise UserError(f"{keys[0]}=on but the model's tokenizer has no chat template (no chat_template in its "
+                            "tokenizer_config.json); use auto or off, or a chat model")
+        use = has if chat_template == "auto" else chat_template == "on"
+        if system_prompt and not use:
+            raise UserError(f"{keys[1]} is sent as a system message through the chat template, and "
+                            + ("the model's tokenizer has none" if not has else f"{keys[0]}=off")
+                            + f"; drop {keys[1]} or put the instruction into the prompts")
+        self.chat_template, self.system_prompt = use, system_prompt or None
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Prompt ids, with the tokenizer's special prefix (e.g. BOS) and chat template if it has one."""
+        """Prompt ids: through the tokenizer's chat template (``set_prompt_format``; by default when it has one) as
+        ``[system?, user]`` messages with the assistant's generation prompt, else the text with the tokenizer's
+        special prefix (e.g. BOS)."""
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+        use = self.chat_template if self.chat_template is not None else bool(getattr(tok, "chat_template", None))
+        if use:
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+            return list(tok.apply_chat_template(system + [{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False))
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
     def encode_completion(self, text: str) -> list[int]:

@@ -15,8 +15,6 @@ from typing import Callable, Sequence
 
 from ..errors import UserError
 
-ENGINES = ("transformers", "vllm")
-
 
 def parse_ks(k: str, n: int) -> list[int]:
     """The sorted distinct k of a comma-separated ``-k`` option (``"1,2,4"``), each checked against n.
@@ -42,17 +40,19 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
-             progress=None, warn: Callable[[str], None] | None = None) -> dict:
+             chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
     ``model``: a local Hugging Face model directory. ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
-    countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL files, or ``hf:PATH:SPLIT``. ``reward``
+    countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL, JSON or Parquet files, saved ``datasets``
+    directories, or ``hf:PATH:SPLIT``. ``reward``
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
-    vllm. ``progress``: a rich Progress, entered only while sampling; ``warn(message)`` hears of the prompts skipped
-    because they and ``max_new_tokens`` exceed the model's context (``data.benchmarks.fit_prompts``, as training
-    skips them; counted in each benchmark's ``prompts_skipped``), and of a scorer that failed or returned a reward
-    outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
+    vllm. ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
+    (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
+    hears of the prompts skipped because they and ``max_new_tokens`` exceed the model's context
+    (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
+    of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
 
     Returns ``{"model", "engine", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
     "average"}``; per benchmark and on average ``pass@k`` and its standard error ``pass@k_se`` over prompts (the
@@ -63,8 +63,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     Raises:
         UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
             ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, a
-            benchmark none of whose prompts fits the model's context with ``max_new_tokens``, or vLLM missing or
-            refusing the model.
+            benchmark none of whose prompts fits the model's context with ``max_new_tokens``, a chat template
+            asked of a tokenizer without one, or vLLM missing or refusing the model.
     """
     import torch
 
@@ -78,6 +78,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
     policy = load_policy(model)
+    policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
@@ -97,12 +98,14 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
     from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
+    from ..rollout.spec import EngineSpec, check_engine, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
         raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    if engine not in ENGINES:
-        raise UserError(f"--engine {engine!r} must be transformers or vllm")
+    if engine not in engine_names():
+        raise UserError(f"--engine {engine!r} must be {' or '.join(engine_names())}")
+    check_engine(EngineSpec(name=engine))  # vLLM not installed fails before anything loads
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     if not re.fullmatch(DEVICE_SPEC, device):
@@ -137,19 +140,13 @@ def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):
 
 
 def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
-    """The transformers engine on ``dev``, or a vLLM engine whose context holds the longest prompt's completion."""
-    if engine == "vllm":
-        from ..rollout.vllm_engine import VLLMEngine
+    """The engine ``engine`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
+    longest prompt's completion."""
+    from ..rollout.spec import EngineSpec, make_engine
 
-        longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-        try:
-            return VLLMEngine(model, policy.eos_id, policy.pad_id, seed=seed,
-                              max_model_len=max(ctx or 0, longest + max_new_tokens))
-        except (ImportError, ValueError) as e:
-            raise UserError(str(e)) from None
-    from ..rollout import TransformersEngine
-
-    return TransformersEngine(policy.model.to(dev), policy.eos_id, policy.pad_id)
+    longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
+    return make_engine(EngineSpec(name=engine, seed=seed), policy, model_dir=str(model), device=dev,
+                       max_model_len=max(ctx or 0, longest + max_new_tokens))
 
 
 def save_results(res: dict, dest: str | Path) -> Path:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..records import git_commit
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
 RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "threads", "reward.workers", "reward.timeout_s",
@@ -53,6 +54,22 @@ class RunLock:
             self._fd = None
 
 
+def set_aside(run_dir: Path) -> Path:
+    """Move everything in ``run_dir`` but its lock into a new subfolder ``interrupted-YYYYmmdd-HHMMSS`` (and earlier
+    such subfolders stay where they are), so that a start interrupted before its first checkpoint can start over in
+    the same directory without losing its records. Returns the subfolder. The caller holds the ``RunLock``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = run_dir / f"interrupted-{stamp}", 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / f"interrupted-{stamp}-{n}"
+    dest.mkdir()
+    for p in sorted(run_dir.iterdir()):
+        if p.name != ".lock" and not p.name.startswith("interrupted-"):
+            os.replace(p, dest / p.name)
+    return dest
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -84,8 +101,9 @@ def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -
 
 
 def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) -> None:
-    """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed."""
+    """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed, and
+    the trustbatch commit that ran it (``records.git_commit``; the model card of ``trustbatch export`` names it)."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(), "start_round": start_round,
-           "rounds": rounds, "changed": changed}
+           "rounds": rounds, "changed": changed, "commit": git_commit()}
     with open(Path(run_dir) / "segments.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")

@@ -22,17 +22,18 @@ import torch
 
 from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
-from ..eval import evaluate_heldout
-from ..parallel import World, full_model_state
+from ..parallel import World
 from ..records import atomic_write, read_metrics, truncate_records
 from ..rewards.pool import read_in_process_marker
-from ..seeding import row_seed
-from ..trainer.checkpoint import clean_temporaries, load_latest, save_checkpoint
+from ..trainer.checkpoint import checkpoints, clean_temporaries, load_latest
 from ..trainer.loop import run_loop
-from ..trainer.runlog import MetricsLog, Progress, log_ratio_histogram, log_step_records, plot_run
+from ..trainer.progress import Progress
+from ..trainer.runlog import MetricsLog, plot_run
 from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
                     restore_checkpoint_policy, scoring_check)
-from .rundir import RunLock, check_resume_changes, record_segment
+from .defaults import with_answer_budget
+from .hooks import TrainHooks
+from .rundir import RunLock, check_resume_changes, record_segment, set_aside
 
 
 # errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
@@ -51,7 +52,6 @@ def _run_dir_write_error(e: OSError, run_dir: Path) -> bool:
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
-_EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -62,109 +62,12 @@ def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-class TrainHooks:
-    """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
-
-    def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
-                 world: World, console=None):
-        self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
-        self.log, self.progress, self.world, self.console = log, progress, world, console
-        self._ratio_round: int | None = None
-
-    def is_eval(self, round_: int) -> bool:
-        return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
-
-    def evaluate(self, round_: int) -> dict:
-        """Held-out evaluation on a random stream of its own, seeded from (train.seed, round): how often
-        it runs (``eval.every``, a resumable key) never moves the training's random streams."""
-        c = self.cfg
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(row_seed(c.train.seed, round_, _EVAL_STREAM))
-            # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
-            # times out must not cost a whole evaluation before round 1 stops the run
-            check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
-            return evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
-                                    samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
-                                    max_new_tokens=c.rollout.max_new_tokens, check=check,
-                                    max_failure_rate=c.reward.max_failure_rate)
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP2: the learner's forwards and gathers of its weights are collectives every rank must reach."""
-        return bool(getattr(self.built.parts.learner, "sharded", False))
-
-    def refresh_eval(self) -> None:
-        """Fill the evaluation engine's whole copy with the learner's weights, where it has one of its own
-        (FSDP2 with a shifted rollout engine; every rank calls this, the shards are gathered)."""
-        if self.built.eval_sync is not None:
-            learner = self.built.parts.learner
-            self.built.eval_sync.push(learner.model, learner.version)
-
-    def save(self, round_: int) -> None:
-        """Rank 0 writes the checkpoint. Under FSDP2 every rank calls this: the whole weights and optimizer
-        state are gathered to rank 0, so the checkpoint loads at any world size."""
-        if not (self.world.is_main or self.sharded):
-            return
-        parts = self.built.parts
-        model_state = full_model_state(self.policy.model) if self.sharded else None
-        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
-        if not self.world.is_main:
-            return
-        if hasattr(parts.sync, "state_dict"):
-            state["sync"] = parts.sync.state_dict()
-        save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state)
-
-    def before_train(self, round_: int, batch) -> None:
-        learner = self.built.parts.learner
-        record = self.is_eval(round_) or round_ == 1
-        if record and (self.world.is_main or self.sharded):  # a sharded forward needs every rank
-            current = learner.logprobs(batch)
-            if self.world.is_main:
-                log_ratio_histogram(self.run_dir, round_, current.cpu() - batch.behavior_logprobs, batch.packed.response_mask)
-        record = record and self.world.is_main
-        # a replayed round (several optimizer steps per batch) also records each step's mini-batch
-        self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
-        # learner ranks in Ray actors have no such hook: their replayed rounds keep the one record
-        hooks = getattr(learner, "on_step_ratios", None)
-        if self._ratio_round is not None and hooks is not None and self._record_step_ratios not in hooks:
-            hooks.append(self._record_step_ratios)
-
-    def _record_step_ratios(self, opt_step: int, epoch: int, minibatch: int, log_ratio) -> None:
-        """Rank 0's share of each optimizer step's mini-batch (other ranks' tokens are not gathered)."""
-        if self._ratio_round is not None:
-            log_ratio_histogram(self.run_dir, self._ratio_round, log_ratio, opt_step=opt_step, epoch=epoch,
-                                minibatch=minibatch)
-
-    def after_round(self, round_: int, m: dict) -> None:
-        skipped = "skipped_step" in m
-        evaluate = not skipped and self.is_eval(round_)
-        save = not skipped and (round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps)
-        if evaluate:
-            self.refresh_eval()
-        if not self.world.is_main:
-            if save:
-                self.save(round_)  # gathers under FSDP2; writes nothing
-            return
-        if skipped:
-            self.log.log(round_, m)
-            self.progress.advance(round_, "all groups uninformative: step skipped")
-            return
-        if evaluate:
-            m.update(self.evaluate(round_))
-        self.log.log(round_, m)
-        steps = self.built.parts.learner.step_records
-        if len(steps) > 1:
-            log_step_records(self.run_dir, round_, steps)
-        if save:
-            self.save(round_)
-        info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
-        if "heldout_accuracy" in m:
-            info += f"  held-out {m['heldout_accuracy']:.3f}"
-        self.progress.advance(round_, info)
-
-
 def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | None):
-    """(cfg, run_dir, changed keys) for a new run or a resume; refuses what would lose or mix records."""
+    """(cfg, run_dir, changed keys, lines to print) for a new run or a resume; refuses what would lose or mix records.
+
+    A new run's directory that holds a start interrupted before its first checkpoint (nothing to resume) is set aside
+    (``rundir.set_aside``, by rank 0) and started over; one with a checkpoint is refused (``--resume`` it).
+    """
     if resume:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").exists():
@@ -178,14 +81,19 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
                                        defaults=load_config().model_dump(mode="json"))
-        return cfg, run_dir, changed
-    cfg = cfg or load_config()
+        return cfg, run_dir, changed, []
+    cfg, budget = with_answer_budget(cfg or load_config())
+    notes = [budget] if budget else []
     run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
+    started = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
+    if started and int(os.environ.get("RANK", "0")) == 0:  # the other ranks never write the directory
         with RunLock(run_dir):  # a run still training there is named (its pid), not sent to --resume
-            pass
-        raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or another run_dir")
-    return cfg, run_dir, []
+            if checkpoints(run_dir):
+                raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or "
+                                "another run_dir")
+            notes.append(f"{run_dir} held a start interrupted before its first checkpoint: its files are kept in "
+                         f"{set_aside(run_dir)}; starting over")
+    return cfg, run_dir, [], notes
 
 
 def train(cfg: Config | None = None, resume: str | None = None, overrides: list[str] | None = None,
@@ -202,8 +110,10 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     """
     from rich.console import Console
 
-    console = console or Console()
-    cfg, run_dir, changed = _resolve_run(cfg, resume, overrides)
+    console = console or Console(soft_wrap=True)  # a line to a log file stays one line
+    cfg, run_dir, changed, notes = _resolve_run(cfg, resume, overrides)
+    for line in notes:
+        console.print(line, highlight=False, markup=False)
     preflight(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -220,6 +130,9 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         with lock:
             return _train_locked(cfg, run_dir, changed, resume is not None, world, console)
     except KeyboardInterrupt:
+        if not checkpoints(run_dir):
+            raise RunInterrupted("interrupted before the first checkpoint; nothing to resume; run again with the same "
+                                 "command to start over") from None
         raise RunInterrupted(f"interrupted; the last checkpoint is intact: resume with "
                              f"`trustbatch train --resume {run_dir}`") from None
     except OSError as e:  # the run directory cannot be written: one line, not a traceback
@@ -260,7 +173,7 @@ def resolved_config(config: str | None = None, overrides: list[str] | None = Non
     _refuse_config_with_resume(config, resume)
     if resume:
         return _resolve_run(None, resume, overrides)[0]
-    return load_config(config, overrides)
+    return with_answer_budget(load_config(config, overrides))[0]
 
 
 def _refuse_config_with_resume(config: str | None, resume: str | None) -> None:
@@ -312,7 +225,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if state is not None:
             parts.learner.load_state_dict(state["learner"])
             parts.source.load_state_dict(state["source"])
-            if "sync" in state and hasattr(parts.sync, "load_state_dict"):
+            if "sync" in state:
                 parts.sync.load_state_dict(state["sync"])
                 parts.sync.push(policy.model, version)  # serve the restored (lagged) weights
             torch.set_rng_state(state["torch_rng"])
@@ -321,7 +234,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
             if world.is_main:
-                for name in ("ratios.jsonl", "steps.jsonl"):
+                for name in ("ratios.jsonl", "steps.jsonl", "samples.jsonl"):
                     truncate_records(run_dir / name, start if state is not None else -1)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)

@@ -6,16 +6,23 @@ Names (``get``):
 - ``countdown``: an expression over the given numbers that equals the target;
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
 - ``rg-final:TASK``: worked steps ending in ``answer X``: ``score_answer`` of X (``data.tasks.chain_sum_steps``);
-- ``module:function``: a user function with the scorer signature.
+- ``module:function``: a user function with the scorer signature, or TRL's batch form
+  ``f(prompts, completions, **columns) -> list`` (``scorers.BatchForm``: it has a ``completions`` parameter).
+
+``functions.WeightedRewards`` combines several with weights (``reward.functions``).
 
 ``RewardPool`` runs any of them in worker processes with a time limit; ``score_local`` runs one in
 this process. Neither raises on a scorer's error: the reward is 0 and the error is counted, and
 ``check_scoring`` turns a round's counts into a warning, or a UserError past ``reward.max_failure_rate``.
 """
 
+from . import functions
+from .functions import Terms, WeightedRewards, make_reward
 from .pool import RewardPool
 from .scorers import (BUILTIN, FinalAnswerScorer, ReasoningGymScorer, ScoreResult, Scorer, check_scoring, get,
                       one_line, score_all, score_local, score_one)
+from .spec import RewardSpec
 
-__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "ScoreResult", "Scorer", "check_scoring", "get",
-           "score_all", "score_local", "score_one"]
+__all__ = ["BUILTIN", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "RewardSpec", "ScoreResult", "Scorer",
+           "Terms", "WeightedRewards", "check_scoring", "functions", "get", "make_reward", "score_all", "score_local",
+           "score_one"]

@@ -32,7 +32,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from ..processes import die_with_parent
-from .scorers import ScoreResult, get, one_line, score_local, score_one, stopped_early
+from .scorers import BatchForm, ScoreResult, get, one_line, score_local, score_one, stopped_early
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
 
@@ -238,10 +238,12 @@ class RewardPool:
         while len(self._pool) < self.workers:
             self._pool.append(_Worker(self._ctx, self.name))
 
-    def score(self, completions: list[str], references: list[str], *,
+    def score(self, completions: list[str], references: list[str], *, contexts: list[dict] | None = None,
               max_failure_rate: float | None = None) -> ScoreResult:
         """Rewards for ``completions[i]`` against ``references[i]``, in order; failures give 0 and are counted.
 
+        ``contexts[i]`` (optional) is the prompt text and data row of completion i (``{"prompt": ..., **columns}``);
+        only a batch-form scorer (``scorers.BatchForm``) reads it.
         With ``max_failure_rate``, scoring stops as soon as the failures (errors + timeouts) exceed that
         fraction of all ``completions`` (``scorers.stopped_early``: ``check_scoring`` at that rate refuses
         the call whatever the rest would score), so a scorer that always times out costs about
@@ -249,19 +251,15 @@ class RewardPool:
         completions not scored get reward 0 and are counted in ``unscored``; busy workers are killed.
 
         Raises:
-            ValueError: the two lists differ in length (a caller's bug).
+            ValueError: the lists differ in length (a caller's bug).
         """
-        if len(completions) != len(references):
-            raise ValueError(f"{len(completions)} completions but {len(references)} references")
+        if len(completions) != len(references) or (contexts is not None and len(contexts) != len(references)):
+            raise ValueError(f"{len(completions)} completions but {len(references)} references"
+                             + ("" if contexts is None else f" and {len(contexts)} contexts"))
+        if isinstance(self._local, BatchForm):
+            references = [BatchForm.pack(r, None if contexts is None else contexts[i]) for i, r in enumerate(references)]
         if self.workers == 0:
-            if self.in_process_marker is None:
-                return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
-            marker = Path(self.in_process_marker)
-            marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
-            try:
-                return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
-            finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended
-                marker.unlink(missing_ok=True)
+            return self._score_in_process(completions, references, max_failure_rate)
         self._ensure_workers()
         res = ScoreResult([0.0] * len(completions), 0, 0)
         # a chunk per worker at least, so that both share a small call
@@ -286,41 +284,57 @@ class RewardPool:
                     for _ in job:
                         todo.popleft()
             busy = [w for w in self._pool if w.job]
-            if not busy:
-                continue
-            next_deadline = min(w.current(self.timeout_s)[1] for w in busy)
-            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
-            for k, w in enumerate(list(self._pool)):
-                if w.job is None:
-                    continue
-                if w.conn in ready:
-                    try:
-                        results = w.conn.recv()
-                    except (EOFError, OSError):  # the scorer took its process down
-                        res.errors += 1
-                        w.proc.join(1)
-                        code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
-                        res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
-                    else:
-                        for i, (v, status, cause) in zip(w.job, results):
-                            res.rewards[i] = v
-                            res.errors += status == "error"
-                            res.clamped += status == "clamped"
-                            res.last_error = cause or res.last_error
-                        w.job = None
-                        continue
-                elif time.monotonic() < w.current(self.timeout_s)[1]:
-                    continue
-                else:
-                    res.timeouts += 1
-                    res.last_error = _with_output(f"the scorer ran past reward.timeout_s={self.timeout_s:g} s",
-                                                  w.output())
-                # the failed completion keeps reward 0; the rest of the chunk goes back to the queue's front
-                failed = min(w.current(self.timeout_s)[0], len(w.job) - 1)
-                todo.extendleft(reversed(w.job[:failed] + w.job[failed + 1:]))
-                w.close(kill=True)
-                self._pool[k] = _Worker(self._ctx, self.name)
+            if busy:
+                self._collect(busy, res, todo)
         return res
+
+    def _score_in_process(self, completions: list[str], references: list[str],
+                          max_failure_rate: float | None) -> ScoreResult:
+        if self.in_process_marker is None:
+            return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+        marker = Path(self.in_process_marker)
+        marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
+        try:
+            return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+        finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended
+            marker.unlink(missing_ok=True)
+
+    def _collect(self, busy: list[_Worker], res: ScoreResult, todo: deque) -> None:
+        """Wait for the first busy worker to answer or pass its deadline; record what came back in ``res``.
+
+        A worker that died or timed out is replaced: its current completion keeps reward 0 (counted), the rest of
+        its chunk goes back to the front of ``todo``.
+        """
+        next_deadline = min(w.current(self.timeout_s)[1] for w in busy)
+        ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+        for k, w in enumerate(list(self._pool)):
+            if w.job is None:
+                continue
+            if w.conn in ready:
+                try:
+                    results = w.conn.recv()
+                except (EOFError, OSError):  # the scorer took its process down
+                    res.errors += 1
+                    w.proc.join(1)
+                    code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
+                    res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
+                else:
+                    for i, (v, status, cause) in zip(w.job, results):
+                        res.rewards[i] = v
+                        res.errors += status == "error"
+                        res.clamped += status == "clamped"
+                        res.last_error = cause or res.last_error
+                    w.job = None
+                    continue
+            elif time.monotonic() < w.current(self.timeout_s)[1]:
+                continue
+            else:
+                res.timeouts += 1
+                res.last_error = _with_output(f"the scorer ran past reward.timeout_s={self.timeout_s:g} s", w.output())
+            failed = min(w.current(self.timeout_s)[0], len(w.job) - 1)
+            todo.extendleft(reversed(w.job[:failed] + w.job[failed + 1:]))
+            w.close(kill=True)
+            self._pool[k] = _Worker(self._ctx, self.name)
 
     def close(self) -> None:
         """Stop the workers (each gets 1 s to exit, then is killed)."""

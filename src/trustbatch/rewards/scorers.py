@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UserError
@@ -32,12 +33,17 @@ class ScoreResult:
     clamped: int = 0  # finite rewards outside [0, 1], clamped into it
     last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
     unscored: int = 0  # completions never scored (reward 0) because the call stopped early (``stopped_early``)
+    # several reward functions (``functions.WeightedRewards``): each one's rewards by label, and how many
+    # functions scored each completion (the failure rate is over completions x functions)
+    components: dict[str, list[float]] = field(default_factory=dict)
+    functions: int = 1
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
         """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
+        components = {k: v + other.components.get(k, []) for k, v in self.components.items()}
         return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
                            self.clamped + other.clamped, other.last_error or self.last_error,
-                           self.unscored + other.unscored)
+                           self.unscored + other.unscored, components, max(self.functions, other.functions))
 
 
 def stopped_early(failed: int, n: int, max_failure_rate: float | None) -> bool:
@@ -91,6 +97,43 @@ class FinalAnswerScorer:
         return self.inner(m.group(1), reference) if m else 0.0
 
 
+class BatchForm:
+    """A reward function in TRL's batch form, ``f(prompts, completions, **columns) -> list``, as a per-completion scorer.
+
+    It is called with lists of one (``prompts=[p]``, ``completions=[c]``, ``reference=[r]`` and each other field of
+    the data row as ``name=[value]``), so the worker pool's per-completion time limit and failure counts apply to
+    it as to any scorer; a function that compares the completions of one call with each other sees only one.
+    The reference it is given is a ``pack``-ed context (``RewardPool.score`` packs it). ``None`` from the function
+    means "does not apply" (as in TRL) and scores 0.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    @staticmethod
+    def pack(reference: str, context: dict | None) -> str:
+        """The reference for one completion: its gold answer, prompt and data columns as one JSON string."""
+        context = dict(context or {})
+        return json.dumps({"reference": reference, "prompt": context.pop("prompt", ""), "columns": context}, default=str)
+
+    def __call__(self, completion: str, reference: str):
+        ctx = json.loads(reference)
+        cols = {k: [v] for k, v in ctx["columns"].items() if k not in ("prompts", "completions", "reference")}
+        out = self.fn(prompts=[ctx["prompt"]], completions=[completion], reference=[ctx["reference"]], **cols)
+        if not isinstance(out, (list, tuple)) or len(out) != 1:
+            raise ValueError(f"a batch-form reward returned {type(out).__name__} {one_line(repr(out), 60)} for 1 "
+                             "completion; return a list with one score per completion")
+        return 0.0 if out[0] is None else out[0]
+
+
+def takes_batch(fn: Callable) -> bool:
+    """Whether ``fn`` is a batch-form reward function: it has a parameter named ``completions`` (TRL's name)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the per-completion form
+        return False
+
+
 def get(name: str) -> Scorer:
     """The scorer named ``name`` (see the module docstring).
 
@@ -106,7 +149,8 @@ def get(name: str) -> Scorer:
     if name.startswith("rg-final:"):
         return FinalAnswerScorer(name[len("rg-final:"):])
     if ":" in name:
-        return _user_function(name)
+        fn = _user_function(name)
+        return BatchForm(fn) if takes_batch(fn) else fn
     raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
 
 
@@ -201,18 +245,20 @@ def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, 
         scorer: the reward name, for the message.
         max_failure_rate: ``reward.max_failure_rate``, a fraction in [0, 1].
         where: what was scored, e.g. ``"round 12"``, for the message.
-        n: completions scored (default ``len(result.rewards)``).
+        n: completions scored (default ``len(result.rewards)``); with several reward functions the rate is over
+            n x ``result.functions`` scorings.
 
     Raises:
         UserError: (errors + timeouts) / n is above ``max_failure_rate``; the message names the
             counts, the scorer, its last error and the config keys to change.
     """
-    n = len(result.rewards) if n is None else n
+    n = (len(result.rewards) if n is None else n) * result.functions
     failed = result.errors + result.timeouts
     if n <= 0 or failed + result.clamped == 0:
         return None
     last = f"; last error: {result.last_error}" if result.last_error else ""
-    counts = f"{result.errors} errors and {result.timeouts} timeouts in {n} completions"
+    what = "completions" if result.functions == 1 else f"scorings ({result.functions} reward functions)"
+    counts = f"{result.errors} errors and {result.timeouts} timeouts in {n} {what}"
     if result.unscored:  # the call stopped once this verdict was certain
         counts += f", {result.unscored} of them left unscored"
     if failed / n > max_failure_rate:

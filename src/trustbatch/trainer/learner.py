@@ -2,7 +2,10 @@
 
 ``train_on(batch)`` runs ``epochs × minibatches`` optimizer steps (replay when more than one), after
 taking the proximal snapshot an objective declares it needs. ``step(batch)`` is one optimizer step in
-micro-batches with a global token mean.
+micro-batches with a global token mean: a plan (``_plan``: global counts, micro-batches, the batch statistics they
+share), one ``_micro_step`` each, and the metrics reduced over micro-batches and ranks as the objective's spec
+declares (``ObjectiveSpec.metrics``, ``objectives.MetricReducer``). The forward passes without gradient live in
+``trainer.passes``.
 
 What an objective needs comes from its registration (``objectives.spec``), never from its name:
 ``batch_stats`` lists the ``RatioStats`` keywords ("ess": π_θ/π_b, "ess_proximal": π_θ/π_prox) that
@@ -31,42 +34,46 @@ one or two forwards depending on the micro-batch), and ``state_dict`` gathers th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .. import objectives
 from ..errors import UserError
-from ..objectives import RatioStats
-from ..objectives.clipped import grpo_zeroed_shares
+from ..objectives import MetricReducer
+from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
+from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
-from ..objectives.p3o import anchor_log_weights
-from ..policy.chunked_logprobs import KLReference, logits_dtype
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
 from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
+from .passes import ForwardPasses, empty_like
 
-# Metrics each micro-batch reports already normalised by the global token count (or as counts):
-# they add up over micro-batches instead of being token-weighted.
-_ADDITIVE = ("loss", "policy_loss", "kl_loss", "ess_fallback", "num_tokens")
-# Ratios of sums: a token-weighted mean of per-micro-batch ratios is not the batch's ratio, so they are
-# recomputed from their parts (token means, which do reduce exactly) after the reduction.
-_RATIO_METRICS = {"cap_weight_removed": ("cap_removed_weight", "score_weight")}
+# what the learner adds to the objective's metrics: the entropy of π_θ per valid token (from its forward)
+_LEARNER_METRICS = {"entropy": objectives.TOKEN_MEAN}
+
+
+@dataclass
+class _StepPlan:
+    """One optimizer step's layout (``Learner._plan``), the same on every rank where it is summed."""
+
+    n_tokens: float  # valid tokens over every micro-batch and rank: the loss's token-mean denominator
+    n_seqs: float  # non-empty rows over every micro-batch and rank
+    chunks: list[slice]  # this rank's micro-batches
+    n_chunks: int  # the most micro-batches any rank has: every rank runs as many
+    shared: dict = field(default_factory=dict)  # keywords every micro-batch's objective call takes (batch stats, scope)
+    per_micro_batch_stats: bool = False  # "micro_batch" ESS scope over several ranks: summed per micro-batch
 
 
 class NonFiniteTraining(UserError):
     """``max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
-# batch-statistic keyword -> which log-probs the ratio's denominator comes from
-_STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
-
-
-class Learner:
+class Learner(ForwardPasses):
     """Owns the policy's optimizer and version, and applies the configured objective.
 
     Args:
@@ -98,6 +105,8 @@ class Learner:
         activation_checkpointing: recompute each decoder layer's activations in backward
             (``policy.model.enable_activation_checkpointing``: transformers' own, non-reentrant). The
             shared-prompt forward then falls back to the plain one (checkpointed layers drop the cache).
+        diagnostics: also log, at every optimizer step, the share of tokens GRPO's clip would zero
+            (``objectives.clipped.grpo_zeroed_shares``, whatever the objective; the lab sets it).
 
     The learner trains on the device its model's parameters are on (the recipe moves the model there);
     batches are moved to it.
@@ -115,7 +124,8 @@ class Learner:
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
                  trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
-                 logprob_chunk_size: int | None = 1024, strategy: str = "ddp", param_dtype: torch.dtype | None = None):
+                 logprob_chunk_size: int | None = 1024, strategy: str = "ddp", param_dtype: torch.dtype | None = None,
+                 diagnostics: bool = False):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -131,6 +141,8 @@ class Learner:
         # the exact KL is computed in the LM head's chunks; π_mix's weights need the batch ESS before it
         self.kl_in_head = self.full and self.spec.takes_kl_exact
         self.kl_needs_ess = self.kl_in_head and self.spec.needs_proximal
+        self.diagnostics = diagnostics
+        self.reductions = merged(self.spec.metrics, _LEARNER_METRICS, GRPO_ZEROED_METRICS if diagnostics else {})
         if logprob_chunk_size is not None and logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
         self.logprob_chunk_size = logprob_chunk_size
@@ -192,79 +204,28 @@ class Learner:
         self.version = int(state["policy_version"])
         self.bad_steps = int(state.get("bad_steps", 0))
 
-    # ---- forward passes without gradient -------------------------------------------------------
-    def autocast(self):
-        """The context every learner forward runs in: bf16 autocast under ``bf16-mixed``, else nothing."""
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _chunks(self, n: int) -> list[slice]:
-        return [slice(s, min(n, s + self.micro_batch_size)) for s in range(0, n, self.micro_batch_size)]
-
-    @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient), on the
-        learner's device. Under FSDP2 every rank must call it (each runs as many forwards as the rank with the
-        most rows)."""
-        packed = batch.packed.to(self.device)
-        with self.autocast():
-            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._no_grad_chunks(batch)])
-
-    def _no_grad_chunks(self, batch: TrainBatch):
-        """The micro-batches of a no-grad pass over ``batch``; under FSDP2 the generator then runs empty
-        forwards until this rank has run as many as the busiest rank (counted before any forward)."""
-        chunks = self._chunks(len(batch))
-        extra = int(self.world.max([float(len(chunks))])[0]) - len(chunks) if self.sharded else 0
-        yield from chunks
-        if extra:
-            pad = self._pad if self._pad is not None else _empty_like(batch).to(self.device)
-            for _ in range(extra):
-                with self.autocast():
-                    response_logprobs(self.model, pad.packed, chunk_size=self.logprob_chunk_size)
-
-    @torch.no_grad()
-    def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
-        """The declared ``RatioStats`` over the whole (local) batch at the current θ, summed over ranks."""
-        stats = {k: RatioStats.zeros() for k in names}
-        batch = batch.to(self.device)
-        for c in self._no_grad_chunks(batch):
-            mb = batch.select(c)
-            with self.autocast():
-                logp, _ = self.forward_fn(self.model, mb.packed)
-            for k in names:
-                stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
-        return self._sum_stats(stats)
-
-    def _sum_stats(self, stats: dict[str, RatioStats]) -> dict[str, RatioStats]:
-        if self.world.size == 1:
-            return stats
-        flat = self.world.sum([float(x) for s in stats.values() for x in s.to_tensor()])
-        out = {}
-        for i, k in enumerate(stats):
-            s1, s2, n = (torch.tensor(v, dtype=torch.float64) for v in flat[3 * i:3 * i + 3])
-            out[k] = RatioStats(s1, s2, n)
-        return out
+    def close(self) -> None:
+        """Nothing to release: the module and optimizer live in this process (``LearnerProtocol``)."""
 
     # ---- optimizer steps -----------------------------------------------------------------------
-    def train_on(self, batch: TrainBatch) -> dict[str, float]:
+    def train_on(self, batch: TrainBatch, *,
+                 stop_before: Callable[[int, TrainBatch], bool] | None = None) -> dict[str, float]:
         """``epochs × minibatches`` optimizer steps on ``batch`` (this rank's shard of it).
 
         The proximal snapshot (π_θ before this batch's updates) is taken first when the objective
         declares ``needs_proximal``. Returns the steps' metrics averaged (``nonfinite_skipped`` summed),
         plus ``optimizer_steps``.
+
+        stop_before: called as fn(opt_step, mini_batch) before each optimizer step (opt_step counts from 0
+            within this call; mini_batch is the ``TrainBatch`` that step would train on, on the learner's
+            device, with its proximal snapshot); True ends ``train_on`` there, without that step (the lab's
+            pre-flight measures the batch of a round's last step this way).
         """
         local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
         local = local.to(self.device)
-        self._pad = _empty_like(batch).to(self.device)  # the global batch: a rank's shard may be empty
-        if self.spec.needs_proximal and self.full:
-            with torch.no_grad(), self.autocast():
-                parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
-                         for c in self._no_grad_chunks(local)]
-            local.proximal_logprobs = torch.cat([p[0] for p in parts])
-            local.proximal_logprobs_full = torch.cat([p[2] for p in parts])
-        elif self.spec.needs_proximal:
-            local.proximal_logprobs = self.logprobs(local)
+        self._pad = empty_like(batch).to(self.device)  # the global batch: a rank's shard may be empty
+        if self.spec.needs_proximal:
+            self._take_proximal(local)
         step_metrics = []
         self.step_records = []
         for _epoch in range(self.epochs):
@@ -273,9 +234,12 @@ class Learner:
             # every rank takes the same number of optimizer steps, even with fewer rows than minibatches
             pieces += [perm[:0]] * (self.minibatches - len(pieces))
             for mb_index, mb in enumerate(pieces):
+                mini = local.select(mb)
+                if stop_before is not None and stop_before(len(step_metrics), mini):
+                    return _mean_over_steps(step_metrics)
                 self._step_tag = (len(step_metrics), _epoch, mb_index)
                 try:
-                    step_metrics.append(self.step(local.select(mb)))
+                    step_metrics.append(self.step(mini))
                 finally:
                     self._step_tag = None
                 self.step_records.append({"opt_step": len(step_metrics) - 1, "epoch": _epoch, "minibatch": mb_index,
@@ -283,7 +247,7 @@ class Learner:
         return _mean_over_steps(step_metrics)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``: metrics are token-weighted means over micro-batches and ranks.
+        """One optimizer step on ``batch``: metrics reduced over micro-batches and ranks as the objective declares.
 
         A step whose loss or gradient is not finite (the objective raises ValueError on a non-finite
         loss or gradient; a NaN or inf gradient norm) is skipped: no update, the version stays, and
@@ -292,98 +256,40 @@ class Learner:
         Raises:
             ValueError: the objective needs proximal log-probs and the batch has none.
             NonFiniteTraining: ``max_bad_steps`` consecutive steps were skipped.
+            KeyError: the objective reports a metric it declares no reduction for (``ObjectiveSpec.metrics``).
         """
-        if self.spec.needs_proximal and batch.proximal_logprobs is None:
-            raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
-        if self.full and batch.behavior_logprobs_full is None:
-            raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs the "
-                             "behaviour's full log-probs, but the batch has none; build the engine with full_logprobs=True")
         self.model.train()
         batch = batch.to(self.device)
-        world = self.world
-        mask = batch.packed.response_mask
-        n_tokens, n_seqs = world.sum([float(mask.sum()), float((mask.sum(1) > 0).sum())])
-        chunks = self._chunks(len(batch))
-        n_chunks = int(world.max([len(chunks)])[0])
-        kw_all: dict = {}
-        per_micro_batch_stats = False
-        if self.spec.batch_stats:
-            if self.ess_scope == "batch" and (n_chunks > 1 or world.size > 1 or self.kl_needs_ess):
-                kw_all.update(self.batch_stats(batch, self.spec.batch_stats))
-            elif self.ess_scope == "micro_batch" and world.size > 1:
-                per_micro_batch_stats = True
-            if self.ess_scope != "batch":
-                kw_all["ess_scope"] = self.ess_scope
-
-        sums: dict[str, float] = {}
-        maxes: dict[str, float] = {}
+        plan = self._plan(batch)
+        reducer = MetricReducer(self.reductions, self.spec.name)
         failure = ""
         record_ratios = bool(self.on_step_ratios) and self._step_tag is not None
         step_log_ratios: list[torch.Tensor] = []
-        for i in range(n_chunks):
-            skip_sync = World.no_sync(self.wrapped, skip=i < n_chunks - 1)
-            if i >= len(chunks) or failure:
-                # a rank with fewer micro-batches runs empty ones, so that every rank reaches the
-                # same collectives; a zero loss through the forward gives every weight a zero gradient
-                with skip_sync:
-                    pad = self._pad if self._pad is not None else _empty_like(batch)
-                    with self.autocast():
-                        pad_logp = response_logprobs(self.wrapped, pad.packed, chunk_size=self.logprob_chunk_size)[0]
-                    if per_micro_batch_stats:  # the other ranks sum this micro-batch's statistics, after its forward
-                        self._sum_stats({k: RatioStats.zeros() for k in self.spec.batch_stats})
-                    (pad_logp.sum() * 0.0).backward()
+        for i in range(plan.n_chunks):
+            skip_sync = World.no_sync(self.wrapped, skip=i < plan.n_chunks - 1)
+            if i >= len(plan.chunks) or failure:
+                self._empty_micro_step(batch, plan, skip_sync)
                 continue
-            mb = batch.select(chunks[i])
+            mb = batch.select(plan.chunks[i])
             m = mb.packed.response_mask
-            with skip_sync:
-                kw = dict(kw_all)
-                if self.kl_in_head:
-                    with self.autocast():
-                        logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                    kl_reference=self._kl_reference(mb, kw))
-                elif self.full:
-                    with self.autocast():
-                        logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                         with_full=True)
-                    kw["behavior_logprobs_full"] = mb.behavior_logprobs_full
-                    if self.spec.needs_proximal:
-                        kw["proximal_logprobs_full"] = mb.proximal_logprobs_full
-                else:
-                    with self.autocast():
-                        logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
-                if mb.proximal_logprobs is not None and self.spec.needs_proximal:
-                    kw["proximal_logprobs"] = mb.proximal_logprobs
-                if per_micro_batch_stats:
-                    with torch.no_grad():
-                        local = {k: RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), m)
-                                 for k in self.spec.batch_stats}
-                    kw.update(self._sum_stats(local))
-                try:
-                    out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=n_tokens,
-                                       num_sequences=n_seqs, **kw, **self.options)
-                    (out.loss if world.size == 1 else out.loss * world.size).backward()
-                except ValueError as e:  # non-finite loss or gradient (objectives never return NaN silently)
-                    failure = str(e).splitlines()[0]
-                    continue
+            out, logp, ent = self._micro_step(mb, plan, skip_sync)
+            if isinstance(out, str):
+                failure = out
+                continue
             if record_ratios:
                 step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
             w = float(m.sum())
             metrics = dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
-            metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
-            for k, v in metrics.items():
-                if k.endswith("_max"):
-                    maxes[k] = max(maxes.get(k, float("-inf")), v)
-                elif k in _ADDITIVE:
-                    sums[k] = sums.get(k, 0.0) + v
-                else:
-                    sums[k] = sums.get(k, 0.0) + v * w
+            if self.diagnostics:
+                metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
+            reducer.add(metrics, w)
         if record_ratios:
             flat = torch.cat(step_log_ratios) if step_log_ratios else torch.zeros(0)
             for fn in self.on_step_ratios:
                 fn(*self._step_tag, flat)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-        if world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
+        if self.world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")
         self.bad_steps = 0
         self.optimizer.step()
@@ -392,18 +298,64 @@ class Learner:
         self.version += 1
         for fn in self.on_step:
             fn(self.version, self.model)
-        out = self._reduce_metrics(sums, maxes, float(mask.sum()), grad_norm)
+        out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
+        out["grad_norm"] = grad_norm
+        out["lr"] = self.scheduler.get_last_lr()[0]
         out["nonfinite_skipped"] = 0.0
         return out
 
-    def _kl_reference(self, mb: TrainBatch, kw: dict) -> KLReference:
-        """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's weights."""
+    def _plan(self, batch: TrainBatch) -> "_StepPlan":
+        """The step's global counts, micro-batches, and the batch statistics its micro-batches share; ValueError
+        for a batch without the proximal snapshot or the full log-probs the objective needs."""
+        if self.spec.needs_proximal and batch.proximal_logprobs is None:
+            raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
+        if self.full and batch.behavior_logprobs_full is None:
+            raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs the "
+                             "behaviour's full log-probs, but the batch has none; build the engine with full_logprobs=True")
+        world = self.world
+        mask = batch.packed.response_mask
+        n_tokens, n_seqs = world.sum([float(mask.sum()), float((mask.sum(1) > 0).sum())])
+        chunks = self._chunks(len(batch))
+        plan = _StepPlan(n_tokens, n_seqs, chunks, int(world.max([len(chunks)])[0]))
+        if self.spec.batch_stats:
+            if self.ess_scope == "batch" and (plan.n_chunks > 1 or world.size > 1 or self.kl_needs_ess):
+                plan.shared.update(self.batch_stats(batch, self.spec.batch_stats))
+            elif self.ess_scope == "micro_batch" and world.size > 1:
+                plan.per_micro_batch_stats = True
+            if self.ess_scope != "batch":
+                plan.shared["ess_scope"] = self.ess_scope
+        return plan
+
+    def _micro_step(self, mb: TrainBatch, plan: "_StepPlan", skip_sync):
+        """Forward, objective and backward of one micro-batch: ``(ObjectiveOutput, logp [B, C], entropy [B, C])``,
+        or ``(message, None, None)`` when the objective refused a non-finite loss or gradient."""
         m = mb.packed.response_mask
-        if not self.spec.needs_proximal:
-            return KLReference((mb.behavior_logprobs_full,), m)
-        e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
-        log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, logits_dtype(next(self.model.parameters()).dtype))
-        return KLReference((mb.behavior_logprobs_full, mb.proximal_logprobs_full), m, (log_w_b, log_w_p), log_w)
+        with skip_sync:
+            kw = dict(plan.shared)
+            with self.autocast():
+                if self.kl_in_head:
+                    logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
+                                                                kl_reference=self._kl_reference(mb, kw))
+                elif self.full:
+                    logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
+                                                                     with_full=True)
+                else:
+                    logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
+            if self.full and not self.kl_in_head:
+                kw["behavior_logprobs_full"] = mb.behavior_logprobs_full
+                if self.spec.needs_proximal:
+                    kw["proximal_logprobs_full"] = mb.proximal_logprobs_full
+            if mb.proximal_logprobs is not None and self.spec.needs_proximal:
+                kw["proximal_logprobs"] = mb.proximal_logprobs
+            if plan.per_micro_batch_stats:
+                kw.update(self._sum_stats(self._local_stats(logp, mb)))
+            try:
+                out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=plan.n_tokens,
+                                   num_sequences=plan.n_seqs, **kw, **self.options)
+                (out.loss if self.world.size == 1 else out.loss * self.world.size).backward()
+            except ValueError as e:  # non-finite loss or gradient (objectives never return NaN silently)
+                return str(e).splitlines()[0], None, None
+        return out, logp, ent
 
     def _skip(self, cause: str) -> dict[str, float]:
         """Drop this step's gradient; stop the run after ``max_bad_steps`` in a row."""
@@ -415,27 +367,6 @@ class Learner:
                 f"loss or gradient ({cause}); lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
         return {"nonfinite_skipped": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
-    def _reduce_metrics(self, sums: dict, maxes: dict, local_tokens: float, grad_norm: float) -> dict[str, float]:
-        if self.world.size > 1:  # a rank that ran only empty micro-batches has no keys of its own
-            keys = sorted({k for ks in self.world.gather(sorted(sums)) for k in ks})
-            mk = sorted({k for ks in self.world.gather(sorted(maxes)) for k in ks})
-        else:
-            keys, mk = sorted(sums), sorted(maxes)
-        total = self.world.sum([sums.get(k, 0.0) for k in keys] + [local_tokens])
-        # Additive metrics are already per-rank shares of a global quantity: their sum over
-        # ranks is the batch value, but each rank's loss was multiplied by the world size.
-        tokens = total[-1]
-        out = {k: (v if k in _ADDITIVE else v / max(tokens, 1.0)) for k, v in zip(keys, total[:-1])}
-        if self.world.size == 1:  # keep the one-process path's exact float arithmetic
-            out = {k: (v if k in _ADDITIVE else v / max(local_tokens, 1.0)) for k, v in sums.items()}
-        out.update(zip(mk, self.world.max([maxes.get(k, float("-inf")) for k in mk])))
-        for k, (num, den) in _RATIO_METRICS.items():
-            if k in out and num in out and den in out:
-                out[k] = out[num] / out[den] if out[den] > 0 else 0.0
-        out["grad_norm"] = grad_norm
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        return out
-
 
 def _mean_over_steps(step_metrics: list[dict]) -> dict[str, float]:
     """Each metric averaged over the steps that report it (a skipped step reports few); skips are counted."""
@@ -446,10 +377,3 @@ def _mean_over_steps(step_metrics: list[dict]) -> dict[str, float]:
         m[k] = sum(vals) if k == "nonfinite_skipped" else sum(vals) / len(vals)
     m["optimizer_steps"] = float(len(step_metrics))
     return m
-
-
-def _empty_like(batch: TrainBatch) -> TrainBatch:
-    """The first row of ``batch`` with no valid token: a micro-batch that contributes nothing."""
-    mb = batch.select(slice(0, 1))
-    mb.packed.response_mask = torch.zeros_like(mb.packed.response_mask)
-    return mb

@@ -9,18 +9,46 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
+
+import torch
 
 from ..pipeline.batch import TrainBatch
 from ..pipeline.source import RolloutSource
 from ..pipeline.weight_sync import WeightSync
-from .learner import Learner
+
+
+class LearnerProtocol(Protocol):
+    """What trains the policy: ``trainer.learner.Learner`` in this process (or data parallel), or learner ranks
+    elsewhere. The loop uses ``version``, ``model`` and ``train_on``; the recipe's hooks the rest."""
+
+    version: int  # optimizer steps taken: the policy version
+    model: torch.nn.Module  # the policy this process holds, kept equal to the one trained
+    step_records: list[dict[str, float]]  # the last round's per-optimizer-step metrics
+    sharded: bool  # its forwards and weight gathers are collectives every rank must reach (FSDP2)
+    on_step: list[Callable[[int, torch.nn.Module], None]]  # called (version, model) after every optimizer step
+    # called (opt_step, epoch, minibatch, log_ratio) per optimizer step while not empty; None: it cannot report them
+    on_step_ratios: list[Callable[[int, int, int, torch.Tensor], None]] | None
+
+    def train_on(self, batch: TrainBatch) -> dict[str, float]:
+        """The round's optimizer steps on ``batch``; advances ``version``; returns the round's metrics."""
+        ...
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, C] float32 log-probs of the batch's completion tokens under the current policy."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class Parts:
     source: RolloutSource
-    learner: Learner
+    learner: LearnerProtocol
     sync: WeightSync
 
 

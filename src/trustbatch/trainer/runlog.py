@@ -10,7 +10,8 @@ from ..records import atomic_write, truncate_records
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors scalars to TensorBoard; an evaluation's
+    sample completions go to ``samples.jsonl`` and TensorBoard text.
 
     ``enabled=False`` (data-parallel ranks other than 0) writes nothing.
     """
@@ -40,6 +41,22 @@ class MetricsLog:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append one line per sample (``{"step", "prompt", "completion", "reward"}``) to ``samples.jsonl``, and the
+        evaluation's samples as one TensorBoard text (tag ``samples``) at ``step``."""
+        if not self.enabled or not samples:
+            return
+        with open(self.path.parent / "samples.jsonl", "a") as f:
+            for smp in samples:
+                f.write(json.dumps({"step": step, **smp}) + "\n")
+            f.flush()
+        if self._tb is not None:
+            # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
+            text = "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
+                                for smp in samples)
+            self._tb.add_text("samples", text, step)
             self._tb.flush()
 
     def close(self) -> None:
@@ -132,48 +149,3 @@ def _quantile(sorted_x, q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, sorted_x.numel() - 1)
     return float(sorted_x[lo] + (sorted_x[hi] - sorted_x[lo]) * (pos - lo))
-
-
-class Progress:
-    """Round progress: a rich bar on a terminal; a plain line every few rounds otherwise (logs, cluster jobs).
-
-    ``enabled=False`` (data-parallel ranks other than 0) shows nothing.
-    """
-
-    def __init__(self, console, *, total: int, start: int = 0, enabled: bool = True):
-        self.console, self.total, self.enabled = console, total, enabled
-        self.tty = enabled and console.is_terminal
-        # about 20 lines for a whole run, and never fewer than one every 10 rounds
-        self.every = max(1, min(10, total // 20))
-        self._bar = None
-        self._t0 = None
-        if self.tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._bar = RichProgress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                     TextColumn("{task.fields[info]}"), console=console, transient=False)
-            self._task = self._bar.add_task("rl", total=total, completed=start, info="")
-
-    def __enter__(self):
-        import time
-
-        self._t0 = time.time()
-        if self._bar is not None:
-            self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-    def advance(self, round_: int, info: str) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, info=info)
-        elif round_ % self.every == 0 or round_ == self.total:
-            import time
-
-            elapsed = time.time() - (self._t0 or time.time())
-            self.console.print(f"round {round_}/{self.total}  {info}  ({elapsed:.0f} s)", highlight=False)

@@ -1,69 +1,16 @@
-"""Typed run configuration: defaults, YAML files, ``key=value`` overrides, validation with one-line errors.
-
-    cfg = load_config("examples/chain_sum.yaml", ["objective.name=grpo", "train.steps=50"])
-"""
+"""The sections of the run configuration (``task``, ``data``, ``reward``, ``model``, ``rollout``, ``objective``,
+``train``, ``eval``): typed fields with their defaults, bounds and meaning (docs/config.md is generated from them)."""
 
 from __future__ import annotations
 
-import copy
-import difflib
 import math
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
-from .errors import UserError
-from .parallel import DEVICE_SPEC
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``3e-1``, ``1e4``, ``-2E+3`` as floats.
-
-    YAML 1.1 (PyYAML) needs a dot in a float, so ``{eps_high: 3e-1}`` would be the string
-    ``'3e-1'``; typed fields coerce it back, free-form dicts (objective.options) do not.
-    """
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def yaml_loads(text: str) -> Any:
-    """Parse YAML text as configs are parsed: safe, with ``3e-1``-style floats (see ``_Loader``).
-
-    Raises:
-        yaml.YAMLError: the text is not valid YAML.
-    """
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-
-
-def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
-    """Read and parse a YAML file (UTF-8) with ``yaml_loads``.
-
-    Raises:
-        UserError: the file is missing, not UTF-8 (names the line) or not valid YAML.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{what} {str(p)!r} does not exist")
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UserError(f"{what} {str(p)!r} line {line} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
-                        "save the file as UTF-8") from None
-    try:
-        return yaml_loads(text)
-    except yaml.YAMLError as e:
-        raise UserError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+from ..parallel import DEVICE_SPEC
 
 
 def _no_bool(v: Any) -> Any:
@@ -107,7 +54,7 @@ class TaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _merge_default_params(self) -> "TaskConfig":
-        from .data.tasks import DEFAULT_PARAMS
+        from ..data.tasks import DEFAULT_PARAMS
 
         merged = {**DEFAULT_PARAMS.get(self.name, {}), **self.params}
         if merged != self.params:
@@ -116,12 +63,14 @@ class TaskConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Training data from local files (GSM8K, MATH, AIME, AMC, Countdown or any JSONL); replaces ``task`` when ``train`` is set.
+    """Training data from local files (JSONL, JSON, Parquet or a saved ``datasets`` directory, in the GSM8K, MATH,
+    AIME, AMC, Countdown or any row format); replaces ``task`` when ``train`` is set.
 
     ``data=FILE`` on the command line is short for ``data.train=FILE``.
     """
 
-    train: str | None = Field(None, description="JSONL file or benchmark name to train on")
+    train: str | None = Field(None, description="a JSONL, JSON or Parquet file, a datasets directory (save_to_disk) "
+                                                "or a benchmark name, to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
@@ -131,12 +80,27 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
+    system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
+
+
+class RewardFunctionConfig(_Strict):
+    """One of several weighted reward functions (``reward.functions``)."""
+
+    name: str = Field(description="a scorer as in reward.name; a module:function may take TRL's batch form "
+                                  "(prompts, completions, **columns) -> list")
+    weight: Float = Field(1.0, description="its weight w_i in the training reward sum_i w_i r_i")
 
 
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
     name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
+                                          "training, each logged as rewards/NAME; held-out evaluation keeps the "
+                                          "data's scorer (reward.name must be unset)")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
                                                "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
@@ -144,6 +108,13 @@ class RewardConfig(_Strict):
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
                                      "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
                                      "failure is reported as a warning")
+
+    @model_validator(mode="after")
+    def _one_reward_source(self):
+        if self.name is not None and self.functions:
+            raise ValueError("reward.name and reward.functions are both set; put the scorer in reward.functions "
+                             "(with its weight) and unset reward.name")
+        return self
 
 
 class ModelConfig(_Strict):
@@ -178,7 +149,7 @@ class LoraConfig(_Strict):
 
 
 # read only by the async pipeline (pipeline.async_source, orchestration)
-_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s")
+_ASYNC_ONLY = ("max_staleness", "workers", "worker_timeout_s", "async_order")
 
 
 class RolloutConfig(_Strict):
@@ -188,7 +159,8 @@ class RolloutConfig(_Strict):
     prompts_per_step: Int = Field(64, ge=1, description="prompts per rollout round")
     temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
     top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
-    max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens")
+    max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
+                                "/ AIME / AMC gets 512 / 1024 / 20480 / 20480, at most half the model's context")
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
     max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
@@ -208,6 +180,10 @@ class RolloutConfig(_Strict):
         0, description="async: samples at most this many policy versions old; auto: the batch ESS moves the bound")
     workers: Int = Field(1, ge=1, description="async: rollout worker processes (one torch thread each)")
     worker_timeout_s: Float = Field(300.0, gt=0, description="async: restart a worker that holds the awaited batch this long")
+    async_order: Literal["deterministic", "latest"] = Field(
+        "deterministic", description="async: deterministic: batch b is sampled by the policy of round b − ⌊k / optimizer "
+        "steps per round⌋ (reproducible, resume included; the checkpoint keeps those rounds' weights); latest: by the "
+        "newest weights when a worker starts it (timing-dependent). max_staleness=auto runs latest")
 
     @field_validator("max_staleness")
     @classmethod
@@ -249,7 +225,7 @@ class ObjectiveConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _known_objective(cls, v: str) -> str:
-        from . import objectives
+        from .. import objectives
 
         objectives.get(v)  # raises ValueError listing the known names
         return v
@@ -257,7 +233,7 @@ class ObjectiveConfig(_Strict):
     @field_validator("options")
     @classmethod
     def _valid_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from . import objectives
+        from .. import objectives
 
         check = getattr(objectives, "validate_options", None)  # written alongside; absent in older trees
         name = info.data.get("name")
@@ -303,6 +279,9 @@ class TrainConfig(_Strict):
                                 "this, or null: the full path")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
+    diagnostics: bool = Field(
+        False, description="also log the share of tokens GRPO's clip would zero (grpo_zeroed_0.2/0.4) at every "
+                           "optimizer step, whatever the objective (the lab sets it)")
 
     @field_validator("device")
     @classmethod
@@ -321,158 +300,3 @@ class EvalConfig(_Strict):
 
 
 ModelConfig.model_rebuild()
-
-
-class Config(_Strict):
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
-    checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
-                                                        "base evaluation)")
-    orchestrator: Literal["local", "ray"] = Field(
-        "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
-                             "existing cluster (with rollout.mode=async; needs trustbatch[ray])")
-    ray_address: str | None = Field(None, description="orchestrator=ray: the cluster to join (host:6379); "
-                                                      "default RAY_ADDRESS, else a new local cluster")
-    ray_learners: Int = Field(1, ge=0, description="orchestrator=ray: learner ranks, each a Ray actor (data parallel, "
-                                                   "gloo on CPU); 0 trains in the driver's process")
-    threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
-
-    @model_validator(mode="after")
-    def _task_defaults(self) -> "Config":
-        # a task whose completions need more room (data.tasks.TASK_DEFAULTS) gets it unless the key was set
-        from .data.tasks import TASK_DEFAULTS
-
-        for key, value in ({} if self.data.train else TASK_DEFAULTS.get(self.task.name, {})).items():
-            section, name = key.split(".")
-            sub = getattr(self, section)
-            if name not in sub.model_fields_set:
-                object.__setattr__(sub, name, value)  # validate_assignment would re-run this validator
-        return self
-
-
-def _set_dotted(d: dict, key: str, value: Any) -> None:
-    if key == "data" and isinstance(value, str):  # data=FILE is short for data.train=FILE
-        key = "data.train"
-    parts = key.split(".")
-    for p in parts[:-1]:
-        nxt = d.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise UserError(f"config key {key!r}: {p!r} is not a section")
-        d = nxt
-    d[parts[-1]] = value
-
-
-def config_fields(model: type[BaseModel] | None = None, prefix: str = ""):
-    """Yield ``(dotted key, field, sections)`` for every field of ``Config`` (default) and its sections, depth first.
-
-    ``sections`` are the pydantic models the field's annotation holds (``[LoraConfig]`` for ``model.lora``, empty for
-    a plain value); their fields follow the section's own entry, prefixed ``key.``.
-    """
-    for name, field in (model or Config).model_fields.items():
-        subs = _models_in(field.annotation)
-        yield prefix + name, field, subs
-        for sub in subs:
-            yield from config_fields(sub, f"{prefix}{name}.")
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for a in getattr(annotation, "__args__", ()) for m in _models_in(a)]  # a union, list[...], Literal
-
-
-def nearest_key(key: str) -> str | None:
-    """The known config key a mistyped ``key`` most likely meant (difflib), or None.
-
-    First a close name in the same section (``train.step`` -> ``train.steps``, ``trian`` -> ``train``), else the one
-    key of that name in another section (``rollout.lr`` -> ``train.lr``).
-    """
-    section, _, name = key.rpartition(".")
-    keys = [k for k, _, _ in config_fields()]
-    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
-    near = difflib.get_close_matches(name, siblings, n=1)
-    if near:
-        return f"{section}.{near[0]}" if section else near[0]
-    elsewhere = [k for k in keys if k.rpartition(".")[2] == name]
-    return elsewhere[0] if len(elsewhere) == 1 else None
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _format_error(e: ValidationError) -> str:
-    errs = e.errors()
-    # A union (e.g. rollout.foreign_model: str | dict) reports one error per branch: prefer the one
-    # about the value over "should be a valid string", and drop the branch tags from the key.
-    err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
-    parts = [str(x) for x in err["loc"]]
-    while len(parts) > 1 and (parts[-1] in _UNION_TAGS or "[" in parts[-1]):
-        parts.pop()
-    loc = ".".join(parts)
-    if err["type"] == "extra_forbidden":
-        near = nearest_key(loc)
-        hint = f"did you mean {near!r}? " if near else ""
-        return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
-    msg = err["msg"].removeprefix("Value error, ")
-    if msg.startswith(f"{loc}.") and err["type"] == "value_error":  # a section's own check names its key itself
-        return msg
-    if err["type"].endswith("_type"):  # every branch refused the type: name them all
-        msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
-    got = repr(err.get("input"))
-    got = got if len(got) <= 80 else got[:77] + "..."
-    return f"invalid value for {loc!r}: {msg} (got {got})"
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
-    """Defaults ← ``base`` dict ← YAML file ← ``key=value`` overrides (values parsed as YAML).
-
-    Values are parsed by ``yaml_loads`` (``3e-1`` is a float). Numbers must be finite and not
-    booleans (``train.steps=true`` is refused), also inside ``objective.options`` and ``task.params``.
-
-    Raises:
-        UserError: a missing, non-UTF-8 or invalid YAML file, an override without ``=``, an unknown
-            key, an invalid value. The message is one line and names the key.
-    """
-    data: dict = copy.deepcopy(base or {})  # overrides set keys in nested dicts: never in the caller's
-    if path is not None:
-        loaded = read_yaml_file(path) or {}
-        if not isinstance(loaded, dict):
-            raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
-        for k, v in _flatten(loaded).items():
-            _set_dotted(data, k, v)
-    for ov in overrides or []:
-        if "=" not in ov:
-            raise UserError(f"override {ov!r} must look like key=value, e.g. train.steps=50")
-        k, _, v = ov.partition("=")
-        try:
-            val = yaml_loads(v) if v != "" else None
-        except yaml.YAMLError:
-            val = v
-        _set_dotted(data, k.strip(), val)
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise UserError(_format_error(e)) from None
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        # Free-form dicts (task.params, objective.options) are set whole, not flattened.
-        if isinstance(v, dict) and key not in ("task.params", "objective.options"):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,172 @@
+"""The run configuration: ``Config`` (every section), ``load_config`` (defaults ← base ← YAML ← ``key=value``) and
+the helpers that walk its keys."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from ..errors import UserError
+from .sections import (DataConfig, EvalConfig, Int, ModelConfig, ObjectiveConfig, RewardConfig, RolloutConfig,
+                       TaskConfig, TrainConfig, _Strict)
+from .yaml_io import read_yaml_file, yaml_loads
+
+
+class Config(_Strict):
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
+    checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
+                                                        "base evaluation)")
+    orchestrator: Literal["local", "ray"] = Field(
+        "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
+                             "existing cluster (with rollout.mode=async; needs trustbatch[ray])")
+    ray_address: str | None = Field(None, description="orchestrator=ray: the cluster to join (host:6379); "
+                                                      "default RAY_ADDRESS, else a new local cluster")
+    ray_learners: Int = Field(1, ge=0, description="orchestrator=ray: learner ranks, each a Ray actor (data parallel, "
+                                                   "gloo on CPU); 0 trains in the driver's process")
+    threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+
+    @model_validator(mode="after")
+    def _task_defaults(self) -> "Config":
+        # a task whose completions need more room (data.tasks.TASK_DEFAULTS) gets it unless the key was set
+        from ..data.tasks import TASK_DEFAULTS
+
+        for key, value in ({} if self.data.train else TASK_DEFAULTS.get(self.task.name, {})).items():
+            section, name = key.split(".")
+            sub = getattr(self, section)
+            if name not in sub.model_fields_set:
+                object.__setattr__(sub, name, value)  # validate_assignment would re-run this validator
+        return self
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    if key == "data" and isinstance(value, str):  # data=FILE is short for data.train=FILE
+        key = "data.train"
+    parts = key.split(".")
+    for p in parts[:-1]:
+        nxt = d.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise UserError(f"config key {key!r}: {p!r} is not a section")
+        d = nxt
+    d[parts[-1]] = value
+
+
+def config_fields(model: type[BaseModel] | None = None, prefix: str = ""):
+    """Yield ``(dotted key, field, sections)`` for every field of ``Config`` (default) and its sections, depth first.
+
+    ``sections`` are the pydantic models the field's annotation holds (``[LoraConfig]`` for ``model.lora``, empty for
+    a plain value); their fields follow the section's own entry, prefixed ``key.``.
+    """
+    for name, field in (model or Config).model_fields.items():
+        subs = _models_in(field.annotation)
+        yield prefix + name, field, subs
+        for sub in subs:
+            yield from config_fields(sub, f"{prefix}{name}.")
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in getattr(annotation, "__args__", ()) for m in _models_in(a)]  # a union, list[...], Literal
+
+
+def nearest_key(key: str) -> str | None:
+    """The known config key a mistyped ``key`` most likely meant (difflib), or None.
+
+    First a close name in the same section (``train.step`` -> ``train.steps``, ``trian`` -> ``train``), else the one
+    key of that name in another section (``rollout.lr`` -> ``train.lr``).
+    """
+    section, _, name = key.rpartition(".")
+    keys = [k for k, _, _ in config_fields()]
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    near = difflib.get_close_matches(name, siblings, n=1)
+    if near:
+        return f"{section}.{near[0]}" if section else near[0]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == name]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _format_error(e: ValidationError) -> str:
+    errs = e.errors()
+    # A union (e.g. rollout.foreign_model: str | dict) reports one error per branch: prefer the one
+    # about the value over "should be a valid string", and drop the branch tags from the key.
+    err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+    parts = [str(x) for x in err["loc"]]
+    while len(parts) > 1 and (parts[-1] in _UNION_TAGS or "[" in parts[-1]):
+        parts.pop()
+    loc = ".".join(parts)
+    if err["type"] == "extra_forbidden":
+        near = nearest_key(loc)
+        hint = f"did you mean {near!r}? " if near else ""
+        return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith(f"{loc}.") and err["type"] == "value_error":  # a section's own check names its key itself
+        return msg
+    if err["type"].endswith("_type"):  # every branch refused the type: name them all
+        msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"invalid value for {loc!r}: {msg} (got {got})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Defaults ← ``base`` dict ← YAML file ← ``key=value`` overrides (values parsed as YAML).
+
+    Values are parsed by ``yaml_loads`` (``3e-1`` is a float). Numbers must be finite and not
+    booleans (``train.steps=true`` is refused), also inside ``objective.options`` and ``task.params``.
+
+    Raises:
+        UserError: a missing, non-UTF-8 or invalid YAML file, an override without ``=``, an unknown
+            key, an invalid value. The message is one line and names the key.
+    """
+    data: dict = copy.deepcopy(base or {})  # overrides set keys in nested dicts: never in the caller's
+    if path is not None:
+        loaded = read_yaml_file(path) or {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
+        for k, v in _flatten(loaded).items():
+            _set_dotted(data, k, v)
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise UserError(f"override {ov!r} must look like key=value, e.g. train.steps=50")
+        k, _, v = ov.partition("=")
+        try:
+            val = yaml_loads(v) if v != "" else None
+        except yaml.YAMLError:
+            val = v
+        _set_dotted(data, k.strip(), val)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_format_error(e)) from None
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        # Free-form dicts (task.params, objective.options) are set whole, not flattened.
+        if isinstance(v, dict) and key not in ("task.params", "objective.options"):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

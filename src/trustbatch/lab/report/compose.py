@@ -1,0 +1,184 @@
+"""One experiment's report section, and the whole report: the pieces of ``runs``, ``figures``, ``tables`` and
+``provenance`` put in the report's reading order, with the comparisons' findings (rules of ``lab.stats``)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from ...errors import UserError
+from ...records import atomic_write
+from ..calls import load_calls
+from ..experiment import LAB_COMMON, default_comparisons
+from ..reproduce import reproduced_line
+from ..stats import EQUIVALENCE_RULE, MARGIN, POST_HOC_RULE, paired_interval, tost
+from .figures import dose_figure, experiment_figures
+from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_time, git_commit, mixed_bases,
+                         mixed_line, prompts_per_round, registration_line)
+from .runs import arm_scores, load_runs
+from .tables import (arm_table, base_table, cost_table, equivalence_lines, preflight_summary, preflight_table,
+                     step_ratio_line, tuned_baseline, within_round_lines)
+
+
+def experiment_section(name: str, exp_dir: Path, out: Path, *, draw: bool = True) -> tuple[str, list[str]]:
+    """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``); ``draw``: write
+    its figures into ``out`` and link them (False: neither)."""
+    spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
+    tune = (spec or {}).get("tune") or {}
+    arms, tuning = _split_tuning(load_runs(exp_dir), [int(x) for x in tune.get("seeds") or []])
+    if not arms:
+        return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + preflight_table(exp_dir)), []
+    figs = experiment_figures(name, arms, out) if draw else []
+    scored = {arm: arm_scores(runs) for arm, runs in arms.items()}
+    dose_fig = dose_figure(name, scored, out) if draw else None
+    lines = [f"## {name}", "", spec.get("description", ""), ""]
+    calls = load_calls(exp_dir)
+    head, rules_before = _provenance_lines(spec, exp_dir, calls)
+    lines += head + [_runs_sentence(spec, exp_dir, calls, arms, tuning)]
+    lines += [""] + preflight_table(exp_dir)
+    mixed = mixed_bases(_compared_bases(scored))
+    lines += [mixed_line(mixed), ""] if mixed else []
+    lines += arm_table(arms, scored)
+    pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
+    pairs = [(a, b) for a, b in pairs if a in scored and b in scored]
+    tuned, tuned_lines = tuned_baseline(tune, tuning)
+    findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rules_before)
+    if tuned and not any(tuned in p for p in pairs):
+        tuned_lines += [f"The tuned baseline {tuned} is in none of this experiment's comparisons.", ""]
+    lines += tuned_lines
+    lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
+              f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
+    lines += equivalence_lines(equivalence, fixed_before=rules_before)
+    step_line = step_ratio_line(arms)
+    lines += ([step_line, ""] if step_line else []) + within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
+    return "\n".join(lines), [f"{name}: {f}" for f in findings]
+
+
+def _split_tuning(runs: dict[str, list[dict]], tune_seeds: list[int]) -> tuple[dict, dict]:
+    """({arm: compared runs}, {arm: runs on the tuning seeds}) of ``load_runs``' result."""
+    # runs on the tuning seeds only pick the tuned baseline; every table, figure and comparison uses the others
+    tuning: dict[str, list[dict]] = {}
+    arms: dict[str, list[dict]] = {}
+    for arm, arm_runs in runs.items():
+        for run in arm_runs:
+            (tuning if run["seed"] in tune_seeds else arms).setdefault(arm, []).append(run)
+    return arms, tuning
+
+
+def _provenance_lines(spec: dict, exp_dir: Path, calls: list[dict]) -> tuple[list[str], bool]:
+    """(the section's lines on how it ran: its calls or command, a re-run check, a registration; whether the
+    post-hoc rules were fixed before a registered design, ``registration_line``)."""
+    lines = []
+    if any("start" in c for c in calls):
+        lines += [calls_line(calls), ""]
+    elif spec.get("command"):
+        lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
+    rerun = reproduced_line(exp_dir)
+    lines += [rerun, ""] if rerun else []
+    registration, rules_before = registration_line(spec.get("registered"), calls)
+    lines += [registration, ""] if registration else []
+    return lines, rules_before
+
+
+def _runs_sentence(spec: dict, exp_dir: Path, calls: list[dict], arms: dict, tuning: dict) -> str:
+    """'Seeds [...] (...); N runs of R rounds × P prompts; one run took …' with the experiment's time."""
+    tune = spec.get("tune") or {}
+    tune_seeds = [int(x) for x in tune.get("seeds") or []]
+    wall = [run["summary"]["wall_s"] for runs in arms.values() for run in runs]
+    seeds = sorted({run["seed"] for runs in arms.values() for run in runs})
+    n_tuning = sum(len(r) for a, r in tuning.items() if a in (tune.get("arms") or []))
+    return (f"Seeds {seeds} ({'each with its own SFT base' if spec.get('per_seed_base', True) else 'one shared base'}); "
+            f"{len(wall)} runs{f' (and {n_tuning} tuning runs on seeds {tune_seeds})' if n_tuning else ''} of {max(len(r['metrics']) - 1 for runs in arms.values() for r in runs)} rounds"
+            f"{prompts_per_round(exp_dir, arms)}; "
+            f"one run took {min(wall) / 60:.1f}–{max(wall) / 60:.1f} min on one CPU thread"
+            + experiment_time(exp_dir, calls))
+
+
+def _compared_bases(scored: dict[str, tuple[dict, dict, dict]]) -> dict[int, dict[str, float]]:
+    """{seed: {arm: base pass@1}} of the compared runs, as ``arm_scores`` took them (tuning seeds are never paired)."""
+    base_by_seed: dict[int, dict[str, float]] = {}
+    for arm, (_, _, bases) in scored.items():
+        for seed, v in bases.items():
+            if math.isfinite(v):
+                base_by_seed.setdefault(seed, {})[arm] = v
+    return base_by_seed
+
+
+def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dict, dict]],
+                 mixed: dict[int, dict[str, float]], tuned: str | None, rules_before: bool) -> tuple[list[str], list]:
+    """(one finding per pair: ``stats.paired_interval``'s sentence with its marks, [(``stats.tost`` result,
+    whether the interval rule read 'match')] for the pairs not both collapsed)."""
+    findings, equivalence = [], []
+    for a, b in pairs:
+        mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
+        if broken := sorted(s for s, arms in mixed.items() if a in arms and b in arms and arms[a] != arms[b]):
+            mark += f" (bases differ at seeds {broken}: not a clean pairing)"
+        try:
+            both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
+            result = paired_interval(a, b, scored[a][0], scored[b][0], comparisons=len(pairs), collapsed_both=both)
+            note = None if rules_before else result.post_hoc_note()
+            findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
+            if not result.both_collapsed:  # scores at the floor: not a question of equivalence
+                equivalence.append((tost(a, b, scored[a][0], scored[b][0], comparisons=len(pairs)), result.verdict() == "match"))
+        except ValueError as e:
+            findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
+    return findings, equivalence
+
+
+def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *, draw: bool = True) -> Path:
+    """Write ``out/README.md`` and the figures for ``experiments`` (default: every experiment under ``runs``).
+
+    ``draw=False`` writes the text alone: no figure files and no figure links (what a check of the report's
+    numbers needs, at a fraction of the time).
+
+    Raises:
+        UserError: ``runs`` holds no experiment.
+    """
+    if not runs.is_dir():
+        raise UserError(f"no lab runs in {str(runs)!r}; run `trustbatch lab run EXPERIMENT --out {runs}` first")
+    names = experiments or sorted(p.name for p in runs.iterdir() if (p / "experiment.yaml").exists())
+    if not names:
+        raise UserError(f"no experiments under {str(runs)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    sections, findings = [], []
+    for n in names:
+        if not (runs / n).is_dir():
+            raise UserError(f"experiment {n!r} has no runs in {str(runs)!r}")
+        text, f = experiment_section(n, runs / n, out, draw=draw)
+        sections.append(text)
+        findings += f
+    head = [
+        "# Off-policy lab report", "",
+        f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by "
+        f"`trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}`.", "",
+        "Every run is `trustbatch train` with the lab's common settings (`LAB_COMMON` in "
+        f"`src/trustbatch/lab/experiment.py`: {LAB_COMMON['train.steps']} rounds × {LAB_COMMON['rollout.prompts_per_step']} prompts × 8 samples, "
+        "(an experiment run before a change of these says its own prompts per round), "
+        f"one optimizer step per round unless the arm says otherwise, held-out pass@1 from 256 prompts × "
+        f"{LAB_COMMON['eval.samples_per_prompt']} samples every {LAB_COMMON['eval.every']} rounds), each seed with its own SFT base. "
+        "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
+        "The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps per "
+        "round that has `steps.jsonl` shows every step; one from before that file existed "
+        "shows its round means, each at the round's last step.", "",
+        "The rules (`src/trustbatch/lab/stats.py`, each with the commit that introduced it) were fixed before the runs "
+        "but one: the primary score is the mean of the last "
+        "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
+        "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
+        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
+        f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
+        "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
+        "rules fixed before the runs read (an experiment registered after the rule existed says so in its section). Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
+        f"design resolves; rule of `{EQUIVALENCE_RULE}`) were added after all these runs: post hoc, and they change "
+        "no verdict.", "",
+        *preflight_summary(runs),
+        *base_table({n: base_fingerprints(runs / n) for n in names}),
+        "## All findings", "",
+        *[f"- {f}" for f in findings], "",
+        *cost_table({n: experiment_cost(runs / n) for n in names}),
+    ]
+    path = out / "README.md"
+    atomic_write(path, "\n".join(head + sections) + "\n")
+    return path

@@ -1,0 +1,227 @@
+"""The learner and rollout source each ``(rollout.mode, orchestrator)`` pair builds, registered by that pair.
+
+``recipes.build.build_parts`` looks a ``Backend`` up (``backend_for``) instead of branching on the names: its
+``check`` refuses what the pair cannot run, before any work; ``learner`` builds the learner; ``source`` the
+rollout source with its weight sync. A new backend is one more entry in ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import Config
+from ..errors import UserError
+from ..orchestration.process_rollout import AsyncSource
+from ..orchestration.rollout_worker import WorkerSpec
+from ..parallel import World
+from ..pipeline.async_source import BoundedSource
+from ..pipeline.source import RolloutSource, SourceSpec, SyncSource
+from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync, WeightSync
+from ..policy.lora import merged_copy
+from ..rewards.spec import RewardSpec
+from ..rollout.engine import Engine
+from ..rollout.spec import EngineSpec, make_engine, shares_module
+from ..trainer.learner import Learner
+from ..trainer.loop import LearnerProtocol
+
+
+@dataclass
+class Inputs:
+    """What every builder gets: the config, the run's task, policy and reward pool, and the specs built from the
+    config once (``recipes.build``). ``whole``: the module engines sample from (a whole copy of the policy under
+    FSDP2 on several ranks, ``sharded``); ``foreign``: the foreign model's engine, or None."""
+
+    cfg: Config
+    task: object
+    policy: object
+    pool: object
+    world: World
+    version: int
+    engine: EngineSpec
+    source: SourceSpec
+    reward: RewardSpec
+    whole: torch.nn.Module
+    sharded: bool = False
+    foreign: Engine | None = None
+    check_round: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Backend:
+    check: Callable[[Config], None]  # raises UserError for what this pair cannot run
+    learner: Callable[[Inputs], LearnerProtocol]
+    # (inputs, learner, evaluation engine) -> (source, weight sync, the evaluation engine's sync or None)
+    source: Callable[[Inputs, LearnerProtocol, Engine], tuple[RolloutSource, WeightSync, CopySync | None]]
+
+
+def learner_autocast(cfg: Config) -> torch.dtype | None:
+    """The learner's autocast dtype, which engines sampling from its own module share (bf16-mixed), else None."""
+    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
+
+
+def _learner_kwargs(cfg: Config, version: int) -> dict:
+    tr = cfg.train
+    return dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
+                ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs, minibatches=tr.minibatches,
+                version=version, max_bad_steps=tr.max_bad_steps, precision=tr.precision,
+                activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size,
+                diagnostics=tr.diagnostics)
+
+
+def local_learner(inp: Inputs) -> Learner:
+    """The learner in this process (data parallel over ``inp.world`` with DDP or FSDP2)."""
+    cfg, tr = inp.cfg, inp.cfg.train
+    # FSDP2's own mixed precision (bf16 compute weights, float32 shards and reductions) beside the autocast
+    param_dtype = torch.bfloat16 if tr.strategy == "fsdp2" and tr.precision == "bf16-mixed" else None
+    return Learner(inp.policy.model, cfg.objective.name, cfg.objective.options, world=inp.world,
+                   strategy=tr.strategy, param_dtype=param_dtype, **_learner_kwargs(cfg, inp.version))
+
+
+def ray_learner(inp: Inputs):
+    """Learner ranks as Ray actors (``ray_learners``), or with ``ray_learners=0`` (or under torchrun) the local one.
+
+    Raises:
+        UserError: LoRA with Ray learner actors.
+    """
+    cfg = inp.cfg
+    if cfg.ray_learners == 0 or inp.world.size > 1:
+        return local_learner(inp)
+    if inp.policy.adapter is not None:
+        raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
+    from ..orchestration.ray_learner import RayLearnerGroup
+
+    return RayLearnerGroup(inp.policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
+                           seed=cfg.train.seed, address=cfg.ray_address, rollout_workers=cfg.rollout.workers,
+                           **_learner_kwargs(cfg, inp.version))
+
+
+def sync_engine(inp: Inputs, learner: LearnerProtocol):
+    """The behaviour policy of a sync run and its weight sync: ``(engine, sync, shifted)``, pushed at the version.
+
+    The engine is the learner's own module (on-policy: ``SharedSync``), or a copy in another precision or on
+    another engine (``CopySync``; ``shifted``), or the policy of ``rollout.staleness`` optimizer steps ago
+    (``LaggedSync``, the lab's shifts). ``inp.sharded`` (FSDP2 on several ranks): the engine samples from
+    ``inp.whole``, a whole copy refilled by ``CopySync``.
+    """
+    cfg, policy, whole = inp.cfg, inp.policy, inp.whole
+    ro, tr = cfg.rollout, cfg.train
+    shifted = not shares_module(inp.engine) or ro.staleness > 0
+    # an engine with its own copy gets the merged weights under the base's names (LoRA: a plain merged
+    # copy to start from, then CopySync/LaggedSync push named_weights, merged); a shared one runs
+    # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x; under FSDP2 the whole copy
+    model = whole if inp.sharded else merged_copy(policy.model) if shifted and policy.adapter is not None else whole
+    engine = make_engine(inp.engine, policy, model=model, share=not shifted, version=inp.version,
+                         autocast=None if shifted else learner_autocast(cfg))
+    if ro.staleness > 0:
+        sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
+        learner.on_step.append(sync.record)
+    elif shifted or inp.sharded:
+        sync = CopySync(engine)
+    else:
+        sync = SharedSync(engine)
+    sync.push(policy.model, inp.version)
+    return engine, sync, shifted
+
+
+def sync_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
+    """Sampling in the trainer's process each round (``SyncSource``) from ``sync_engine``'s engine."""
+    engine, sync, shifted = sync_engine(inp, learner)
+    policy, train = inp.policy, inp.task.train
+    # weighted reward functions score training alone: a pool of their own (the run's pool scores held-out data)
+    pool = inp.reward.pool() if inp.cfg.reward.functions else inp.pool
+    if pool is not inp.pool:
+        pool.in_process_marker = inp.pool.in_process_marker
+    source = SyncSource(engine, [policy.encode_prompt(e.prompt) for e in train], [e.reference for e in train],
+                        pool, policy.decode, inp.source, pad_id=policy.pad_id, foreign=inp.foreign,
+                        foreign_fraction=inp.cfg.rollout.foreign_fraction if inp.foreign is not None else 0.0,
+                        world=inp.world, check_round=inp.check_round, contexts=[e.context() for e in train],
+                        owns_pool=pool is not inp.pool)
+    # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
+    return source, sync, CopySync(eval_engine) if inp.sharded and shifted else None
+
+
+def _worker_spec(inp: Inputs) -> WorkerSpec:
+    """What each rollout worker builds (``rollout.mode=async``), from the run's specs.
+
+    Raises:
+        UserError: a combination the async pipeline does not run (simulated staleness, foreign data, several
+            data-parallel ranks).
+    """
+    ro = inp.cfg.rollout
+    for bad, why in ((ro.staleness > 0, "rollout.staleness (the simulated lag; use rollout.max_staleness)"),
+                     (ro.foreign_fraction > 0, "rollout.foreign_fraction"),
+                     (inp.world.size > 1, "several data-parallel ranks")):
+        if bad:
+            raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
+    train = inp.task.train
+    return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
+                      references=[e.reference for e in train], engine=inp.engine, source=inp.source,
+                      reward=inp.reward, contexts=[e.context() for e in train])
+
+
+def _bounds(inp: Inputs) -> dict:
+    """The async source's bound, workers and fault limit: ``AsyncSource``'s and ``ray_source``'s keywords."""
+    ro, tr = inp.cfg.rollout, inp.cfg.train
+    return dict(version=inp.version, workers=ro.workers, max_staleness=ro.max_staleness, async_order=ro.async_order,
+                steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
+
+
+def process_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
+    """Rollout workers in processes of this machine, bounded by ``rollout.max_staleness``."""
+    source = AsyncSource(_worker_spec(inp), inp.policy, **_bounds(inp))
+    return source, source.sync, None
+
+
+def ray_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
+    """Rollout workers as Ray actors (``ray_address``); ray is imported only in there."""
+    from ..orchestration.ray_learner import RayLearnerGroup  # imports no ray
+    from ..orchestration.ray_rollout import ray_source as build
+
+    source: BoundedSource = build(_worker_spec(inp), inp.policy, address=inp.cfg.ray_address, **_bounds(inp))
+    if isinstance(learner, RayLearnerGroup):  # the actors read learner rank 0's weights; they end together
+        source.transport.weights_from = learner.weights_at
+        source.on_close.append(learner.close)
+    return source, source.sync, None
+
+
+def _check_ray_learners(cfg: Config) -> None:
+    if cfg.ray_learners > 0 and cfg.train.strategy == "fsdp2":
+        raise UserError("train.strategy=fsdp2 runs under torchrun; the Ray learner group (ray_learners) uses DDP: "
+                        "set train.strategy=ddp or ray_learners=0")
+
+
+def _check_async_ray(cfg: Config) -> None:
+    from ..orchestration.ray_cluster import check_ray  # imports no ray
+
+    _check_ray_learners(cfg)
+    check_ray(cfg.ray_address)
+
+
+def _refuse_sync_ray(cfg: Config) -> None:
+    _check_ray_learners(cfg)
+    raise UserError("orchestrator=ray runs the rollout workers of rollout.mode=async; add rollout.mode=async")
+
+
+BACKENDS: dict[tuple[str, str], Backend] = {
+    ("sync", "local"): Backend(lambda cfg: None, local_learner, sync_source),
+    ("async", "local"): Backend(lambda cfg: None, local_learner, process_source),
+    ("async", "ray"): Backend(_check_async_ray, ray_learner, ray_source),
+    # Ray runs rollout workers, which a sync run has none of: refused by its check, before anything is built
+    ("sync", "ray"): Backend(_refuse_sync_ray, ray_learner, sync_source),
+}
+
+
+def backend_for(cfg: Config) -> Backend:
+    """The ``Backend`` of ``(cfg.rollout.mode, cfg.orchestrator)``.
+
+    Raises:
+        UserError: a pair no backend is registered for.
+    """
+    try:
+        return BACKENDS[(cfg.rollout.mode, cfg.orchestrator)]
+    except KeyError:
+        raise UserError(f"rollout.mode={cfg.rollout.mode} does not run with orchestrator={cfg.orchestrator}; "
+                        f"use one of {', '.join(f'{m}/{o}' for m, o in BACKENDS)}") from None

@@ -1,0 +1,187 @@
+"""``trustbatch export RUN_DIR [--step N] --out DIR``: a run's checkpoint as a clean Hugging Face model directory.
+
+``DIR`` gets the policy's weights (``model.safetensors``; a LoRA run's adapter merged into its base, ``W + (α/r)·B·A``,
+by ``policy.lora.load_merged``), its tokenizer (chat template included), a ``generation_config.json`` with the
+sampling the policy was trained under, and ``README.md``: a model card with the run's resolved config, the commit
+that trained it (``segments.jsonl``) and the held-out numbers of the exported round (``metrics.jsonl``). It loads
+with ``AutoModelForCausalLM.from_pretrained(DIR)`` and no trustbatch or peft.
+
+For a run on data files the card also gives the ``trustbatch eval`` command that samples the run's held-out
+evaluation again: the same prompts, samples per prompt, temperature, completion budget and the evaluation's seed
+for that round. The engine draws each prompt's random stream from that seed in prompt order and each completion
+depends only on its stream, prompt and weights (``rollout.transformers_engine``), so its pass@1 is the run's
+``heldout_accuracy`` for 0/1 rewards, up to float round-off between batch shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..config import Config, dump_config, load_config, read_yaml_file
+from ..errors import UserError
+from ..records import git_commit, read_metrics
+from ..seeding import row_seed
+from ..trainer.checkpoint import checkpoints
+from .hooks import EVAL_STREAM
+
+HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
+    """Write checkpoint ``step`` (default: the newest) of ``run_dir`` to ``out`` as a Hugging Face model directory.
+
+    ``out`` is written through a temporary sibling and a rename, so it is whole or absent.
+
+    Returns:
+        ``{"out", "step", "lora", "heldout" (the exported round's held-out metrics, or {}), "eval_command"
+        (a ``trustbatch eval`` command list, or None for a reasoning-gym task)}``.
+
+    Raises:
+        UserError: ``run_dir`` is missing or no run directory, holds no checkpoint, or none at ``step`` (the
+            message lists those it has); ``out`` exists and is not empty; the checkpoint does not load (a LoRA
+            checkpoint's base moved, corrupt weights).
+    """
+    from ..policy import load_policy
+    from ..policy.model import _quiet_transformers
+
+    run, cfg, ckpt = _checked_run(Path(run_dir), step)
+    step = int(ckpt.name.removeprefix("step_"))
+    dest = Path(out).expanduser()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"--out {str(dest)!r} exists and is not an empty directory; give a new directory")
+    policy = load_policy(ckpt)  # a LoRA checkpoint: its base with the adapter merged, plain layers
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        with _quiet_transformers():  # no "Writing model shards" progress bar
+            policy.save(tmp)
+        _generation_config(policy, cfg).save_pretrained(tmp)
+        heldout = _heldout_at(run, step)
+        command = eval_command(cfg, dest, step)
+        policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)  # as the run framed its prompts
+        card = model_card(cfg, run, ckpt, step, heldout, command, chat=bool(policy.chat_template))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        if dest.exists():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(dest), "step": step, "lora": cfg.model.lora is not None, "heldout": heldout,
+            "eval_command": command}
+
+
+def _checked_run(run: Path, step: int | None) -> tuple[Path, Config, Path]:
+    """The run directory, its saved config (keys added since default) and the checkpoint to export."""
+    if not run.is_dir() or not (run / "config.yaml").is_file():
+        raise UserError(f"{str(run)!r} is not a trustbatch run directory (no config.yaml); give the run_dir of a "
+                        "trustbatch train run")
+    try:
+        saved = read_yaml_file(run / "config.yaml", what="the run's config")
+        cfg = load_config(None, None, base=saved if isinstance(saved, dict) else {})
+    except UserError as e:
+        raise UserError(f"cannot export {str(run)!r}: {e}") from None
+    found = checkpoints(run)
+    if not found:
+        raise UserError(f"run {str(run)!r} has no checkpoint (checkpoints/step_*); a run writes its first after the "
+                        "base evaluation: train it (again), or resume it")
+    if step is None:
+        return run, cfg, found[-1]
+    by_step = {int(p.name.removeprefix("step_")): p for p in found}
+    if step not in by_step:
+        raise UserError(f"run {str(run)!r} has no checkpoint at step {step}; it keeps {', '.join(map(str, by_step))} "
+                        "(the newest ones, every checkpoint_every rounds): pick one of them")
+    return run, cfg, by_step[step]
+
+
+def _generation_config(policy, cfg: Config):
+    """The model's generation config with its special ids and the sampling the policy was trained under."""
+    from transformers import GenerationConfig
+
+    gen = policy.model.generation_config or GenerationConfig.from_model_config(policy.model.config)
+    ro = cfg.rollout
+    gen.update(eos_token_id=policy.eos_id, pad_token_id=policy.pad_id, do_sample=True, temperature=ro.temperature,
+               top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    return gen
+
+
+def _heldout_at(run: Path, step: int) -> dict:
+    """The held-out metrics logged at round ``step`` (``{}`` when that round had no evaluation)."""
+    recs = [r for r in read_metrics(run / "metrics.jsonl") if r.get("step") == step and "heldout_accuracy" in r] \
+        if (run / "metrics.jsonl").is_file() else []
+    return {k: v for k, v in recs[-1].items() if k.startswith("heldout_")} if recs else {}
+
+
+def eval_command(cfg: Config, model: Path, step: int) -> list[str] | None:
+    """The ``trustbatch eval`` arguments that sample round ``step``'s held-out evaluation of a data-file run again
+    (the prompts: ``data.heldout``, else the first ``heldout_size`` distinct ``data.train`` rows); None for a
+    reasoning-gym task, whose prompts are no file."""
+    d, n = cfg.data, cfg.eval.samples_per_prompt
+    if not d.train:
+        return None
+    cmd = ["trustbatch", "eval", "--model", str(model), "-b", d.heldout or d.train, "--limit", str(d.heldout_size),
+           "-n", str(n), "-k", "1" if n == 1 else f"1,{n}", "--temperature", f"{cfg.eval.temperature:g}",
+           "--max-new-tokens", str(cfg.rollout.max_new_tokens),
+           "--seed", str(row_seed(cfg.train.seed, step, EVAL_STREAM))]
+    for flag, value in (("--data-dir", d.dir), ("--reward", cfg.reward.name), ("--prompt-field", d.prompt_field),
+                        ("--answer-field", d.answer_field), ("--system-prompt", d.system_prompt)):
+        if value is not None:
+            cmd += [flag, value]
+    if d.format != "auto":
+        cmd += ["--format", d.format]
+    if d.chat_template != "auto":
+        cmd += ["--chat-template", d.chat_template]
+    return cmd
+
+
+def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, command: list[str] | None,
+               chat: bool = False) -> str:
+    """README.md of an export: what was trained from what, the numbers, how to check them, the resolved config.
+    ``chat``: the prompts went through the tokenizer's chat template."""
+    commits = _segment_commits(run)
+    source = cfg.data.train or f"reasoning-gym task {cfg.task.name} (seed {cfg.task.seed})"
+    lora = cfg.model.lora
+    lines = ["---", "library_name: transformers", "tags: [trustbatch, reinforcement-learning]", "---", "",
+             f"# {run.name}, round {step}", "",
+             f"RL post-training with trustbatch: objective `{cfg.objective.name}` on {source}, from "
+             f"`{cfg.model.path or 'the default small base'}`"
+             + (f", LoRA r={lora.r} alpha={lora.alpha:g} merged into the base weights" if lora else "") + ".",
+             f"Exported from `{ckpt}` at trustbatch commit `{git_commit()}`; trained at commit "
+             + (", ".join(f"`{c}`" for c in commits) if commits else "unknown (not recorded by this run)") + ".", ""]
+    if chat:
+        lines += ["Prompts were sent as a user message through the tokenizer's chat template"
+                  + (f", after the system message {cfg.data.system_prompt!r}" if cfg.data.system_prompt else "")
+                  + ".", ""]
+    lines += ["## Held-out evaluation", ""]
+    if heldout:
+        lines += ["| metric | value |", "| --- | --- |"] + [f"| {k} | {v:.4f} |" for k, v in heldout.items()
+                                                             if isinstance(v, (int, float))]
+        lines += ["", f"At round {step}: {cfg.eval.samples_per_prompt} samples per held-out prompt at temperature "
+                  f"{cfg.eval.temperature:g}, {cfg.rollout.max_new_tokens} new tokens at most. heldout_accuracy is "
+                  "the mean reward (pass@1 for 0/1 rewards)."]
+    else:
+        lines += [f"Round {step} had no held-out evaluation (eval.every={cfg.eval.every})."]
+    if command:
+        lines += ["", "The same evaluation, sampled again from this directory (the same prompts and random streams):",
+                  "", "```", shlex.join(command), "```"]
+    lines += ["", "## Training configuration", "", "```yaml", dump_config(cfg).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _segment_commits(run: Path) -> list[str]:
+    """The distinct commits of the run's segments (start and resumes), in order; older runs recorded none."""
+    seg = run / "segments.jsonl"
+    out: list[str] = []
+    for line in seg.read_text().splitlines() if seg.is_file() else []:
+        try:
+            c = json.loads(line).get("commit")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if c and c not in out:
+            out.append(c)
+    return out

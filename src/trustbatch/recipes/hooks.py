@@ -1,0 +1,139 @@
+"""The training loop's hooks around each round: the ratio histogram, held-out evaluation (with sample completions),
+the metrics log, checkpoints, progress and the truncation warning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..eval import evaluate_heldout
+from ..parallel import World, full_model_state
+from ..seeding import row_seed
+from ..trainer.checkpoint import save_checkpoint
+from ..trainer.progress import Progress
+from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records
+from .build import scoring_check
+
+EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
+SAMPLES_PER_EVAL = 4  # sample completions each evaluation writes to samples.jsonl and TensorBoard
+TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
+
+
+class TrainHooks:
+    """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
+
+    def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
+                 world: World, console=None):
+        self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
+        self.log, self.progress, self.world, self.console = log, progress, world, console
+        self._ratio_round: int | None = None
+        self._truncation_warned = False
+
+    def is_eval(self, round_: int) -> bool:
+        return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
+
+    def evaluate(self, round_: int) -> dict:
+        """Held-out evaluation on a random stream of its own, seeded from (train.seed, round): how often
+        it runs (``eval.every``, a resumable key) never moves the training's random streams."""
+        c = self.cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(row_seed(c.train.seed, round_, EVAL_STREAM))
+            # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
+            # times out must not cost a whole evaluation before round 1 stops the run
+            check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
+            m = evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
+                                 samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
+                                 max_new_tokens=c.rollout.max_new_tokens, check=check,
+                                 max_failure_rate=c.reward.max_failure_rate, keep_samples=SAMPLES_PER_EVAL)
+        self.log.log_samples(round_, m.pop("samples"))
+        return m
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: the learner's forwards and gathers of its weights are collectives every rank must reach."""
+        return self.built.parts.learner.sharded
+
+    def refresh_eval(self) -> None:
+        """Fill the evaluation engine's whole copy with the learner's weights, where it has one of its own
+        (FSDP2 with a shifted rollout engine; every rank calls this, the shards are gathered)."""
+        if self.built.eval_sync is not None:
+            learner = self.built.parts.learner
+            self.built.eval_sync.push(learner.model, learner.version)
+
+    def save(self, round_: int) -> None:
+        """Rank 0 writes the checkpoint. Under FSDP2 every rank calls this: the whole weights and optimizer
+        state are gathered to rank 0, so the checkpoint loads at any world size."""
+        if not (self.world.is_main or self.sharded):
+            return
+        parts = self.built.parts
+        model_state = full_model_state(self.policy.model) if self.sharded else None
+        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
+        if not self.world.is_main:
+            return
+        sync_state = parts.sync.state_dict()
+        if sync_state:  # only a sync that serves other weights than the learner's (lagged) has any
+            state["sync"] = sync_state
+        save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state)
+
+    def before_train(self, round_: int, batch) -> None:
+        learner = self.built.parts.learner
+        record = self.is_eval(round_) or round_ == 1
+        if record and (self.world.is_main or self.sharded):  # a sharded forward needs every rank
+            current = learner.logprobs(batch)
+            if self.world.is_main:
+                log_ratio_histogram(self.run_dir, round_, current.cpu() - batch.behavior_logprobs, batch.packed.response_mask)
+        record = record and self.world.is_main
+        # a replayed round (several optimizer steps per batch) also records each step's mini-batch
+        self._ratio_round = round_ if record and self.cfg.train.epochs * self.cfg.train.minibatches > 1 else None
+        # learner ranks in Ray actors have no such hook (None): their replayed rounds keep the one record
+        hooks = learner.on_step_ratios
+        if self._ratio_round is not None and hooks is not None and self._record_step_ratios not in hooks:
+            hooks.append(self._record_step_ratios)
+
+    def _record_step_ratios(self, opt_step: int, epoch: int, minibatch: int, log_ratio) -> None:
+        """Rank 0's share of each optimizer step's mini-batch (other ranks' tokens are not gathered)."""
+        if self._ratio_round is not None:
+            log_ratio_histogram(self.run_dir, self._ratio_round, log_ratio, opt_step=opt_step, epoch=epoch,
+                                minibatch=minibatch)
+
+    def warn_truncation(self, round_: int, m: dict) -> None:
+        """Once per run, one line when a round's share of completions cut at ``rollout.max_new_tokens`` (no EOS;
+        the metric ``truncated_fraction``) passes ``TRUNCATION_WARNING``: their rewards score unfinished answers."""
+        frac = m.get("truncated_fraction")
+        if self._truncation_warned or self.console is None or frac is None or frac <= TRUNCATION_WARNING:
+            return
+        self._truncation_warned = True
+        self.console.print(f"[yellow]warning: round {round_}: {frac:.0%} of the completions were cut at "
+                           f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} before their end (over "
+                           f"{TRUNCATION_WARNING:.0%}); their rewards score unfinished answers: raise "
+                           "rollout.max_new_tokens (warned once per run)[/yellow]", highlight=False, soft_wrap=True)
+
+    def after_round(self, round_: int, m: dict) -> None:
+        skipped = "skipped_step" in m
+        evaluate = not skipped and self.is_eval(round_)
+        save = not skipped and (round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps)
+        if evaluate:
+            self.refresh_eval()
+        if not self.world.is_main:
+            if save:
+                self.save(round_)  # gathers under FSDP2; writes nothing
+            return
+        self.warn_truncation(round_, m)
+        if skipped:
+            self.log.log(round_, m)
+            self.progress.advance(round_, "all groups uninformative: step skipped")
+            return
+        if evaluate:
+            m.update(self.evaluate(round_))
+        self.log.log(round_, m)
+        steps = self.built.parts.learner.step_records
+        if len(steps) > 1:
+            log_step_records(self.run_dir, round_, steps)
+        if save:
+            self.save(round_)
+        info = f"reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.4f}"
+        if "heldout_accuracy" in m:
+            info += f"  held-out {m['heldout_accuracy']:.3f}"
+        self.progress.advance(round_, info)

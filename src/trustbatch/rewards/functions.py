@@ -1,0 +1,85 @@
+"""Several reward functions with weights, as TRL's ``reward_funcs``/``reward_weights``: r = Σ_i w_i · r_i.
+
+Each function is scored by its own ``RewardPool``, so the time limit, the failure counts and the worker processes
+apply to every function and form (per-completion ``score(completion, reference)`` or TRL's batch form,
+``scorers.BatchForm``). Each r_i is a scorer's reward in [0, 1] (clamped and counted as for one scorer); the weighted
+sum is not clamped. A failure of any function scores that function 0 and counts once in the round's failure rate,
+which is over completions × functions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .pool import RewardPool
+from .scorers import ScoreResult
+
+Terms = tuple[tuple[str, float], ...]  # (scorer name, weight) per reward function
+
+
+def labels(names: Sequence[str]) -> list[str]:
+    """A metric label per reward function: the function's name (``module:fn`` → ``fn``), ``#k`` added to repeats."""
+    base = [n.rpartition(":")[2] if ":" in n and not n.startswith(("rg:", "rg-final:")) else n for n in names]
+    return [b if base.count(b) == 1 else f"{b}#{base[:k].count(b)}" for k, b in enumerate(base)]
+
+
+class WeightedRewards:
+    """Score with every function of ``terms`` and combine: reward_j = Σ_i w_i · r_i(completion_j).
+
+    The result's ``components`` holds each function's rewards by ``labels``; ``functions`` is len(terms). Same
+    interface as ``RewardPool`` (``score``, ``close``, ``in_process_marker``), so a rollout source takes either.
+
+    Raises:
+        UserError: at construction, from ``RewardPool`` (an unknown scorer or one that fails to import).
+    """
+
+    def __init__(self, terms: Terms, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
+        self.terms = tuple((str(n), float(w)) for n, w in terms)
+        self.labels = labels([n for n, _ in self.terms])
+        self.name = self.describe(self.terms)
+        self.pools = [RewardPool(n, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size) for n, _ in terms]
+
+    @staticmethod
+    def describe(terms: Terms) -> str:
+        """``terms`` as one name for messages, e.g. ``1·gsm8k + 0.2·fmt:length``."""
+        return " + ".join(f"{float(w):g}·{n}" for n, w in terms)
+
+    @property
+    def in_process_marker(self):
+        return self.pools[0].in_process_marker
+
+    @in_process_marker.setter
+    def in_process_marker(self, path) -> None:
+        for p in self.pools:
+            p.in_process_marker = path
+
+    def score(self, completions: list[str], references: list[str], *, contexts: list[dict] | None = None,
+              max_failure_rate: float | None = None) -> ScoreResult:
+        """The weighted rewards of ``completions`` (one per completion), with each function's own in ``components``.
+
+        ``contexts`` and ``max_failure_rate`` as in ``RewardPool.score`` (the early stop applies per function).
+        """
+        parts = [p.score(completions, references, contexts=contexts, max_failure_rate=max_failure_rate)
+                 for p in self.pools]
+        rewards = [sum(w * part.rewards[j] for (_, w), part in zip(self.terms, parts)) for j in range(len(completions))]
+        last = [f"{lab}: {p.last_error}" for lab, p in zip(self.labels, parts) if p.last_error]
+        return ScoreResult(rewards, sum(p.errors for p in parts), sum(p.timeouts for p in parts),
+                           sum(p.clamped for p in parts), last[-1] if last else None, sum(p.unscored for p in parts),
+                           {lab: p.rewards for lab, p in zip(self.labels, parts)}, len(parts))
+
+    def close(self) -> None:
+        for p in self.pools:
+            p.close()
+
+    def __enter__(self) -> "WeightedRewards":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_reward(reward: str | Terms, *, workers: int = 2, timeout_s: float = 10.0) -> RewardPool | WeightedRewards:
+    """A ``RewardPool`` for one scorer name, a ``WeightedRewards`` for a tuple of ``(name, weight)``."""
+    if isinstance(reward, str):
+        return RewardPool(reward, workers=workers, timeout_s=timeout_s)
+    return WeightedRewards(reward, workers=workers, timeout_s=timeout_s)

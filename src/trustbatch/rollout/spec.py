@@ -1,0 +1,150 @@
+"""Engines declared, not copied: an ``EngineSpec`` says how a run samples, ``make_engine`` builds one from it.
+
+Every engine of the package is built here: the training rollout engine, the held-out evaluation's, the foreign
+model's, each rollout worker's and ``trustbatch eval``'s. An engine registers under its name with what its
+builder needs (``register_engine``); the vLLM engine's module is imported only when one is built (vLLM is an
+optional extra). A new sampling backend is one more registration, never a branch in a caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import UserError
+from .engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How an engine samples, as plain values (picklable: a rollout worker builds its own engine from it).
+
+    name: a registered engine (``transformers``, ``vllm``). precision: the behaviour copy's dtype or quantization
+    (``rollout.shifts``; vLLM: its ``dtype``). quantization: vLLM's online quantization, or None. full_logprobs:
+    record each rollout's whole behaviour log-distribution (``Rollout.behavior_logprobs_full``). seed: the vLLM
+    engine's sampling seed. threads: intra-op threads the vLLM engine sets (None: leave them).
+    """
+
+    name: str = "transformers"
+    precision: str = "float32"
+    quantization: str | None = None
+    full_logprobs: bool = False
+    seed: int = 0
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class _Registered:
+    build: Callable[..., Engine]
+    check: Callable[[EngineSpec], None]
+    shares_module: bool  # can sample from the learner's own float32 module (no copy, no weight transfer)
+
+
+_ENGINES: dict[str, _Registered] = {}
+
+
+def register_engine(name: str, *, check: Callable[[EngineSpec], None] = lambda spec: None,
+                    shares_module: bool = False):
+    """Register ``build(spec, policy, *, model, model_dir, version, share, autocast, max_model_len, device)``
+    as engine ``name``; ``check(spec)`` refuses, before any model loads, a spec it cannot run (``UserError``)."""
+
+    def deco(build):
+        _ENGINES[name] = _Registered(build, check, shares_module)
+        return build
+
+    return deco
+
+
+def _entry(spec: EngineSpec) -> _Registered:
+    try:
+        return _ENGINES[spec.name]
+    except KeyError:
+        raise UserError(f"unknown rollout engine {spec.name!r}; use one of {', '.join(_ENGINES)}") from None
+
+
+def engine_names() -> tuple[str, ...]:
+    """The registered engines' names, in registration order."""
+    return tuple(_ENGINES)
+
+
+def check_engine(spec: EngineSpec) -> None:
+    """Every refusal of ``spec`` that needs no model: an unknown engine, an optional one not installed, a precision
+    it does not run.
+
+    Raises:
+        UserError: one line naming the cause and the fix.
+    """
+    _entry(spec).check(spec)
+
+
+def shares_module(spec: EngineSpec) -> bool:
+    """Whether an engine of ``spec`` can sample from the learner's own module (a float32 transformers engine)."""
+    return _entry(spec).shares_module and spec.precision == "float32"
+
+
+def make_engine(spec: EngineSpec, policy, *, model: torch.nn.Module | None = None, model_dir: str | None = None,
+                version: int = 0, share: bool | None = None, autocast: torch.dtype | None = None,
+                max_model_len: int | None = None, device: torch.device | str | None = None) -> Engine:
+    """The engine ``spec`` names, sampling ``model`` (default ``policy.model``) with ``policy``'s EOS and pad ids.
+
+    ``model_dir``: a Hugging Face directory of the model, for an engine that loads one (vLLM; without it the model
+    is written to a temporary directory, removed at exit). ``version``: the policy version copied into its
+    rollouts until ``load_weights``. ``share``/``autocast``: a transformers engine that samples from the module
+    itself, under the learner's autocast dtype (``TransformersEngine``). ``max_model_len``: vLLM's bound on
+    prompt + completion tokens (default the model's context). ``device``: where a transformers engine's model runs
+    (moved there; None: where it is).
+
+    Raises:
+        UserError: ``check_engine``'s refusals; vLLM refusing the model or setting (its first line).
+    """
+    entry = _entry(spec)
+    entry.check(spec)
+    return entry.build(spec, policy, model=model, model_dir=model_dir, version=version, share=share,
+                       autocast=autocast, max_model_len=max_model_len, device=device)
+
+
+@register_engine("transformers", shares_module=True)
+def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
+    from .transformers_engine import TransformersEngine
+
+    model = policy.model if model is None else model
+    if device is not None:
+        model = model.to(device)
+    return TransformersEngine(model, policy.eos_id, policy.pad_id, precision=spec.precision, share=share,
+                              version=version, full_logprobs=spec.full_logprobs, autocast=autocast)
+
+
+def _check_vllm(spec: EngineSpec) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        from .vllm_engine import MISSING_VLLM  # imports no vllm
+
+        raise UserError(MISSING_VLLM)
+    if spec.precision == "int8":
+        raise UserError("rollout.engine=vllm runs in float32, bfloat16 or float16; for 8-bit weights use "
+                        "rollout.quantization=fp8_per_channel")
+
+
+@register_engine("vllm", check=_check_vllm)
+def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
+    if model_dir is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        model_dir = tempfile.mkdtemp(prefix="trustbatch-vllm-model-")
+        atexit.register(shutil.rmtree, model_dir, True)
+        (policy if model is None else dataclasses.replace(policy, model=model)).save(model_dir)
+    if max_model_len is None:  # vLLM needs the bound stated; prompts past the context were dropped by the recipe
+        max_model_len = getattr(policy.model.config, "max_position_embeddings", None)
+    try:
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, policy.eos_id, policy.pad_id, precision=spec.precision,
+                          quantization=spec.quantization, seed=spec.seed, threads=spec.threads, version=version,
+                          max_model_len=max_model_len)
+    except (ImportError, ValueError) as e:
+        raise UserError(str(e).splitlines()[0]) from None

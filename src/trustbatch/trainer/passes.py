@@ -1,0 +1,128 @@
+"""The learner's forward passes besides its training micro-step (``trainer.learner.Learner`` inherits them).
+
+Without gradient: the policy's log-probs (``logprobs``), the proximal snapshot, the batch statistics an
+objective declares (``ObjectiveSpec.batch_stats``: Σρ, Σρ², n in float64 over every micro-batch, summed over
+ranks); with gradient, the empty micro-batch a rank runs so that every rank reaches the same collectives; and
+the reference the learner's LM head takes the exact KL against. Under FSDP2 every no-grad pass runs as many
+forwards on every rank (each forward all-gathers weights).
+
+They read the learner's settings: ``model``, ``wrapped``, ``world``, ``sharded``, ``device``, ``precision``,
+``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``spec``, ``full`` and ``_pad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..objectives import RatioStats
+from ..objectives.p3o import anchor_log_weights
+from ..pipeline.batch import TrainBatch
+from ..policy.chunked_logprobs import KLReference, logits_dtype
+from ..policy.forward import response_logprobs
+
+# batch-statistic keyword -> which log-probs the ratio's denominator comes from
+_STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
+
+
+class ForwardPasses:
+    """The forward passes of ``Learner`` other than its training micro-step (module docstring)."""
+
+    def autocast(self):
+        """The context every learner forward runs in: bf16 autocast under ``bf16-mixed``, else nothing."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _chunks(self, n: int) -> list[slice]:
+        return [slice(s, min(n, s + self.micro_batch_size)) for s in range(0, n, self.micro_batch_size)]
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient), on the
+        learner's device. Under FSDP2 every rank must call it (each runs as many forwards as the rank with the
+        most rows)."""
+        packed = batch.packed.to(self.device)
+        with self.autocast():
+            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._no_grad_chunks(batch)])
+
+    def _no_grad_chunks(self, batch: TrainBatch):
+        """The micro-batches of a no-grad pass over ``batch``; under FSDP2 the generator then runs empty
+        forwards until this rank has run as many as the busiest rank (counted before any forward)."""
+        chunks = self._chunks(len(batch))
+        extra = int(self.world.max([float(len(chunks))])[0]) - len(chunks) if self.sharded else 0
+        yield from chunks
+        if extra:
+            pad = self._pad if self._pad is not None else empty_like(batch).to(self.device)
+            for _ in range(extra):
+                with self.autocast():
+                    response_logprobs(self.model, pad.packed, chunk_size=self.logprob_chunk_size)
+
+    @torch.no_grad()
+    def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
+        """The declared ``RatioStats`` over the whole (local) batch at the current θ, summed over ranks."""
+        stats = {k: RatioStats.zeros() for k in names}
+        batch = batch.to(self.device)
+        for c in self._no_grad_chunks(batch):
+            mb = batch.select(c)
+            with self.autocast():
+                logp, _ = self.forward_fn(self.model, mb.packed)
+            for k in names:
+                stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
+        return self._sum_stats(stats)
+
+    @torch.no_grad()
+    def _local_stats(self, logp: torch.Tensor, mb: TrainBatch) -> dict[str, RatioStats]:
+        """The declared ``RatioStats`` of one micro-batch from its log-probs ``logp`` [B, C] (this rank only)."""
+        m = mb.packed.response_mask
+        return {k: RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), m) for k in self.spec.batch_stats}
+
+    def _take_proximal(self, local: TrainBatch) -> None:
+        """Store π_θ's snapshot in ``local`` (``proximal_logprobs`` [B, C]; with full distributions also
+        ``proximal_logprobs_full`` [B, C, V]), before the batch's first update."""
+        if self.full:
+            with torch.no_grad(), self.autocast():
+                parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
+                         for c in self._no_grad_chunks(local)]
+            local.proximal_logprobs = torch.cat([p[0] for p in parts])
+            local.proximal_logprobs_full = torch.cat([p[2] for p in parts])
+        else:
+            local.proximal_logprobs = self.logprobs(local)
+
+    def _sum_stats(self, stats: dict[str, RatioStats]) -> dict[str, RatioStats]:
+        if self.world.size == 1:
+            return stats
+        flat = self.world.sum([float(x) for s in stats.values() for x in s.to_tensor()])
+        out = {}
+        for i, k in enumerate(stats):
+            s1, s2, n = (torch.tensor(v, dtype=torch.float64) for v in flat[3 * i:3 * i + 3])
+            out[k] = RatioStats(s1, s2, n)
+        return out
+
+    def _empty_micro_step(self, batch: TrainBatch, plan, skip_sync) -> None:
+        """A micro-batch without tokens, for a rank with fewer micro-batches (or after a failure): every rank
+        reaches the same collectives, and a zero loss through the forward gives every weight a zero gradient."""
+        with skip_sync:
+            pad = self._pad if self._pad is not None else empty_like(batch)
+            with self.autocast():
+                pad_logp = response_logprobs(self.wrapped, pad.packed, chunk_size=self.logprob_chunk_size)[0]
+            if plan.per_micro_batch_stats:  # the other ranks sum this micro-batch's statistics, after its forward
+                self._sum_stats({k: RatioStats.zeros() for k in self.spec.batch_stats})
+            (pad_logp.sum() * 0.0).backward()
+
+    def _kl_reference(self, mb: TrainBatch, kw: dict) -> KLReference:
+        """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's weights."""
+        m = mb.packed.response_mask
+        if not self.spec.needs_proximal:
+            return KLReference((mb.behavior_logprobs_full,), m)
+        e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
+        log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, logits_dtype(next(self.model.parameters()).dtype))
+        return KLReference((mb.behavior_logprobs_full, mb.proximal_logprobs_full), m, (log_w_b, log_w_p), log_w)
+
+
+def empty_like(batch: TrainBatch) -> TrainBatch:
+    """The first row of ``batch`` with no valid token: a micro-batch that contributes nothing."""
+    mb = batch.select(slice(0, 1))
+    mb.packed.response_mask = torch.zeros_like(mb.packed.response_mask)
+    return mb

@@ -1,0 +1,165 @@
+"""``trustbatch train`` on a Parquet file and on a saved datasets directory, then ``trustbatch export`` round-trips:
+the directory loads with ``AutoModelForCausalLM.from_pretrained``, ``trustbatch eval`` on it gives the run's last
+held-out numbers, and a LoRA run's export holds ``W + (alpha/r)·B·A`` computed here from the checkpoint's adapter and
+the base's tensors.
+
+Runs on the real stories260K model (it has spread under ``scorers_for_tests:even_length``, a 0/1 reward, so that
+pass@1 equals the held-out mean reward and both are away from 0 and 1)."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+datasets = pytest.importorskip("datasets")
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from trustbatch.config import load_config  # noqa: E402
+from trustbatch.errors import UserError  # noqa: E402
+from trustbatch.recipes import train  # noqa: E402
+from trustbatch.recipes.export import export_run  # noqa: E402
+
+ROWS = [{"problem": f"Lily has {i} apples and finds {i % 7 + 1} more. How many apples does she have?",
+         "answer": i + i % 7 + 1} for i in range(40)]
+RUN = ["reward.name=scorers_for_tests:even_length", "reward.workers=0", "rollout.prompts_per_step=4",
+       "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2", "train.lr=1e-2", "eval.every=2",
+       "eval.samples_per_prompt=4", "checkpoint_every=2", "data.heldout_size=8"]
+QUIET = Console(file=io.StringIO())
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory):
+    """load_dataset's Arrow copies of the files go to the test's folder (this process's and the eval process's)."""
+    cache = str(tmp_path_factory.mktemp("hf-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        mp.setenv("HF_DATASETS_CACHE", cache)
+        yield
+
+
+@pytest.fixture(scope="module")
+def parquet_run(tmp_path_factory, shared_dir, hf_cache):
+    """A full fine-tuning run trained on a Parquet file, held out on a JSON file; its export (shared by the tests
+    below, which only read it)."""
+    tmp_path = tmp_path_factory.mktemp("parquet_run")
+    pq.write_table(pa.Table.from_pylist(ROWS[8:]), tmp_path / "train.parquet")
+    (tmp_path / "held.json").write_text(json.dumps(ROWS[:8]))
+    run, out = tmp_path / "run", tmp_path / "export"
+    model = shared_dir / "models" / "stories260K-hf"
+    cfg = load_config(None, RUN + [f"data={tmp_path / 'train.parquet'}", f"data.heldout={tmp_path / 'held.json'}",
+                                   f"model.path={model}", f"run_dir={run}"])
+    summary = train(cfg, console=QUIET)
+    return run, out, summary, export_run(run, out)
+
+
+def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(parquet_run, support_on_pythonpath):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, out, summary, res = parquet_run
+    assert summary["heldout_prompts"] == 8 and res["step"] == 2 and not res["lora"]
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= {
+        p.name for p in out.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).eos_token_id == model.generation_config.eos_token_id == 2
+    saved = load_file(str(run / "checkpoints" / "step_000002" / "model.safetensors"))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[k], v) for k, v in saved.items())  # the trained weights, not the base's
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["do_sample"], gen["temperature"], gen["max_new_tokens"]) == (True, 1.0, 6)
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and 0.1 < last["heldout_accuracy"] < 0.9
+    card = (out / "README.md").read_text()
+    commit = json.loads((run / "segments.jsonl").read_text().splitlines()[0])["commit"]
+    assert f"trained at commit `{commit}`" in card and f"| heldout_accuracy | {last['heldout_accuracy']:.4f} |" in card
+    assert "objective:\n  name: p3o" in card and "held.json" in card  # the resolved config, as YAML
+
+    cmd = res["eval_command"]
+    assert cmd[:2] == ["trustbatch", "eval"] and "held.json" in cmd[cmd.index("-b") + 1]
+    dest = out.parent / "eval.json"
+    p = subprocess.run([sys.executable, "-m", "trustbatch", *cmd[1:], "--workers", "0", "--out", str(dest)],
+                       capture_output=True, text=True, timeout=600, env=os.environ)
+    assert p.returncode == 0, p.stderr[-2000:]
+    held = json.loads(dest.read_text())["benchmarks"]["held"]
+    assert held["prompts"] == 8
+    assert held["pass@1"] == pytest.approx(last["heldout_accuracy"], abs=1e-12)
+    assert held["pass@4"] == pytest.approx(last["heldout_pass@4"], abs=1e-12)
+    assert held["pass@1_se"] == pytest.approx(last["heldout_accuracy_se"], abs=1e-12)  # the per-prompt spread too
+
+
+def test_a_lora_run_on_a_datasets_directory_exports_merged_weights(tmp_path, shared_dir, hf_cache):
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "rows"))
+    run, out, base = tmp_path / "run", tmp_path / "export", shared_dir / "models" / "stories260K-hf"
+    cfg = load_config(None, RUN + [f"data={tmp_path / 'rows'}", f"model.path={base}", f"run_dir={run}",
+                                   "model.lora.r=4", "model.lora.alpha=8"])
+    assert train(cfg, console=QUIET)["heldout_prompts"] == 8
+    res = export_run(run, out)
+    assert res["lora"] and "-b" in res["eval_command"]
+    ckpt = run / "checkpoints" / "step_000002"
+    adapter, w0 = load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(base / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(w0)
+    expected = dict(w0)
+    for key, a in adapter.items():
+        if ".lora_A." in key:  # base_model.model.<name>.lora_A.weight -> <name>.weight
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            b = adapter[key.replace("lora_A", "lora_B")]
+            expected[name] = (w0[name].double() + (8 / 4) * b.double() @ a.double()).float()
+    moved = [k for k in w0 if not torch.equal(expected[k], w0[k])]
+    assert len(moved) > 4  # the adapters trained: B is 0 at the start
+    for k in w0:
+        torch.testing.assert_close(exported[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_bad_input_is_one_line(tmp_path, parquet_run):
+    run, out, _, _ = parquet_run
+    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "config.yaml").write_text((run / "config.yaml").read_text())
+    for args, says in (((tmp_path / "nowhere", tmp_path / "o1"), "is not a trustbatch run directory"),
+                       ((tmp_path / "empty_run", tmp_path / "o2"), "has no checkpoint"),
+                       ((run, out), "exists and is not an empty directory")):
+        with pytest.raises(UserError, match=says):
+            export_run(*args)
+    p = subprocess.run([sys.executable, "-m", "trustbatch", "export", str(run), "--step", "1", "--out",
+                        str(tmp_path / "o3")], capture_output=True, text=True, timeout=600)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "has no checkpoint at step 1; it keeps 0, 2" in lines[0], lines
+    assert not (tmp_path / "o3").exists() and not list(tmp_path.glob(".o3*"))
+
+
+def test_a_chat_model_trains_on_its_template_with_the_system_prompt(tmp_path, shared_dir, hf_cache):
+    """The wiring from the config: prepare_run frames the run's prompts (and a resumed full fine-tuning
+    checkpoint's) with the chat template and data.system_prompt; the export's card and eval command say so."""
+    from transformers import AutoTokenizer
+
+    from trustbatch.policy import load_policy
+    from trustbatch.recipes import prepare_run
+    from trustbatch.recipes.build import restore_checkpoint_policy
+    from trustbatch.recipes.export import eval_command, model_card
+
+    chat = tmp_path / "chat-model"
+    shutil.copytree(shared_dir / "models" / "stories260K-hf", chat)
+    tok = AutoTokenizer.from_pretrained(chat)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    tok.save_pretrained(chat)
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
+    cfg = load_config(None, RUN + [f"data={tmp_path / 'rows.parquet'}", f"model.path={chat}",
+                                   "data.system_prompt=Count the apples."])
+    task, policy, pool, _ = prepare_run(cfg)
+    pool.close()
+    text = task.train[0].prompt
+    by_hand = f"[system] Count the apples.\n[user] {text}\n[assistant] "
+    assert policy.encode_prompt(text) == tok(by_hand, add_special_tokens=False)["input_ids"]
+    resumed = restore_checkpoint_policy(cfg, policy, None, load_policy(chat))
+    assert resumed.encode_prompt(text) == policy.encode_prompt(text)
+    cmd = eval_command(cfg, tmp_path / "export", 2)
+    assert cmd[cmd.index("--system-prompt") + 1] == "Count the apples."
+    assert "after the system message 'Count the apples.'" in model_card(cfg, tmp_path, tmp_path, 2, {}, cmd, chat=True)

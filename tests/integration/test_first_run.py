@@ -1,0 +1,107 @@
+"""Issue 37 (item 7): a first run that explains itself. A fresh cache starts from the shipped base without building;
+a build says why and shows its SFT steps; an interrupt before the first checkpoint leaves a directory that starts
+again; each evaluation writes sample completions."""
+
+import hashlib
+import signal
+import subprocess
+
+from trustbatch.config import load_config
+from trustbatch.policy import base as base_mod
+from trustbatch.recipes import configured_task, prepare_run, task_key
+
+from runproc import ROOT, cache, one_line, run, signal_and_wait, start, train_args, wait_until  # noqa: F401
+from shipped import default_key, shipped
+from tiny import TINY
+
+
+def test_an_empty_cache_loads_the_shipped_base_without_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+
+    def no_build(*a, **k):
+        raise AssertionError("the base was built (an SFT step ran)")
+
+    monkeypatch.setattr(base_mod, "sft", no_build)
+    monkeypatch.setattr("trustbatch.recipes.base.build_base", no_build)
+    cfg = load_config(None, ["reward.workers=0"])
+    _, policy, pool, source = prepare_run(cfg)
+    pool.close()
+    key, _, _ = default_key()
+    copy = tmp_path / "cache" / "base" / f"chain_sum-{key}"
+    assert source == f"{copy} (shipped)"
+    folder, manifest = shipped()
+    assert hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest() == manifest["sha256"]["model.safetensors"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    loaded = dict(policy.model.state_dict())
+    assert all(k in loaded and bool((loaded[k] == v).all()) for k, v in weights.items())
+    # the second start finds the cache's copy
+    assert base_mod.find_base("chain_sum", task_key(cfg), cfg.model.model_dump(mode="json")) == (copy, "cached")
+
+
+# ---- a run's stdout to a file, its samples -------------------------------------------------------------------
+
+def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(tmp_path, cache, support_on_pythonpath):
+    import json
+    import os
+
+    import reasoning_gym
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    log = tmp_path / "run.log"
+    # COLUMNS=40: rich would wrap any line longer than that; none may be
+    done = subprocess.run(train_args(run_dir, "train.steps=4", "checkpoint_every=2"), cwd=ROOT, timeout=600,
+                          stdout=open(log, "w"), stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "40"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    header = [l for l in lines if l.startswith("trustbatch train objective=")]
+    assert len(header) == 1 and "model=" in header[0] and header[0].endswith("(cached)")
+    rounds = [l for l in lines if l.startswith("round ")]
+    assert [l.split()[1] for l in rounds] == ["1/4", "2/4", "3/4", "4/4"], lines
+    assert all("ETA" in l and "elapsed" in l for l in rounds)
+
+    samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4  # eval.every=2: rounds 0, 2, 4
+    heldout = configured_task(load_config(None, TINY)).heldout
+    score = reasoning_gym.get_score_answer_fn("chain_sum")
+    for s in samples:
+        i = [e.prompt for e in heldout].index(s["prompt"])
+        assert i < 4  # the same first prompts at every evaluation
+        assert s["reward"] == score(s["completion"].strip(), json.loads(heldout[i].reference))
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    texts = acc.Tensors("samples/text_summary")
+    assert [t.step for t in texts] == [0, 2, 4]
+    last = texts[-1].tensor_proto.string_val[0].decode()
+    assert all(s["prompt"] + s["completion"] in last for s in samples if s["step"] == 4)
+
+
+# ---- Ctrl-C before the first checkpoint ----------------------------------------------------------------------
+
+def test_ctrl_c_before_the_first_checkpoint_says_so_and_the_directory_starts_again(tmp_path, cache,
+                                                                                  support_on_pythonpath):
+    run_dir = tmp_path / "run"
+    # an in-process scorer that never returns: the base's evaluation never ends, so no checkpoint is written
+    hang = ["reward.name=scorers_for_tests:hang_always", "reward.workers=0"]
+    proc = start(train_args(run_dir, *hang), tmp_path / "first.log")
+    try:
+        wait_until(proc, lambda: (run_dir / "scoring_in_process.json").exists(), "the first scoring call")
+    finally:
+        rc, err = signal_and_wait(proc, signal.SIGINT, tmp_path / "first.log")
+    assert rc == 130, err[-3000:]
+    assert one_line(err) == ("trustbatch: interrupted before the first checkpoint; nothing to resume; run again with "
+                             "the same command to start over")
+    assert not list((run_dir / "checkpoints").glob("step_*"))
+    first_config = (run_dir / "config.yaml").read_text()
+
+    again = run(train_args(run_dir, "train.steps=1"))  # the same run_dir, not refused
+    assert again.returncode == 0, again.stderr[-3000:]
+    kept = [p for p in run_dir.iterdir() if p.name.startswith("interrupted-")]
+    assert len(kept) == 1 and f"its files are kept in {kept[0]}" in again.stdout
+    assert (kept[0] / "config.yaml").read_text() == first_config  # the first start's files, moved, not deleted
+    assert (run_dir / "summary.json").is_file() and (run_dir / "checkpoints" / "step_000001").is_dir()
+    # a directory that holds a checkpoint is still refused, never set aside
+    refused = run(train_args(run_dir, "train.steps=1"))
+    assert refused.returncode == 2 and "already holds a run" in one_line(refused.stderr)

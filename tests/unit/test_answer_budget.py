@@ -1,0 +1,87 @@
+"""Issue 37 (item 7): long-answer benchmarks get a completion budget that fits, and heavy truncation is warned of.
+
+The budgets are the peers' (verl: GSM8K 512, MATH 1024; verl's DAPO recipe on AIME: 20480), written out here.
+"""
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from trustbatch.config import dump_config, load_config
+from trustbatch.data.benchmarks import benchmark_kind
+from trustbatch.recipes.defaults import with_answer_budget
+from trustbatch.recipes.hooks import TrainHooks
+
+
+@pytest.mark.parametrize("name,kind", [("gsm8k", "gsm8k"), ("math500", "math"), ("aime2024", "aime"),
+                                       ("amc2023", "amc"), ("countdown", None)])
+def test_the_shared_benchmarks_are_recognised(shared_dir, name, kind):
+    assert benchmark_kind(name, str(shared_dir / "data")) == kind
+    assert benchmark_kind(str(shared_dir / "data" / name / "test.jsonl")) == kind
+
+
+def test_a_file_that_is_no_benchmark_or_unreadable_is_none(tmp_path):
+    plain = tmp_path / "mine.jsonl"
+    plain.write_text(json.dumps({"q": "2+2", "a": "4"}) + "\n")
+    assert benchmark_kind(str(plain)) is None
+    assert benchmark_kind(str(tmp_path / "missing.jsonl")) is None
+    assert benchmark_kind(str(plain), format="math") == "math"  # a format given by the user is taken
+
+
+def _model(tmp_path, context: int) -> str:
+    d = tmp_path / f"model{context}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": context}))
+    return str(d)
+
+
+def _math_file(tmp_path, name: str) -> str:
+    f = tmp_path / f"{name}.jsonl"
+    f.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    return str(f)
+
+
+@pytest.mark.parametrize("name,context,budget", [("competition_math", 32768, 1024), ("aime25", 65536, 20480), ("aime25", 32768, 16384),
+                                                 ("amc_12", 4096, 2048), ("aime25", 2048, 1024)])
+def test_an_unset_budget_fits_the_benchmark_and_half_the_context(tmp_path, name, context, budget):
+    cfg = load_config(None, [f"data.train={_math_file(tmp_path, name)}", f"model.path={_model(tmp_path, context)}"])
+    out, note = with_answer_budget(cfg)
+    assert out.rollout.max_new_tokens == budget
+    assert f"rollout.max_new_tokens={budget}" in note and "\n" not in note
+    # what config.yaml records is what a resume reads back
+    assert load_config(None, [], base=json.loads(json.dumps(out.model_dump(mode="json")))).rollout.max_new_tokens == budget
+    assert f"max_new_tokens: {budget}" in dump_config(out)
+
+
+def test_gsm8k_gets_512(shared_dir, tmp_path):
+    cfg = load_config(None, [f"data.train={shared_dir / 'data' / 'gsm8k' / 'train.jsonl'}",
+                             f"model.path={_model(tmp_path, 32768)}"])
+    assert with_answer_budget(cfg)[0].rollout.max_new_tokens == 512
+
+
+@pytest.mark.parametrize("extra", [["rollout.max_new_tokens=8"], ["rollout.max_new_tokens=64"], []])
+def test_a_budget_the_user_set_or_the_default_task_is_left_alone(tmp_path, extra):
+    data = [f"data.train={_math_file(tmp_path, 'aime')}", f"model.path={_model(tmp_path, 32768)}"] if extra else []
+    cfg = load_config(None, data + extra)
+    out, note = with_answer_budget(cfg)
+    assert out is cfg and note is None
+
+
+def _hooks(console) -> TrainHooks:
+    cfg = load_config(None, ["rollout.max_new_tokens=16"])
+    return TrainHooks(cfg, None, None, None, None, None, None, None, None, console)
+
+
+def test_truncation_past_20_percent_is_warned_once_in_one_line():
+    buf = io.StringIO()
+    hooks = _hooks(Console(file=buf, force_terminal=False, width=40))
+    hooks.warn_truncation(1, {"truncated_fraction": 0.1})
+    hooks.warn_truncation(2, {"truncated_fraction": 0.2})  # at 20%: not past it
+    hooks.warn_truncation(3, {"reward_mean": 0.5})
+    assert buf.getvalue() == ""
+    hooks.warn_truncation(4, {"truncated_fraction": 0.25})
+    hooks.warn_truncation(5, {"truncated_fraction": 0.9})
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1 and "round 4" in lines[0] and "25%" in lines[0] and "rollout.max_new_tokens=16" in lines[0]

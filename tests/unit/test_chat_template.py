@@ -1,0 +1,62 @@
+"""Chat models get their chat template (data.chat_template, data.system_prompt): prompt ids against the template
+rendered by hand and tokenized, and against transformers' own ``apply_chat_template`` on the same messages."""
+
+import pytest
+
+from trustbatch.config import load_config
+from trustbatch.errors import UserError
+from trustbatch.policy import Policy
+from trustbatch.policy.tokenizer import train_tokenizer
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+PROMPT, SYSTEM = "What is 2 + 3?", "Answer with a number."
+
+
+def _policy(template: bool) -> Policy:
+    tok = train_tokenizer([PROMPT, SYSTEM, "<|user|> <|system|> <|assistant|>"], vocab_size=300)
+    if template:
+        tok.chat_template = TEMPLATE
+    return Policy(model=None, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_with_a_template_frames_the_prompt_with_it_and_the_system_prompt():
+    p = _policy(template=True)
+    tok = p.tokenizer
+    user = f"<s><|user|>\n{PROMPT}</s>\n<|assistant|>\n"  # TEMPLATE rendered by hand
+    assert p.encode_prompt(PROMPT) == _ids(tok, user)  # auto: the tokenizer has one
+    p.set_prompt_format("auto", SYSTEM)
+    by_hand = _ids(tok, f"<s><|system|>\n{SYSTEM}</s>\n<|user|>\n{PROMPT}</s>\n<|assistant|>\n")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+    real = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert p.encode_prompt(PROMPT) == by_hand == list(real)
+    assert by_hand.count(tok.bos_token_id) == 1  # the template's BOS, no second one from the tokenizer
+    p.set_prompt_format("off")
+    assert p.encode_prompt(PROMPT) == tok(PROMPT)["input_ids"] == [tok.bos_token_id] + _ids(tok, PROMPT)
+
+
+def test_without_a_template_prompts_are_plain_text_and_asking_for_one_is_refused():
+    p = _policy(template=False)
+    plain = [p.tokenizer.bos_token_id] + _ids(p.tokenizer, PROMPT)
+    assert p.encode_prompt(PROMPT) == plain  # the default base's case: default numbers do not move
+    p.set_prompt_format("auto")
+    assert p.encode_prompt(PROMPT) == plain
+    for mode, system, says in (("on", None, "data.chat_template=on but the model's tokenizer has no chat template"),
+                               ("auto", SYSTEM, "data.system_prompt is sent as a system message through the chat "
+                                                "template, and the model's tokenizer has none")):
+        with pytest.raises(UserError, match=says):
+            p.set_prompt_format(mode, system)
+    with pytest.raises(UserError, match="data.chat_template=off; drop data.system_prompt"):
+        _policy(template=True).set_prompt_format("off", SYSTEM)
+
+
+def test_config_keys_default_to_auto_without_a_system_prompt():
+    d = load_config(None, ["data.system_prompt=Be brief."]).data
+    assert (d.chat_template, d.system_prompt) == ("auto", "Be brief.")
+    assert (load_config().data.chat_template, load_config().data.system_prompt) == ("auto", None)
+    with pytest.raises(UserError, match="data.chat_template"):
+        load_config(None, ["data.chat_template=yes"])

@@ -1,0 +1,93 @@
+"""Data in the formats people have: Parquet, JSON and saved ``datasets`` directories, with the JSONL path's format
+detection and field mapping, and one line naming the file and the cause for a bad one.
+
+Independent references: the prompts and references written out by hand from each format's rule (benchmarks'
+module docstring), and the same rows read from a JSONL file (the pinned path)."""
+
+import json
+
+import pytest
+
+datasets = pytest.importorskip("datasets")
+import pyarrow as pa  # noqa: E402  (comes with datasets)
+import pyarrow.parquet as pq  # noqa: E402
+
+from trustbatch.data.benchmarks import MATH_INSTRUCTION, load_benchmark, load_file_task  # noqa: E402
+from trustbatch.config import load_config  # noqa: E402
+from trustbatch.errors import UserError  # noqa: E402
+
+ROWS = [{"problem": f"What is {i} + {i + 1}?", "answer": 2 * i + 1} for i in range(12)]
+GSM = [{"question": "Tom has 3 pens and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}]
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """load_dataset keeps an Arrow copy of each file: in the test's folder, not the user's cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def _parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_parquet_json_and_datasets_directories_give_the_jsonl_examples(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    ref = load_benchmark(str(jsonl))
+    # by hand: MATH format, the instruction appended, the integer answer as the reference
+    assert ref.format == "math" and ref.examples[3].prompt == "What is 3 + 4?" + MATH_INSTRUCTION
+    assert ref.examples[3].reference == "7"
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    (tmp_path / "lines.json").write_text(jsonl.read_text())  # datasets' to_json writes JSON Lines
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS)).save_to_disk(str(tmp_path / "one_split"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS[:2]), test=datasets.Dataset.from_list(ROWS)
+                         ).save_to_disk(str(tmp_path / "splits"))
+    paths = [_parquet(tmp_path / "rows.parquet", ROWS), tmp_path / "rows.json", tmp_path / "lines.json",
+             tmp_path / "saved", tmp_path / "one_split", tmp_path / "splits" / "test"]
+    for p in paths:
+        b = load_benchmark(str(p))
+        assert (b.format, b.reward, b.examples) == (ref.format, ref.reward, ref.examples), p
+    assert [load_benchmark(str(p)).name for p in paths[3:]] == ["saved", "one_split", "splits"]
+
+
+def test_format_detection_and_field_mapping_on_parquet(tmp_path):
+    gsm = load_benchmark(str(_parquet(tmp_path / "gsm.parquet", GSM)))
+    assert gsm.format == "gsm8k" and gsm.examples[0].reference == "7"
+    assert gsm.examples[0].answer == "3 + 4 = 7\n#### 7"  # calculator annotations dropped
+    rows = [{"q": "Name a colour.", "a": "red", "extra": [1, 2]}]
+    plain = load_benchmark(str(_parquet(tmp_path / "plain.parquet", rows)), prompt_field="q", answer_field="a")
+    assert plain.format == "jsonl" and plain.examples[0].prompt == "Name a colour."
+    assert plain.examples[0].reference == "red"
+
+
+def test_train_and_heldout_from_a_parquet_file_and_a_datasets_directory(tmp_path):
+    train = _parquet(tmp_path / "train.parquet", ROWS)
+    datasets.Dataset.from_list(ROWS[:3]).save_to_disk(str(tmp_path / "held"))
+    cfg = load_config(None, [f"data={train}", f"data.heldout={tmp_path / 'held'}", "data.heldout_size=2"])
+    split = load_file_task(cfg.data)
+    assert [e.prompt.split("?")[0] for e in split.heldout] == ["What is 0 + 1", "What is 1 + 2"]
+    assert len(split.train) == 10 and {e.prompt for e in split.train}.isdisjoint(e.prompt for e in split.heldout)
+
+
+@pytest.mark.parametrize("name, make, cause", [
+    ("junk.parquet", lambda p: p.write_bytes(b"not a parquet file at all"), "as Parquet: ArrowInvalid"),
+    ("cut.json", lambda p: p.write_text('[{"problem": "x", "answer": 1},'), "as JSON:"),
+    ("plain_dir", lambda p: p.mkdir(), "not a saved datasets directory"),
+    ("splits", lambda p: datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS), test=datasets.Dataset.from_list(
+        ROWS)).save_to_disk(str(p)), "holds the splits train, test; give one split's folder"),
+    ("null.parquet", lambda p: _parquet(p, ROWS[:2] + [{"problem": None, "answer": 5}]),
+     "row 3: the prompt field 'problem' is null"),
+    ("empty.json", lambda p: p.write_text("[]"), "as JSON:"),
+    ("unknown.parquet", lambda p: _parquet(p, [{"text": "hello"}]), "row 1: cannot tell the format"),
+])
+def test_a_bad_file_is_one_line_naming_the_file_and_the_cause(tmp_path, name, make, cause, capfd):
+    path = tmp_path / name
+    make(path)
+    capfd.readouterr()
+    with pytest.raises(UserError) as e:
+        load_benchmark(str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and repr(str(path)) in msg and cause in msg, msg
+    assert capfd.readouterr().err == ""  # datasets' own error lines and progress bars stay quiet
