@@ -10,6 +10,7 @@ from typing import List, Optional
 import typer
 
 from .errors import UserError, exit_on_error
+from .processes import die_with_torchrun_agent
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
@@ -306,7 +307,10 @@ def lab_compare(
 
 
 def main() -> None:
-    """Exit codes: 2 for bad input (one line), 130 for Ctrl-C or SIGTERM (one line saying how to resume)."""
+    """Exit codes: 2 for bad input (one line), 130 for Ctrl-C or SIGTERM (one line saying how to resume).
+
+    A rank under torchrun dies with its launcher (``processes.die_with_torchrun_agent``), from the start."""
+    die_with_torchrun_agent()
     exit_on_error(app)
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .processes import die_with_torchrun_agent
+
 
 # what train.device and `trustbatch eval --device` accept
 DEVICE_SPEC = r"auto|cpu|cuda(:\d+)?"
@@ -67,12 +69,14 @@ class World:
         """The world torchrun describes in the environment, initialising the process group if needed.
 
         ``device`` is ``train.device`` (``resolve_device``; each rank takes its ``LOCAL_RANK``'s GPU).
-        The process group uses NCCL when the ranks train on CUDA, gloo on the CPU.
+        The process group uses NCCL when the ranks train on CUDA, gloo on the CPU. Under torchrun the rank dies
+        with its launcher (``processes.die_with_torchrun_agent``), even when it is killed with SIGKILL.
 
         Raises:
             ValueError: the device cannot be had (``resolve_device``).
             RuntimeError: the process group cannot be initialised (torch.distributed's own message).
         """
+        die_with_torchrun_agent()
         size = int(os.environ.get("WORLD_SIZE", "1"))
         dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         if dev.type == "cuda":

@@ -492,17 +492,11 @@ if __name__ == "__main__":
 """
 
 
-def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
-    """A runner killed with SIGTERM (a scheduler, `kill`) must not leave its runs going as orphans.
-
-    The runs are real ``trustbatch train`` processes started by ``lab.launch`` (forked from its warm server, not
-    children of the runner), stopped once each has written its first lines to its own log."""
-    import signal
+def _start_runner(tmp_path):
+    """The runner of ``_SCRIPT`` with two real tiny runs going: (its process, its output folder, the runs' pids)."""
     import subprocess
     import sys
     import time
-
-    from trustbatch.lab.calls import load_calls
 
     f = tmp_path / "term.yaml"
     f.write_text(yaml.safe_dump({"description": "t", "seeds": [0, 1], "arms": {"onpolicy": {}}}))
@@ -513,10 +507,26 @@ def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(f), str(out), json.dumps(TINY)], env=env)
     logs = [out / "term" / "onpolicy" / f"seed{s}.log" for s in (0, 1)]
     deadline = time.time() + 180
-    while not all(log.exists() and "run directory:" in log.read_text() for log in logs):
-        assert time.time() < deadline and proc.poll() is None, "the runs never started"
-        time.sleep(0.2)
-    pids = [int((out / f"pid{s}").read_text()) for s in (0, 1)]
+    try:
+        while not all(log.exists() and "run directory:" in log.read_text() for log in logs):
+            assert time.time() < deadline and proc.poll() is None, "the runs never started"
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, out, [int((out / f"pid{s}").read_text()) for s in (0, 1)]
+
+
+def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
+    """A runner killed with SIGTERM (a scheduler, `kill`) must not leave its runs going as orphans.
+
+    The runs are real ``trustbatch train`` processes started by ``lab.launch`` (forked from its warm server, not
+    children of the runner), stopped once each has written its first lines to its own log."""
+    import signal
+
+    from trustbatch.lab.calls import load_calls
+
+    proc, out, pids = _start_runner(tmp_path)
     for pid in pids:
         os.kill(pid, 0)  # running
     proc.send_signal(signal.SIGTERM)
@@ -529,6 +539,21 @@ def test_sigterm_stops_the_runs_with_the_runner_and_records_the_call(tmp_path):
     # the one line the CLI prints says how to resume (a bare KeyboardInterrupt used to print "trustbatch: " alone)
     said = (out / "interrupt.txt").read_text()
     assert said.startswith("interrupted;") and "the same `trustbatch lab run` command resumes" in said, said
+
+
+def test_kill9_of_the_runner_leaves_no_forkserver_no_run_and_no_worker(tmp_path):
+    """SIGKILL gives the runner no chance to stop anything: its forkserver, the runs forked from it and their reward
+    workers must each see their parent die and stop (``processes.die_with_parent``), found by walking /proc."""
+    import signal
+
+    from runproc import descendants, outlived
+
+    proc, _out, pids = _start_runner(tmp_path)
+    tree = descendants(proc.pid)
+    assert set(pids) <= set(tree), f"expected the forkserver, 2 runs and their workers: {tree}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert outlived(tree) == [], "processes outlived the lab runner killed with SIGKILL"
 
 
 def test_cli_says_a_bare_interrupt_in_one_line(monkeypatch, capsys):

@@ -6,6 +6,8 @@ skipped; the test that ``orchestrator=ray`` names the extra runs everywhere (it 
 """
 
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,7 +19,7 @@ from trustbatch.config import load_config
 from trustbatch.errors import UserError
 from trustbatch.recipes import train
 
-from runproc import alive, descendants, records, survivors
+from runproc import alive, descendants, one_line, records, survivors
 from tiny import TINY
 
 SKIP_REASON = "Ray is not installed (pip install 'trustbatch[ray]'; `make test-ray` builds an env with it)"
@@ -72,7 +74,7 @@ class _Watch:
         self.stop.set()
         self.thread.join()
 
-    def survivors(self, grace_s: float = 15.0) -> list[tuple[int, bytes]]:
+    def survivors(self, grace_s: float = 0.0) -> list[tuple[int, bytes]]:
         """Descendants started during the run that are still alive after ``grace_s`` seconds."""
         started = sorted((self.seen.keys() | set(descendants(os.getpid()))) - self.before)
         return [(p, _cmdline(p)[:80]) for p in survivors(started, within=grace_s)]
@@ -245,6 +247,81 @@ def test_a_killed_ray_actor_is_restarted_and_nothing_survives(tmp_path, cache):
     assert recs[-1]["worker_restarts"] >= 1
     assert all(r["staleness"] <= 1 for r in recs[1:])
     _assert_ray_gone(ray, watch)
+
+
+@pytest.mark.ray
+def test_a_local_ray_run_writes_no_token_in_home_and_leaves_no_process(tmp_path, cache):
+    """Issue 39 item 5, through the CLI in a fresh process with none of Ray's auth settings: Ray 2.60 would write
+    ``~/.ray/auth_token`` for the local cluster it starts, and its actor processes outlived the driver by seconds."""
+    pytest.importorskip("ray", reason=SKIP_REASON)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, *RAY, "train.steps=1", "rollout.workers=1",
+           f"run_dir={tmp_path / 'run'}"]
+    seen: dict[int, bytes] = {}
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen(cmd, env={**env, "HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                for p in descendants(proc.pid):
+                    seen[p] = _cmdline(p) or seen.get(p, b"")
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    left = [(p, seen[p][:80]) for p in seen if alive(p)]  # at once: the driver waited for them before it exited
+    assert proc.returncode == 0, (tmp_path / "out.log").read_text()[-3000:]
+    assert any(c.startswith(b"ray::RolloutWorker") for c in seen.values()), "no Ray actor was seen"
+    assert not left, f"processes outlived the run: {left}"
+    assert not (home / ".ray" / "auth_token").exists()
+
+
+@pytest.mark.ray
+def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, cache):
+    pytest.importorskip("ray", reason=SKIP_REASON)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, *RAY, f"ray_address=127.0.0.1:{port}",
+           f"run_dir={tmp_path / 'run'}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = one_line(p.stderr)
+    assert f"ray_address=127.0.0.1:{port}" in line and "ray start --head" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ray_address_is_tried_first_and_refused_in_one_line_naming_it(monkeypatch):
+    """``ray_cluster.check_reachable`` needs no Ray: a real closed port, a real listening one, a bad address, and a
+    timeout (``socket.create_connection`` made to raise it, as a silently dropping firewall would)."""
+    from trustbatch.orchestration import ray_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        ray_cluster.check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")  # answers: no error
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]  # bound, never listening: refused
+            with pytest.raises(UserError) as e:
+                ray_cluster.check_reachable(f"127.0.0.1:{port}")
+            assert str(e.value).startswith(f"cannot reach the Ray cluster at ray_address=127.0.0.1:{port} (Connection "
+                                           f"refused): start it there (`ray start --head --port={port}`)"), e.value
+            monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+            with pytest.raises(UserError, match=f"at RAY_ADDRESS=ray://127.0.0.1:{port} "):
+                ray_cluster.check_reachable(None)
+    ray_cluster.check_reachable("auto")  # Ray finds the cluster itself: nothing to try
+    with pytest.raises(UserError, match="ray_address=head-node is not host:port"):
+        ray_cluster.check_reachable("head-node")
+
+    def silent(*a, **k):
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(ray_cluster.socket, "create_connection", silent)
+    with pytest.raises(UserError, match=r"at ray_address=10.0.0.5:6379 \(no answer within 0.5 s\)"):
+        ray_cluster.check_reachable("10.0.0.5:6379", timeout_s=0.5)
 
 
 def test_orchestrator_ray_without_ray_names_the_extra(tmp_path, cache, monkeypatch):

@@ -6,6 +6,7 @@ Real ``trustbatch train`` processes, their process trees read from /proc, and th
 import dataclasses
 import errno
 import signal
+import sys
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ from trustbatch.recipes import train
 from trustbatch.trainer import checkpoint as ckpt_mod
 from trustbatch.trainer.checkpoint import load_latest
 
-from runproc import (cache, descendants, n_records, one_line, resume_args, run, signal_and_wait,  # noqa: F401
-                     snapshot, start, survivors, train_args, wait_until, weights)
+from runproc import (cache, descendants, n_records, one_line, outlived, resume_args, run,  # noqa: F401
+                     signal_and_wait, snapshot, start, survivors, train_args, wait_until, weights)
 from test_resume import QUICK, _cli
 
 LONG = ["train.steps=100000", "reward.workers=2"]  # runs until the test stops it
@@ -48,6 +49,22 @@ def test_lock_refuses_a_second_run_and_kill9_leaves_no_process_and_no_stale_lock
     done = run(resume_args(run_dir, f"train.steps={_last_checkpoint_step(run_dir) + 1}"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (run_dir / "summary.json").is_file()
+
+
+def test_kill9_of_the_torchrun_launcher_leaves_no_rank_and_no_worker(tmp_path, cache):
+    """The ranks run in sessions of their own (torchrun's ``start_new_session``): only their parent-death watch stops
+    them when the launcher is killed with SIGKILL, which no handler of torchrun's can see."""
+    run_dir = tmp_path / "run"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = start(launcher + train_args(run_dir, *LONG)[1:], tmp_path / "torchrun.log")
+    try:
+        # every process is up once each rank has its reward workers: the kill needs no more
+        wait_until(proc, lambda: len(descendants(proc.pid)) >= 6, "2 ranks with 2 reward workers each", timeout=300)
+        tree = descendants(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert outlived(tree) == [], "processes outlived the torchrun launcher killed with SIGKILL"
 
 
 def test_sigterm_stops_with_one_line_and_the_run_resumes(tmp_path, cache):

@@ -135,6 +135,15 @@ def survivors(pids: list[int], within: float = 5.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def outlived(pids: list[int], within: float = 10.0) -> list[int]:
+    """``survivors`` after ``within`` s, each then killed with SIGKILL, so that a failing test leaves nothing training."""
+    from trustbatch.processes import kill
+
+    left = survivors(pids, within)
+    kill(left)
+    return left
+
+
 def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     """JSONL records without the timing fields (they differ between any two runs)."""
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING}

@@ -54,3 +54,38 @@ def test_pass_at_k_is_the_unbiased_estimator_over_the_reported_counts(tmp_path, 
 def test_save_results_writes_nan_as_null(tmp_path):
     dest = save_results({"average": {"pass@1": 0.5, "pass@1_se": float("nan")}, "k": [1]}, tmp_path / "r.json")
     assert json.loads(dest.read_text()) == {"average": {"pass@1": 0.5, "pass@1_se": None}, "k": [1]}
+
+
+def five(completion: str, reference: str) -> float:
+    """Out of range on every completion: clamped to 1."""
+    return 5
+
+
+def test_out_of_range_rewards_are_warned_about_as_in_training_and_counted(tmp_path, shared_dir):
+    said: list[str] = []
+    res = evaluate(shared_dir / "models" / "stories260K-hf", ["countdown"], n=2, ks=[1], max_new_tokens=4, limit=3,
+                   data_dir=str(shared_dir / "data"), reward=f"{__name__}:five", workers=0, warn=said.append)
+    row = res["benchmarks"]["countdown"]
+    assert row["reward_clamped"] == 6 and row["pass@1"] == 1.0  # clamped into [0, 1], so every sample is "correct"
+    # the words of a training round's warning (rewards.check_scoring), with the benchmark for the round
+    assert said == [f"countdown: reward '{__name__}:five': 0 errors and 0 timeouts in 6 completions (scored 0), "
+                    "6 rewards clamped into [0, 1]"]
+
+
+def _questions(path, *questions):
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 3"}) + "\n" for q in questions))
+    return str(path)
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted_or_refused(tmp_path, shared_dir):
+    model = shared_dir / "models" / "stories260K-hf"  # max_position_embeddings 512
+    long = "Once upon a time there was a little dog. " * 80  # far past 512 tokens of this model
+    bench = _questions(tmp_path / "mixed.jsonl", "What is 1 + 2?", long, "What is 5 - 2?")
+    said: list[str] = []
+    res = evaluate(model, [bench], n=1, ks=[1], max_new_tokens=8, reward=f"{__name__}:has_e", workers=0,
+                   warn=said.append)
+    row = next(iter(res["benchmarks"].values()))
+    assert row["prompts"] == 2 and row["prompts_skipped"] == 1 and len(row["correct"]) == 2
+    assert len(said) == 1 and "skipped 1 of 3 prompts longer than 504 tokens" in said[0], said
+    with pytest.raises(UserError, match="none of the 1 prompts fits in 504 tokens"):
+        evaluate(model, [_questions(tmp_path / "long.jsonl", long)], n=1, ks=[1], max_new_tokens=8, workers=0)

@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..processes import die_with_sentinel
+
 # what a ``trustbatch train`` run imports before its first round (the slow part of its start); a module that is
 # not installed is skipped by the server (multiprocessing ignores an ImportError in the preload)
 PRELOAD = [
@@ -63,7 +65,10 @@ def _train_main(argv: list[str], log: str, env: dict[str, str], cwd: str) -> Non
     ``log``, then ``trustbatch *argv`` (a ``train`` call) under the CLI's guard.
 
     The exit code is the CLI's: 0, 2 for bad input, 130 for Ctrl-C (``exit_on_error`` raises SystemExit, which
-    multiprocessing turns into the exit code), 1 for a crash (its traceback in ``log``)."""
+    multiprocessing turns into the exit code), 1 for a crash (its traceback in ``log``). The run exits when the
+    process that launched it dies (SIGKILL included): its parent is the forkserver, which outlives the launcher
+    while any run holds its pipe open, so the run watches the launcher itself (``processes.die_with_sentinel``)."""
+    die_with_sentinel(multiprocessing.parent_process().sentinel)
     # the server holds the environment and directory of the moment it started; a run gets its launcher's own
     # one thread per run, as the runner's jobs are one per core: torch's and numpy's thread pools are sized on first
     # use, after the fork (a run's config sets torch's own count again)

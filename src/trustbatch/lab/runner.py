@@ -9,6 +9,7 @@ Layout: ``OUT/<experiment>/<arm>/seed<k>/`` is an ordinary run directory. A run 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import threading
@@ -20,6 +21,7 @@ import yaml
 
 from ..config import dump_config, load_config
 from ..errors import UserError
+from ..processes import die_with_parent
 from ..records import atomic_write
 from .calls import record_call
 from .experiment import Experiment
@@ -105,8 +107,9 @@ def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    # spawn: a fork of a process that already ran torch can deadlock in its thread pools
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+    # spawn: a fork of a process that already ran torch can deadlock in its thread pools; a builder dies with the runner
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
         for wave in waves:
             console.print(f"[dim]building or loading {len(wave)} cached {'foreign ' * wave[0][3]}base models, "
                           f"{jobs} at a time…[/dim]")

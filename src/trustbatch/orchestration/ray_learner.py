@@ -19,7 +19,7 @@ environment the driver sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD
   ``state_dict`` holds rank 0's optimizer, scheduler and version and every rank's stream.
 - Faults: a learner rank that dies or fails ends the run (a ``UserError`` keeps its one line): the
   ranks share collectives, so one cannot be restarted alone; resume from the last checkpoint.
-- Shutdown: ``close`` kills the actors and calls ``ray.shutdown()`` if the group started Ray.
+- Shutdown: ``close`` kills the actors and, if the group started Ray, shuts it down and waits for its processes.
 
 CPU only: an actor asks Ray for one CPU and runs one torch thread; GPU ranks (NCCL) are not built.
 """
@@ -35,7 +35,7 @@ import torch
 from ..errors import UserError
 from ..pipeline.batch import TrainBatch
 from ..pipeline.weight_sync import named_weights
-from .ray_rollout import connect, import_ray
+from .ray_cluster import close_actors, connect, import_ray
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -116,7 +116,7 @@ class RayLearnerGroup:
         ranks: learner actors (one CPU and one torch thread each).
         seed: rank r > 0 seeds its torch stream with ``seed + r``.
         version: the policy version to start from.
-        address: the Ray cluster to join (``ray_rollout.connect``).
+        address: the Ray cluster to join (``ray_cluster.connect``).
         rollout_workers: CPUs the run's rollout actors take beside the ranks (the cluster check, and
             the size of a local cluster started here).
         learner_kwargs: ``Learner``'s other keywords (lr, micro_batch_size, epochs, ...); not ``world``.
@@ -239,15 +239,9 @@ class RayLearnerGroup:
         return self._get([a.execute.remote(fn, *args) for a in self.actors])
 
     def close(self) -> None:
-        """Kill the ranks, and shut Ray down if this group started it; safe to call twice."""
-        ray = self.ray
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead, or Ray already down
-                pass
+        """Kill the ranks, and shut Ray down if this group started it (``ray_cluster.close_actors``: its processes
+        have ended when this returns); safe to call twice."""
+        close_actors(self.ray, self.actors, self.started_ray)
         self.actors = []
         self._weights = None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
         self.started_ray = False

@@ -20,17 +20,13 @@ as for spawned processes; only the transport differs:
   costs nothing.
 - Faults: an actor whose call fails with ``RayActorError`` is dead; ``BoundedSource`` restarts it (a
   new actor) on the batch it held and counts it. A hung one is killed with ``ray.kill``.
-- Shutdown: ``close`` kills the actors and calls ``ray.shutdown()`` if this transport started Ray
-  (``connect``: ``ray.init()`` with no address and no ``RAY_ADDRESS`` starts a local cluster; an
-  address joins one).
-
-``ray`` is imported here (and in ``ray_learner``) only, inside functions, so the package works without it.
+- Shutdown: ``close`` kills the actors and, if this transport started Ray, shuts the local cluster down and
+  waits for its processes (``ray_cluster``: ``ray.init()`` with no address and no ``RAY_ADDRESS`` starts a
+  local cluster; an address joins one, after a bounded check that it answers).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 import time
 
@@ -42,66 +38,8 @@ from ..errors import UserError
 from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
 from ..pipeline.staleness import behaviour_round, may_start
 from ..pipeline.weight_sync import Stateless, named_weights
+from .ray_cluster import close_actors, connect, import_ray
 from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
-
-INSTALL_HINT = "orchestrator=ray needs Ray, which is not installed: pip install 'trustbatch[ray]'"
-
-
-def check_ray_installed() -> None:
-    """Fail before any work when Ray is missing, without importing it (it takes seconds).
-
-    Raises:
-        UserError: Ray is not installed (one line naming the extra).
-    """
-    try:
-        found = importlib.util.find_spec("ray") is not None
-    except ValueError:  # sys.modules["ray"] is None: an import of ray would fail
-        found = False
-    if not found:
-        raise UserError(INSTALL_HINT)
-
-
-def import_ray():
-    """The ``ray`` module.
-
-    Raises:
-        UserError: Ray is not installed (one line naming the extra).
-    """
-    try:
-        import ray
-    except ImportError:
-        raise UserError(INSTALL_HINT) from None
-    return ray
-
-
-def connect(address: str | None, cpus: int) -> bool:
-    """Initialise Ray in this process unless it is already: join ``address`` (or ``RAY_ADDRESS``, or a
-    cluster started on this machine with ``ray start``), else start a local cluster. Returns whether this
-    call initialised Ray (the caller then shuts it down).
-
-    A local cluster started here gets ``cpus`` logical CPUs when the machine has fewer cores: Ray places
-    an actor only on a free logical CPU, and a run's actors (rollout workers and learner ranks, one CPU
-    each) would otherwise wait forever on a small machine; they share its cores instead. A cluster
-    that is joined keeps its own CPUs.
-
-    Raises:
-        UserError: Ray is not installed.
-    """
-    ray = import_ray()
-    if ray.is_initialized():
-        return False
-    # no dashboard: it is a web server (and an extra) a training run does not need
-    kw: dict = dict(address=address, include_dashboard=False)
-    if cpus > (os.cpu_count() or 1):
-        kw["num_cpus"] = cpus
-    try:
-        ray.init(**kw)
-    except ValueError:  # "When connecting to an existing cluster, num_cpus ... must not be provided"
-        if "num_cpus" not in kw:
-            raise
-        del kw["num_cpus"]
-        ray.init(**kw)
-    return True
 
 
 class RayTransport(Stateless):
@@ -288,19 +226,11 @@ class RayTransport(Stateless):
         self._preloaded = dict(snapshots)
 
     def close(self) -> None:
-        ray = self.ray
-        for wid, actor in enumerate(self.actors):
-            if actor is not None:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # already dead, or Ray already down
-                    pass
-                self.actors[wid] = None
+        close_actors(self.ray, self.actors, self.started_ray)
+        self.actors = [None] * self.n
         self.calls = [None] * self.n
         self.weights_ref = None
         self.rounds = {}
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
         self.started_ray = False
 
 

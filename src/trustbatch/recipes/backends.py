@@ -194,10 +194,10 @@ def _check_ray_learners(cfg: Config) -> None:
 
 
 def _check_async_ray(cfg: Config) -> None:
-    from ..orchestration.ray_rollout import check_ray_installed  # imports no ray
+    from ..orchestration.ray_cluster import check_ray  # imports no ray
 
     _check_ray_learners(cfg)
-    check_ray_installed()
+    check_ray(cfg.ray_address)
 
 
 def _refuse_sync_ray(cfg: Config) -> None:

@@ -44,7 +44,8 @@ def check_orchestrator(cfg: Config) -> None:
 
     Raises:
         UserError: ``orchestrator=ray`` with ``rollout.mode=sync``, or without Ray installed (names the extra), or
-            Ray learners with ``train.strategy=fsdp2``.
+            an address that does not answer (``orchestration.ray_cluster.check_ray``), or Ray learners with
+            ``train.strategy=fsdp2``.
     """
     backend_for(cfg).check(cfg)
 

@@ -49,19 +49,22 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
     vllm. ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
-    (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)`` hears that prompts plus
-    ``max_new_tokens`` exceed the model's context.
+    (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
+    hears of the prompts skipped because they and ``max_new_tokens`` exceed the model's context
+    (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
+    of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
 
     Returns ``{"model", "engine", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
     "average"}``; per benchmark and on average ``pass@k`` and its standard error ``pass@k_se`` over prompts (the
     unbiased estimator of Chen et al. 2021, arXiv 2107.03374, Eq. 1; see ``eval.benchmarks``). A standard error
-    from one prompt is NaN (``save_results`` writes it as null).
+    from one prompt is NaN (``save_results`` writes it as null). Each benchmark also counts ``prompts_skipped``
+    (too long for the context) and ``reward_clamped`` (rewards outside [0, 1]).
 
     Raises:
         UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
             ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, a
-            chat template asked of a tokenizer without one, or
-            vLLM missing or refusing the model.
+            benchmark none of whose prompts fits the model's context with ``max_new_tokens``, a chat template
+            asked of a tokenizer without one, or vLLM missing or refusing the model.
     """
     import torch
 
@@ -77,17 +80,16 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     policy = load_policy(model)
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
-    if ctx and warn is not None:
-        over = sum(len(policy.encode_prompt(e.prompt)) + max_new_tokens > ctx for b in benches for e in b.examples)
-        if over:
-            warn(f"{over} prompts + --max-new-tokens exceed the model's context of {ctx} "
-                 "tokens; their completions are out of the model's trained range")
+    benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
     eng = _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens)
     with progress if progress is not None else contextlib.nullcontext():
         res = evaluate_benchmarks(policy, eng, benches,
                                   lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
-                                  n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress)
+                                  n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, progress=progress,
+                                  warn=warn)
+    for name, k in skipped.items():
+        res["benchmarks"][name]["prompts_skipped"] = k
     return {"model": str(model), "engine": engine, "n": n, "k": ks, "temperature": temperature,
             "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
 
@@ -112,6 +114,29 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
         return resolve_device(device)
     except ValueError as e:
         raise UserError(str(e).replace("train.device", "--device")) from None
+
+
+def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):
+    """Each benchmark without the prompts that leave no room for ``max_new_tokens`` in the model's context ``ctx``
+    (past it the model runs on positions it was never trained on, and the transformers engine pads every row of a
+    batch to the longest), and the count skipped per benchmark.
+
+    Raises:
+        UserError: no prompt of a benchmark fits, or ``max_new_tokens`` alone fills the context.
+    """
+    import dataclasses
+
+    from ..data.benchmarks import fit_prompts
+
+    fitted, skipped = [], {}
+    for b in benches:
+        keep, warning = fit_prompts([len(policy.encode_prompt(e.prompt)) for e in b.examples], context=ctx,
+                                    max_new_tokens=max_new_tokens, where=b.name)
+        skipped[b.name] = len(b.examples) - len(keep)
+        fitted.append(dataclasses.replace(b, examples=[b.examples[i] for i in keep]) if warning else b)
+        if warning and warn is not None:
+            warn(warning.removeprefix("warning: "))
+    return fitted, skipped
 
 
 def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
