@@ -55,16 +55,22 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_BIN)/python -m pytest -q tests/integration/test_engine_contract.py tests/integration/test_vllm_engine.py \
 		tests/integration/test_vllm_train.py tests/integration/test_vllm_lab.py
 
+# An extra's own environment: pinned torch first, then the package with EXTRAS (VENV, EXTRAS)
+define extra_venv
+$(1)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q $(TORCH)
+	$(1)/bin/pip install -q $(PIN) -e '.[$(2)]'
+	touch $$@
+endef
+
 # Ray gets its own environment too: `trustbatch[ray]` is an extra the default install does not carry.
 RAY_VENV := .venv-ray
 RAY_BIN := $(RAY_VENV)/bin
 
-$(RAY_VENV)/.installed: pyproject.toml constraints.txt
-	$(PY) -m venv $(RAY_VENV)
-	$(RAY_BIN)/pip install -q --upgrade pip
-	$(RAY_BIN)/pip install -q $(TORCH)
-	$(RAY_BIN)/pip install -q $(PIN) -e '.[test,ray]'
-	touch $@
+RAY_EXTRAS := test,ray
+$(eval $(call extra_venv,$(RAY_VENV),$(RAY_EXTRAS)))
 
 .PHONY: test-ray
 test-ray: $(RAY_VENV)/.installed
@@ -96,12 +102,8 @@ test-adapters: $(ADAPTERS_VENV)/.installed
 TRACKERS_VENV := .venv-trackers
 TRACKERS_BIN := $(TRACKERS_VENV)/bin
 
-$(TRACKERS_VENV)/.installed: pyproject.toml constraints.txt
-	$(PY) -m venv $(TRACKERS_VENV)
-	$(TRACKERS_BIN)/pip install -q --upgrade pip
-	$(TRACKERS_BIN)/pip install -q $(TORCH)
-	$(TRACKERS_BIN)/pip install -q $(PIN) -e '.[test,wandb,mlflow]'
-	touch $@
+TRACKERS_EXTRAS := test,wandb,mlflow
+$(eval $(call extra_venv,$(TRACKERS_VENV),$(TRACKERS_EXTRAS)))
 
 .PHONY: test-trackers
 test-trackers: $(TRACKERS_VENV)/.installed
