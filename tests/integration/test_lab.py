@@ -22,7 +22,8 @@ from tiny import TINY
 
 BUNDLED = sorted(bundled_experiments())
 # pre-flight-only and validation experiments; the rest are comparisons and need Lab II's six seeds
-FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3}
+FEW_SEEDS = {"precision_doses": 2, "collapse_check": 2, "calibrate_batch": 2, "replay_ratios": 2, "reference_steps": 3,
+             "temperature_t12_steps": 4}  # the T = 1.2 dose: 4 seeds, the budget it had (docs/lab3/README.md)
 ONE_ARM = {"reference", "reference_steps"}  # the shared on-policy reference: one arm by design
 
 
@@ -31,8 +32,10 @@ def test_bundled_experiments_load_with_their_seeds(name):
     exp = load_experiment(name)
     assert len(exp.seeds) >= FEW_SEEDS.get(name, 6) and len(exp.arms) >= (1 if name in ONE_ARM else 2)
     assert all(len(a.split("@")) <= 2 for a in exp.arms)  # family@dose
-    # confirm_fp8: a registered design with one primary comparison and no on-policy arm (docs/lab3/registration.md)
-    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps", "confirm_fp8"):
+    # confirm_fp8 (a registered design with one primary comparison) and temperature_t12_steps (budget-bound): no
+    # on-policy arm (docs/lab3)
+    if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps", "confirm_fp8",
+                                                                    "temperature_t12_steps"):
         assert "onpolicy" in exp.arms  # every shift experiment has the on-policy reference
 
 
