@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,9 +50,21 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
     """Start a command with stdout going to ``log`` and stderr to ``log``.err.
 
     Niced, so that the test's busy poll is scheduled first on a loaded machine and sees a checkpoint
-    write that lasts milliseconds."""
+    write that lasts milliseconds. SIGINT has its default disposition there, unblocked: a test suite started as a
+    shell's background job inherits SIGINT ignored, and its children would then never see a Ctrl-C."""
     return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "w"), stderr=open(f"{log}.err", "w"),
-                            preexec_fn=lambda: os.nice(5))
+                            preexec_fn=_child_setup)
+
+
+def _child_setup() -> None:
+    os.nice(5)
+    default_sigint()
+
+
+def default_sigint() -> None:
+    """In a child before exec: SIGINT's default disposition, unblocked, whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def signal_and_wait(proc: subprocess.Popen, sig: int, log: Path, timeout: float = 60) -> tuple[int, str]:

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import random
-import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 from ..config import Config, dump_config, load_config, read_yaml_file
 from ..errors import UserError
+from ..interrupts import interrupt_guard
 from ..parallel import World
 from ..records import atomic_write, read_metrics, truncate_records
 from ..rewards.pool import read_in_process_marker
@@ -41,10 +41,6 @@ IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_p
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a run; the message says how to resume."""
-
-
-def _sigterm_as_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | None):
@@ -111,9 +107,8 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
-    old_handler = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        with lock:
+        with interrupt_guard(), lock:
             return _train_locked(cfg, run_dir, changed, resume is not None, world, console)
     except KeyboardInterrupt:
         if not checkpoints(run_dir):
@@ -128,7 +123,6 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                         f"permissions or give another run_dir (a run with a checkpoint continues with "
                         f"--resume {run_dir})") from None
     finally:
-        signal.signal(signal.SIGTERM, old_handler)
         world.close()
 
 

@@ -1,0 +1,104 @@
+"""Ctrl-C and SIGTERM that always end a run, whatever its main thread is doing when they arrive.
+
+CPython turns SIGINT into ``KeyboardInterrupt`` in the main thread at its next bytecode, which misses in two ways that
+a long run meets: the exception is raised inside a finalizer (``__del__``, a weakref or GC callback), where it is
+printed as "Exception ignored" and dropped; or the kernel hands the signal to another thread (a tracker's writer),
+and a main thread already asleep in a blocking call (a scorer's ``time.sleep``, a lock) is never woken. Either way the
+run goes on as if no Ctrl-C had come (issue 48: a run stuck in an in-process scorer outlived its SIGINT by minutes).
+
+``interrupt_guard`` closes both holes: a watchdog thread learns of every SIGINT/SIGTERM from the C-level handler
+(``signal.set_wakeup_fd``, written whichever thread the kernel chose) and, until the guarded block ends, re-delivers
+the signal to the main thread (``pthread_kill``) every ``RESEND_S`` seconds. The Python handler raises
+``KeyboardInterrupt`` unless one is already unwinding the stack, so a re-delivery never cuts a cleanup short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+
+RESEND_S = 2.0  # the first delivery normally works; a re-delivery is for the lost ones only
+
+
+def _unwinding() -> bool:
+    """Whether a KeyboardInterrupt (or an exception raised while handling one) is being handled in this thread."""
+    e = sys.exc_info()[1]
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__context__
+    return False
+
+
+def _raise_interrupt(signum, frame) -> None:
+    if not _unwinding():
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_guard():
+    """Within the block, SIGINT and SIGTERM raise ``KeyboardInterrupt`` in the main thread, re-delivered until one
+    is being handled (module docstring).
+
+    A no-op outside the main thread and where another wakeup fd is set (an asyncio loop's). A SIGINT whose
+    disposition is "ignore" (a shell's background job: the user asked for it) or a handler of the caller's own is
+    left alone; SIGTERM is always taken.
+    A SIGINT blocked in the main thread's mask (inherited from a parent that blocked it around a fork) is unblocked.
+    The previous handlers and wakeup fd are restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # SIGTERM always (a scheduler's stop ends the run as Ctrl-C does); SIGINT only where Python's own handler is
+    wanted = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is signal.default_int_handler else [])
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter
+        reader.close(), writer.close()
+        yield
+        return
+    if previous_fd != -1:  # someone else's wakeup fd (an event loop): leave signals to them
+        signal.set_wakeup_fd(previous_fd)
+        reader.close(), writer.close()
+        yield
+        return
+    old = {s: signal.signal(s, _raise_interrupt) for s in wanted}
+    if signal.SIGINT in wanted:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    done = threading.Event()
+    main = threading.main_thread().ident
+    codes = {int(s) for s in wanted}
+
+    def watch() -> None:
+        got = None
+        while not done.is_set():
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            got = next((c for c in data if c in codes), got)
+            if got is not None:
+                break
+        reader.settimeout(RESEND_S)
+        while not done.wait(RESEND_S):
+            signal.pthread_kill(main, got)
+            with contextlib.suppress(OSError):
+                reader.recv(64)  # drain the re-delivery's own byte
+
+    watcher = threading.Thread(target=watch, daemon=True, name="trustbatch-interrupt-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(-1)
+        for s, h in old.items():
+            signal.signal(s, h)
+        writer.close()  # wakes the watcher's recv
+        watcher.join(timeout=RESEND_S + 1)
+        reader.close()
