@@ -144,6 +144,7 @@ def test_lab_report_cli_over_the_archive_rebuilds_the_report_and_its_figures(tmp
 
 
 def test_lab_records_fit_the_budget():
-    """Issue 38: everything under docs/lab* stays under 10 MB (the work tree ships to machines with a size cap)."""
+    """Issue 47 item 5 (issue 38 set 10 MB): everything under docs/lab* stays under 12 MB in the work tree (it ships
+    to machines with a size cap)."""
     total = sum(p.stat().st_size for d in ROOT.glob("docs/lab*") for p in d.rglob("*") if p.is_file())
-    assert total < 10e6, f"docs/lab* holds {total / 1e6:.1f} MB; pack run records (`trustbatch lab archive`)"
+    assert total < 12e6, f"docs/lab* holds {total / 1e6:.1f} MB; pack run records (`trustbatch lab archive`)"

@@ -44,8 +44,7 @@ def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path, *, dra
     step-ratio and within-round figures) and return their file names, in the order the section links them
     (``draw=False``: the names alone, nothing written)."""
     if not draw:
-        return [f"{name}_{tag}.png" for tag in ("curves", "traces", "ratios")] + [
-            f for f in (step_ratio_figure(name, arms, out, draw=False), within_round_figure(name, arms, out, draw=False)) if f]
+        return [f"{name}_{tag}.png" for tag in ("curves", "traces", "ratios")] + _replay_figures(name, arms, out, draw=False)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,9 +98,12 @@ def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path, *, dra
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     files.append(_save(fig, out, f"{name}_ratios.png"))
-    step_fig = step_ratio_figure(name, arms, out)
-    within_fig = within_round_figure(name, arms, out)
-    return files + [f for f in (step_fig, within_fig) if f]
+    return files + _replay_figures(name, arms, out, draw=True)
+
+
+def _replay_figures(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool) -> list[str]:
+    """The step-ratio and within-round figures of replayed arms (none without them)."""
+    return [f for f in (step_ratio_figure(name, arms, out, draw=draw), within_round_figure(name, arms, out, draw=draw)) if f]
 
 
 def within_round_figure(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool = True) -> str | None:
