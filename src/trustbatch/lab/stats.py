@@ -162,8 +162,7 @@ class Paired:
         """What the rules of ``SCORE_RULES`` alone read, where "both collapse" decided the verdict; else None."""
         if self.verdict(margin) == self.verdict_fixed_before_runs(margin):
             return None
-        return (f"by the rules of `{SCORE_RULES}` alone, without 'both collapse' (`{BOTH_COLLAPSE_RULE}`), this "
-                f"comparison reads '{self.verdict_fixed_before_runs(margin)}'")
+        return f"by the rules of `{SCORE_RULES}` alone it reads '{self.verdict_fixed_before_runs(margin)}'"
 
 
 def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,

@@ -125,7 +125,7 @@ def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dic
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
             result = paired_interval(a, b, scored[a][0], scored[b][0], comparisons=len(pairs), collapsed_both=both)
             note = result.earlier_rules_note()
-            label = f"'both collapse' is {standing_label(both_collapse)} here"
+            label = f"'both collapse' (`{BOTH_COLLAPSE_RULE}`, {standing_label(both_collapse)}) decided this"
             findings.append(result.sentence() + mark + (f"\n  - {label}; {note}." if note else ""))
             if not result.both_collapsed:  # scores at the floor: not a question of equivalence
                 equivalence.append((tost(a, b, scored[a][0], scored[b][0], comparisons=len(pairs)), result.verdict() == "match"))
