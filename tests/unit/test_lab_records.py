@@ -148,3 +148,16 @@ def test_lab_records_fit_the_budget():
     to machines with a size cap)."""
     total = sum(p.stat().st_size for d in ROOT.glob("docs/lab*") for p in d.rglob("*") if p.is_file())
     assert total < 12e6, f"docs/lab* holds {total / 1e6:.1f} MB; pack run records (`trustbatch lab archive`)"
+
+
+def test_lab_report_text_only_writes_the_committed_form(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    monkeypatch.chdir(ROOT)
+    res = CliRunner().invoke(app, ["lab", "report", "--runs", "docs/lab3/archive", "--out", str(tmp_path), "--text-only"])
+    assert res.exit_code == 0, res.output
+    got = (tmp_path / "README.md").read_text()
+    assert f"--out {tmp_path} --text-only`." in got.splitlines()[2] and not list(tmp_path.glob("*.png"))
+    assert _body(got) == _body((ROOT / "docs" / "lab3" / "report" / "README.md").read_text())
