@@ -246,6 +246,7 @@ def lab_report(
     experiments: Optional[List[str]] = typer.Argument(None, help="experiments to report (default: all under --runs)"),
     runs: str = typer.Option("lab_runs", "--runs", help="the --out of lab run"),
     out: str = typer.Option("docs/lab", "--out", help="report folder (README.md and PNG figures)"),
+    text_only: bool = typer.Option(False, "--text-only", help="write README.md alone: no figure and no figure link (the committed form of a text-only report)"),
 ):
     """Write a Markdown report with curves, ESS/KL traces, ratio histograms and a table of final held-out results."""
     _require_lab()
@@ -255,7 +256,7 @@ def lab_report(
 
     from .lab.report import write_report
 
-    path = write_report(Path(runs), Path(out), experiments or None)
+    path = write_report(Path(runs), Path(out), experiments or None, figures="none" if text_only else "draw")
     Console().print(f"report: {path}")
 
 

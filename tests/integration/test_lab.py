@@ -58,22 +58,16 @@ def test_the_registered_confirmatory_experiment_has_the_registered_design():
 
 def test_report_checks_a_registered_design_against_its_calls(monkeypatch):
     from trustbatch.lab.report import provenance
-    from trustbatch.lab.report.tables import equivalence_lines
-    from trustbatch.lab.stats import EQUIVALENCE_RULE, POST_HOC_RULE, tost
 
-    history = {"reg": {POST_HOC_RULE, EQUIVALENCE_RULE}, "b": {"reg"}, "c": {"b", "reg"}, "old": set()}
+    history = {"reg": set(), "b": {"reg"}, "c": {"b", "reg"}, "old": set()}
     monkeypatch.setattr(provenance, "descends", lambda commit, ancestor: commit == ancestor or ancestor in history[commit])
     calls = [{"start": 1, "commit": "c"}, {"start": 2, "commit": "b"}, {"legacy_wall_s": 5.0}]
-    line, before = provenance.registration_line("reg", calls)
+    line = provenance.registration_line("reg", calls)
     assert line == "**Registered** at `reg` before any run: every `lab run` call's commit (`b`, `c`) descends from it."
-    assert before  # the post-hoc rules predate this registration: fixed before its runs
-    line, _ = provenance.registration_line("reg", calls + [{"start": 3, "commit": "old"}])
+    line = provenance.registration_line("reg", calls + [{"start": 3, "commit": "old"}])
     assert "**not before every run**: the calls at `old` do not descend from it" in line
-    assert provenance.registration_line("reg", [])[0].endswith("no `lab run` call recorded yet.")
-    assert provenance.registration_line(None, calls) == (None, False)
-    assert not provenance.registration_line("old", [])[1]  # registered before the rules existed: they are post hoc there
-    lines = equivalence_lines([(tost("a", "b", {0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.6}, 1), False)], fixed_before=True)
-    assert "fixed before these runs" in lines[0] and "post hoc" not in lines[0]
+    assert provenance.registration_line("reg", []).endswith("no `lab run` call recorded yet.")
+    assert provenance.registration_line(None, calls) is None
 
 
 def test_descends_reads_this_checkout_history():
@@ -448,7 +442,9 @@ def test_cost_table_counts_own_calls_against_the_budget_and_shows_reused_runs_ap
     record_call(runs / "shift", {"start": 0.0, "end": 1500.0, "build_s": 60.0, "runs_started": 1})
     record_call(runs / "shift", {"start": 1000.0, "end": 2700.0, "build_s": 30.0, "runs_started": 1})
     assert experiment_cost(runs / "shift") == {"own": 2, "reused": 1, "reused_s": 150.0, "unknown": 1, "wall_s": 2700.0,
-                                               "build_s": 90.0, "builds_partial": False, "run_s": (300.0, 420.0)}
+                                               "build_s": 90.0, "builds_partial": False, "run_s": (300.0, 420.0),
+                                               "preflight_s": False}
+    (runs / "shift" / "preflight.json").write_text(json.dumps({"arms": [], "start": 100.0, "end": 1300.0}))
     run("old", "onpolicy", 0, 60.0, "old")  # run before calls.jsonl: wall_s.txt is the time, builds unrecorded
     (runs / "old" / "wall_s.txt").write_text("2400\n")
     run("mixed", "onpolicy", 0, 60.0, "mixed")  # a legacy call, then a recorded one: 600 + 300 s
@@ -457,12 +453,15 @@ def test_cost_table_counts_own_calls_against_the_budget_and_shows_reused_runs_ap
     run("bare", "onpolicy", 0, 60.0, "bare")  # neither recorded
     (runs / "probe").mkdir()
     (runs / "probe" / "experiment.yaml").write_text("arms: {onpolicy: {}}\n")  # pre-flight only: no row
-    text = write_report(runs, tmp_path / "report").read_text()
-    assert ("| shift | 2 (+1 of unknown origin: no config) | 1 (2.5 min) | 45.0 min | 1.5 min | 5.0–7.0 min "
+    text = write_report(runs, tmp_path / "report", figures="none").read_text()
+    # the pre-flight's own 20 minutes (its recorded start and end) in its column
+    assert ("| shift | 2 (+1 of unknown origin: no config) | 1 (2.5 min) | 45.0 min | 1.5 min | 20.0 min | 5.0–7.0 min "
             "| **no** (5.0 min over) |") in text
-    assert "| old | 1 | 0 | 40.0 min | not recorded | 1.0–1.0 min | yes |" in text  # at the budget is within it
-    assert "| mixed | 1 | 0 | 15.0 min | 0.2 min (earlier calls: not recorded) | 1.0–1.0 min | yes |" in text
-    assert "| bare | 1 | 0 | not recorded | not recorded | 1.0–1.0 min | not measured |" in text
+    (runs / "old" / "preflight.json").write_text(json.dumps({"arms": []}))  # from before pre-flights recorded a time
+    text = write_report(runs, tmp_path / "report", figures="none").read_text()
+    assert "| old | 1 | 0 | 40.0 min | not recorded | not recorded | 1.0–1.0 min | yes |" in text  # at the budget is within it
+    assert "| mixed | 1 | 0 | 15.0 min | 0.2 min (earlier calls: not recorded) | none | 1.0–1.0 min | yes |" in text
+    assert "| bare | 1 | 0 | not recorded | not recorded | none | 1.0–1.0 min | not measured |" in text
     assert "| probe |" not in text and text.count("## Cost against the 40-minute budget") == 1
 
 

@@ -4,6 +4,7 @@ float64 autograd of both objectives written out by hand, and the command end to 
 import copy
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -137,9 +138,13 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path, monkeypatch):
     f.write_text(yaml.safe_dump(spec, sort_keys=False))
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "200")
+    before = time.time()
     r = CliRunner().invoke(app, ["lab", "preflight", str(f), "--out", str(tmp_path / "out")])
+    after = time.time()
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "out" / "tiny_pf" / "preflight.json").read_text())
+    # its own time, base build included, for the report's cost table (issue 47: the pre-flight is a cost)
+    assert before <= res["start"] < res["end"] <= after and res["commit"]
     assert res["seeds"] == [0] and [a["arm"] for a in res["arms"]] == ["onpolicy", "p3o@T0.5", "p3o@k2"]
     on = next(p for p in res["probes"] if p["arm"] == "onpolicy")
     # no shift: P3O's gradient is the plain policy gradient, and so is GRPO's at ρ = 1

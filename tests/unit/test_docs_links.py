@@ -1,8 +1,8 @@
 """The documentation points only at things that exist, and names what the code holds.
 
 - every ``docs/...`` path named in a source or test file, or in README.md, exists;
-- every relative link of README.md and of the docs pages this repository writes (docs/README.md, docs/guide,
-  docs/design, docs/performance.md, docs/config.md) resolves;
+- every relative Markdown link and image of README.md and of every page under docs/ (generated lab reports
+  included) resolves: inline links and images, reference definitions and HTML <img>, outside code;
 - every "docs/design/objectives.md §N" in the source names a section that the page has;
 - every configuration key has a row in docs/config.md (generated: tests/unit/test_config_doc.py keeps it current);
 - every function over 60 lines is named, with why, in docs/design/architecture.md's "Long functions";
@@ -23,17 +23,36 @@ SRC = ROOT / "src" / "trustbatch"
 OBJECTIVES_PAGE = ROOT / "docs" / "design" / "objectives.md"
 # A docs/ path not inside a longer path (``shared/docs/x.md`` is outside the repository, not ours).
 DOCS_PATH = re.compile(r"(?<![\w./-])docs/[\w./-]*")
-MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+# [text](target "title") and ![alt](<target>): the target; reference definitions "[x]: target"; HTML <img src=...>
+MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)")
+MD_REF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.M)
+HTML_IMG = re.compile(r"<img[^>]*\ssrc=[\"']([^\"']+)[\"']", re.I)
 
 
 def _py_files() -> list[Path]:
     return sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
 
 
-def _our_pages() -> list[Path]:
-    docs = ROOT / "docs"
-    return ([ROOT / "README.md", docs / "README.md", docs / "performance.md", docs / "config.md"]
-            + sorted((docs / "guide").glob("*.md")) + sorted((docs / "design").glob("*.md")))
+def _pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def _link_targets(text: str) -> list[str]:
+    """Every link and image target of a Markdown page, outside fenced code blocks and inline code."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return MD_LINK.findall(text) + MD_REF.findall(text) + HTML_IMG.findall(text)
+
+
+def _broken_links(pages: list[Path]) -> list[str]:
+    broken = []
+    for page in pages:
+        for target in _link_targets(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a web address or an anchor in the same page
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page} -> {target}")
+    return broken
 
 
 def _docs_paths(text: str) -> set[str]:
@@ -57,14 +76,20 @@ def test_every_docs_path_named_in_code_and_readme_exists():
     assert not missing, f"docs paths that do not exist: {missing}"
 
 
-def test_every_relative_link_of_our_pages_resolves():
-    broken = []
-    for page in _our_pages():
-        for target in MD_LINK.findall(page.read_text(encoding="utf-8")):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
-                continue  # a web address or an anchor in the same page
-            if not (page.parent / target.split("#")[0]).exists():
-                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+def test_link_finder_reads_every_link_form_and_skips_code(tmp_path):
+    (tmp_path / "there.png").write_bytes(b"png")
+    page = tmp_path / "p.md"
+    page.write_text('[a](there.png) ![b](gone.png "t") <img src="gone2.png"> [c](<gone3.md>) [w](https://x.org/y)\n'
+                    "[ref]: gone4.md\n`[d](gone5.md)`\n```\n![e](gone6.png)\n```\n[f](there.png#part) [g](#here)\n")
+    assert sorted(_link_targets(page.read_text())) == sorted(["there.png", "gone.png", "gone2.png", "gone3.md", "https://x.org/y",
+                                                              "gone4.md", "there.png#part", "#here"])
+    assert sorted(t.split(" -> ")[1] for t in _broken_links([page])) == ["gone.png", "gone2.png", "gone3.md", "gone4.md"]
+
+
+def test_every_link_and_image_under_docs_and_in_the_readme_resolves():
+    pages = _pages()
+    assert ROOT / "docs" / "lab3" / "report" / "README.md" in pages  # the generated reports are pages too
+    broken = _broken_links(pages)
     assert not broken, f"broken links: {broken}"
 
 

@@ -123,16 +123,17 @@ def test_grpo_zeroed_share_by_hand():
         assert got["grpo_zeroed_0.2"] == pytest.approx(want[0.2]) and got["grpo_zeroed_0.4"] == pytest.approx(want[0.4])
 
 
-def test_post_hoc_both_collapse_says_what_the_rules_fixed_before_the_runs_read():
-    from trustbatch.lab.stats import POST_HOC_RULE, Paired
+def test_both_collapse_says_what_the_earlier_rules_read():
+    from trustbatch.lab.stats import SCORE_RULES, Paired
 
     # temperature at T = 1.5 (the archive's numbers): interval wholly below 0, every seed collapsed in both arms
     p = Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4, both_collapsed=True)
     assert p.verdict() == "both collapse" and p.verdict_fixed_before_runs() == "grpo ahead"
-    assert POST_HOC_RULE in p.post_hoc_note() and p.post_hoc_note().endswith("reads 'grpo ahead'.")
+    note = p.earlier_rules_note()
+    assert note == f"by the rules of `{SCORE_RULES}` alone it reads 'grpo ahead'"
     at_floor = Paired("p3o", "grpo", 6, -0.0, -0.0001, 0.0001, 1 - 0.05 / 4, both_collapsed=True)
     assert at_floor.verdict_fixed_before_runs() == "match"  # what the post-hoc rule was written to prevent
-    assert Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4).post_hoc_note() is None
+    assert Paired("p3o", "grpo", 6, -0.043, -0.048, -0.037, 1 - 0.05 / 4).earlier_rules_note() is None
 
 
 def test_tost_by_hand_and_against_scipy_one_sided_t_tests():
@@ -190,8 +191,8 @@ def test_report_says_a_match_at_an_unresolved_margin_is_no_difference_found():
 
     wide = Equivalence("a", "b", 6, 0.001, 0.012, 0.02, 0.025, 0.001, 0.0125)  # resolvable ±0.025 > ±0.02
     narrow = Equivalence("a", "c", 6, 0.001, 0.005, 0.02, 0.010, 0.001, 0.0125)
-    lines = equivalence_lines([(wide, True), (narrow, True)])
+    lines = equivalence_lines([(wide, True), (narrow, True)], "21f970c", "post hoc")
     assert "±0.010 to ±0.025" in lines[0]
     assert lines[2].endswith("read it as 'no difference found', not as equivalence.") and "beyond it" in lines[2]
     assert lines[3].endswith("**equivalent within ±0.02**.")
-    assert equivalence_lines([]) == []
+    assert equivalence_lines([], "21f970c", "post hoc") == []

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,14 +328,16 @@ def run_preflight(experiment: str, out: Path, *, seeds: list[int] | None = None,
 
     Writes ``OUT/<experiment>/preflight.json`` (atomically): ``{"experiment", "seeds", "epsilons",
     "control_rule", "arms": [one row per arm, means over seeds], "probes": [one per arm × seed],
-    "skipped": {arm: reason}}``, and returns it.
+    "skipped": {arm: reason}, "start", "end" (Unix seconds, base builds included: the report's cost table counts
+    them), "commit"}``, and returns it.
 
     Raises:
         UserError: the experiment does not load, or no arm could be measured.
     """
-    from ..records import atomic_write
+    from ..records import atomic_write, git_commit
     from .experiment import load_experiment
 
+    start = time.time()
     exp = load_experiment(experiment, seeds)
     seeds = list(seeds or exp.seeds[:1])
     probes, skipped = [], {}
@@ -351,7 +354,7 @@ def run_preflight(experiment: str, out: Path, *, seeds: list[int] | None = None,
         raise UserError(f"pre-flight of {exp.name!r}: no arm could be measured ({'; '.join(skipped.values())})")
     result = {"experiment": exp.name, "seeds": seeds, "epsilons": list(EPSILONS),
               "control_rule": CONTROL_RULE, "arms": summarize(probes), "probes": [p.as_json() for p in probes],
-              "skipped": skipped}
+              "skipped": skipped, "start": start, "end": time.time(), "commit": git_commit()}
     atomic_write(Path(out) / exp.name / "preflight.json", json.dumps(result, indent=2, allow_nan=False))
     return result
 

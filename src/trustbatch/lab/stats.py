@@ -1,8 +1,11 @@
 """The lab's statistics: primary score, collapse rule, paired intervals, verdicts, tuned baseline.
 
-Each rule names the commit that introduced it. A rule is **fixed before the runs** it judges when every one of
-those runs was made at a commit that descends from it (each archived run's commit is in its experiment's
-``calls.jsonl`` or ``experiment.yaml``); otherwise it is **post hoc**, and says which verdicts it changed.
+Each rule names the commit that introduced it (``RULES``). A rule is **fixed before the runs** it judges exactly
+when its commit is an ancestor of (or is) the recorded commit of every one of those runs: each ``lab run`` call's
+commit in the experiment's ``calls.jsonl`` (or ``experiment.yaml``'s ``commit`` for an experiment without one). It
+is **post hoc** when some run's commit does not descend from it, and **not known to precede the runs** when a run's
+commit was not recorded (a call kept only as its summed time) or git cannot tell. The report computes each label
+from git ancestry (``report.provenance.rule_standing``), never from a key a person writes.
 
 - **Primary score** of a run (``65a2513``, before every Lab II run): the mean held-out pass@1 of its last two
   evaluations (a single final evaluation on 256 prompts × 8 samples still has a standard deviation of about 0.008).
@@ -17,16 +20,20 @@ those runs was made at a commit that descends from it (each archived run's commi
 - **Verdicts** (``65a2513``, before every Lab II run): A ahead when the whole interval is above 0, behind when
   below; "matches" only when the whole interval lies inside ±``margin`` (0.02 by default); otherwise the test
   could not tell.
-- **Both collapse** (``8e394b5``, **post hoc**): two arms that both collapse in every common seed read "both
+- **Both collapse** (``8e394b5``): two arms that both collapse in every common seed read "both
   collapse", never "match": scores at the floor agree without saying anything about the objectives. It was
   written after the first Lab II run in which every arm collapsed (``temperature_steps`` at T = 1.5, on the
-  evening of 2026-11-22), so it was chosen knowing that run's outcome. It changed four verdicts, all at T = 1.5:
-  on ``temperature``, P3O − GRPO ε = 0.2 from "grpo_eps0.2@T1.5 ahead" (−0.043 [−0.048, −0.037]) and P3O − GRPO
-  ε = 0.4 from "cannot tell"; on ``temperature_steps``, both comparisons from "match". (Its first wording said it
-  changed no other verdict; the short-task loss is one it changed.) ``Paired.verdict_fixed_before_runs`` gives
-  the verdict without it, and the report prints that beside each "both collapse".
-- **Equivalence** (``21f970c``, issue 38; **post hoc** for every archived Lab II experiment, written after
-  all of them had been seen; fixed before the runs of ``lab/experiments/confirm_fp8.yaml``): the two one-sided tests
+  evening of 2026-11-22), so it was chosen knowing that run's outcome: post hoc for those runs, which no archive
+  holds. Every archived Lab II run was made at a commit that descends from it (the archived ``temperature`` and
+  ``temperature_steps`` runs are replicates on rebuilt bases, trained from 2026-11-24 on), so by ancestry it is
+  fixed before them; ``precision_steps``' first calls recorded no commit, so there it is not known to precede the
+  runs. On the archives it decides four verdicts, all at T = 1.5: on ``temperature``, P3O − GRPO ε = 0.2 would
+  otherwise read "grpo_eps0.2@T1.5 ahead" (−0.043 [−0.048, −0.037]) and P3O − GRPO ε = 0.4 "cannot tell"; on
+  ``temperature_steps``, both comparisons "match". ``Paired.verdict_fixed_before_runs`` gives the verdict without
+  it, and the report prints that beside each "both collapse", whatever the rule's label.
+- **Equivalence** (``21f970c``, issue 38; post hoc for every archived Lab II experiment, written after all of
+  them had been seen; fixed before the runs of Lab III, ``confirm_fp8`` and ``temperature_t12_steps``): the two
+  one-sided tests
   (TOST, Schuirmann 1987) at the experiment's Bonferroni level α/m. The design's **resolvable margin** is the
   smallest δ at which TOST has ``POWER`` (80 %) to show equivalence when the true difference is 0:
   δ_min = (t_{1 − α/m, n−1} + t_{1 − (1 − POWER)/2, n−1}) · sd(d)/√n, the usual sample-size relation for
@@ -50,10 +57,13 @@ from dataclasses import dataclass
 
 ALPHA = 0.05
 MARGIN = 0.02
-# the commit of the one verdict rule added after runs it judges had been seen (module docstring)
-POST_HOC_RULE = "8e394b5"
-# the commit that introduced the equivalence rule (TOST and the resolvable margin; module docstring)
-EQUIVALENCE_RULE = "21f970c"
+# the commits that introduced each rule (module docstring); the report labels each by ancestry against the runs
+SCORE_RULES = "65a2513"  # primary score, collapse, paired intervals, verdicts
+BOTH_COLLAPSE_RULE = "8e394b5"
+EQUIVALENCE_RULE = "21f970c"  # TOST and the resolvable margin
+TUNED_RULE = "35c598b"
+RULES = {"primary score, collapse, paired intervals and verdicts": SCORE_RULES, "both collapse": BOTH_COLLAPSE_RULE,
+         "equivalence (TOST)": EQUIVALENCE_RULE, "tuned baseline": TUNED_RULE}
 POWER = 0.8
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10
@@ -131,7 +141,7 @@ class Paired:
         return self.verdict_fixed_before_runs(margin)
 
     def verdict_fixed_before_runs(self, margin: float = MARGIN) -> str:
-        """The verdict by the rules of ``65a2513`` alone, without the post-hoc "both collapse" (``POST_HOC_RULE``)."""
+        """The verdict by the rules of ``SCORE_RULES`` alone, without "both collapse" (``BOTH_COLLAPSE_RULE``)."""
         if self.lo > 0:
             return f"{self.a} ahead"
         if self.hi < 0:
@@ -148,12 +158,11 @@ class Paired:
         return (f"{self.a} − {self.b} = {self.mean:+.3f}, paired {100 * self.level:.2f}% interval "
                 f"[{self.lo:+.3f}, {self.hi:+.3f}] over {self.n} seeds: {text}.")
 
-    def post_hoc_note(self, margin: float = MARGIN) -> str | None:
-        """A line saying what the rules fixed before the runs read, where the post-hoc rule decided; else None."""
+    def earlier_rules_note(self, margin: float = MARGIN) -> str | None:
+        """What the rules of ``SCORE_RULES`` alone read, where "both collapse" decided the verdict; else None."""
         if self.verdict(margin) == self.verdict_fixed_before_runs(margin):
             return None
-        return (f"post hoc: 'both collapse' is the rule of `{POST_HOC_RULE}`, written after runs had been seen; by the "
-                f"rules fixed before the runs this comparison reads '{self.verdict_fixed_before_runs(margin)}'.")
+        return f"by the rules of `{SCORE_RULES}` alone it reads '{self.verdict_fixed_before_runs(margin)}'"
 
 
 def paired_interval(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float], comparisons: int,

@@ -12,31 +12,37 @@ import yaml
 from ...errors import UserError
 from ...records import atomic_write
 from ..calls import load_calls
-from ..experiment import LAB_COMMON, default_comparisons
+from ..experiment import default_comparisons
 from ..reproduce import reproduced_line
-from ..stats import EQUIVALENCE_RULE, MARGIN, POST_HOC_RULE, paired_interval, tost
+from ..stats import BOTH_COLLAPSE_RULE, EQUIVALENCE_RULE, MARGIN, paired_interval, tost
 from .figures import dose_figure, experiment_figures
+from .header import header_lines
 from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_time, git_commit, mixed_bases,
-                         mixed_line, prompts_per_round, registration_line)
+                         mixed_line, prompts_per_round, registration_line, rule_standing, run_commits, standing_label)
 from .runs import arm_scores, load_runs
 from .tables import (arm_table, base_table, cost_table, equivalence_lines, preflight_summary, preflight_table,
                      step_ratio_line, tuned_baseline, within_round_lines)
 
 
-def experiment_section(name: str, exp_dir: Path, out: Path, *, draw: bool = True) -> tuple[str, list[str]]:
-    """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``); ``draw``: write
-    its figures into ``out`` and link them (False: neither)."""
+FIGURES = ("draw", "link", "none")
+
+
+def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "draw") -> tuple[str, list[str]]:
+    """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``); ``figures``: "draw"
+    writes its figures into ``out`` and links them, "link" links them without drawing, "none" does neither."""
     spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
     tune = (spec or {}).get("tune") or {}
     arms, tuning = _split_tuning(load_runs(exp_dir), [int(x) for x in tune.get("seeds") or []])
     if not arms:
         return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + preflight_table(exp_dir)), []
-    figs = experiment_figures(name, arms, out) if draw else []
+    draw = figures == "draw"
+    figs = experiment_figures(name, arms, out, draw=draw) if figures != "none" else []
     scored = {arm: arm_scores(runs) for arm, runs in arms.items()}
-    dose_fig = dose_figure(name, scored, out) if draw else None
+    dose_fig = dose_figure(name, scored, out, draw=draw) if figures != "none" else None
     lines = [f"## {name}", "", spec.get("description", ""), ""]
     calls = load_calls(exp_dir)
-    head, rules_before = _provenance_lines(spec, exp_dir, calls)
+    head = _provenance_lines(spec, exp_dir, calls)
+    commits = run_commits(spec, calls)
     lines += head + [_runs_sentence(spec, exp_dir, calls, arms, tuning)]
     lines += [""] + preflight_table(exp_dir)
     mixed = mixed_bases(_compared_bases(scored))
@@ -45,13 +51,13 @@ def experiment_section(name: str, exp_dir: Path, out: Path, *, draw: bool = True
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scored and b in scored]
     tuned, tuned_lines = tuned_baseline(tune, tuning)
-    findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rules_before)
+    findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rule_standing(BOTH_COLLAPSE_RULE, commits))
     if tuned and not any(tuned in p for p in pairs):
         tuned_lines += [f"The tuned baseline {tuned} is in none of this experiment's comparisons.", ""]
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
-    lines += equivalence_lines(equivalence, fixed_before=rules_before)
+    lines += equivalence_lines(equivalence, EQUIVALENCE_RULE, standing_label(rule_standing(EQUIVALENCE_RULE, commits)))
     step_line = step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
@@ -68,9 +74,8 @@ def _split_tuning(runs: dict[str, list[dict]], tune_seeds: list[int]) -> tuple[d
     return arms, tuning
 
 
-def _provenance_lines(spec: dict, exp_dir: Path, calls: list[dict]) -> tuple[list[str], bool]:
-    """(the section's lines on how it ran: its calls or command, a re-run check, a registration; whether the
-    post-hoc rules were fixed before a registered design, ``registration_line``)."""
+def _provenance_lines(spec: dict, exp_dir: Path, calls: list[dict]) -> list[str]:
+    """The section's lines on how it ran: its calls or command, a re-run check, a registration."""
     lines = []
     if any("start" in c for c in calls):
         lines += [calls_line(calls), ""]
@@ -78,9 +83,8 @@ def _provenance_lines(spec: dict, exp_dir: Path, calls: list[dict]) -> tuple[lis
         lines += [f"Ran `{spec['command']}` at commit `{spec.get('commit', 'unknown')}`.", ""]
     rerun = reproduced_line(exp_dir)
     lines += [rerun, ""] if rerun else []
-    registration, rules_before = registration_line(spec.get("registered"), calls)
-    lines += [registration, ""] if registration else []
-    return lines, rules_before
+    registration = registration_line(spec.get("registered"), calls)
+    return lines + ([registration, ""] if registration else [])
 
 
 def _runs_sentence(spec: dict, exp_dir: Path, calls: list[dict], arms: dict, tuning: dict) -> str:
@@ -108,9 +112,10 @@ def _compared_bases(scored: dict[str, tuple[dict, dict, dict]]) -> dict[int, dic
 
 
 def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dict, dict]],
-                 mixed: dict[int, dict[str, float]], tuned: str | None, rules_before: bool) -> tuple[list[str], list]:
-    """(one finding per pair: ``stats.paired_interval``'s sentence with its marks, [(``stats.tost`` result,
-    whether the interval rule read 'match')] for the pairs not both collapsed)."""
+                 mixed: dict[int, dict[str, float]], tuned: str | None, both_collapse: bool | None) -> tuple[list[str], list]:
+    """(one finding per pair: ``stats.paired_interval``'s sentence with its marks and, where "both collapse"
+    decided, what the earlier rules read, labelled by ``both_collapse`` (``provenance.rule_standing``);
+    [(``stats.tost`` result, whether the interval rule read 'match')] for the pairs not both collapsed)."""
     findings, equivalence = [], []
     for a, b in pairs:
         mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
@@ -119,8 +124,9 @@ def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dic
         try:
             both = {s for s, why in scored[a][1].items() if why} & {s for s, why in scored[b][1].items() if why}
             result = paired_interval(a, b, scored[a][0], scored[b][0], comparisons=len(pairs), collapsed_both=both)
-            note = None if rules_before else result.post_hoc_note()
-            findings.append(result.sentence() + mark + (f"\n  - {note}" if note else ""))
+            note = result.earlier_rules_note()
+            label = f"'both collapse' (`{BOTH_COLLAPSE_RULE}`, {standing_label(both_collapse)}) decided this"
+            findings.append(result.sentence() + mark + (f"\n  - {label}; {note}." if note else ""))
             if not result.both_collapsed:  # scores at the floor: not a question of equivalence
                 equivalence.append((tost(a, b, scored[a][0], scored[b][0], comparisons=len(pairs)), result.verdict() == "match"))
         except ValueError as e:
@@ -128,51 +134,39 @@ def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dic
     return findings, equivalence
 
 
-def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *, draw: bool = True) -> Path:
+def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *, figures: str = "draw") -> Path:
     """Write ``out/README.md`` and the figures for ``experiments`` (default: every experiment under ``runs``).
 
-    ``draw=False`` writes the text alone: no figure files and no figure links (what a check of the report's
-    numbers needs, at a fraction of the time).
+    ``figures``: "draw" (write the figures and link them), "none" (the text alone: no figure file and no link, the
+    committed form of a text-only report, ``lab report --text-only``), or "link" (the links without drawing: what
+    a check of a report whose figures are committed needs, at a fraction of the time).
 
     Raises:
-        UserError: ``runs`` holds no experiment.
+        UserError: ``runs`` holds no experiment, or ``figures`` is none of those.
     """
+    if figures not in FIGURES:
+        raise UserError(f"figures must be one of {', '.join(FIGURES)}, got {figures!r}")
     if not runs.is_dir():
         raise UserError(f"no lab runs in {str(runs)!r}; run `trustbatch lab run EXPERIMENT --out {runs}` first")
     names = experiments or sorted(p.name for p in runs.iterdir() if (p / "experiment.yaml").exists())
     if not names:
         raise UserError(f"no experiments under {str(runs)!r}")
     out.mkdir(parents=True, exist_ok=True)
-    sections, findings = [], []
+    sections, findings, commits = [], [], {}
     for n in names:
         if not (runs / n).is_dir():
             raise UserError(f"experiment {n!r} has no runs in {str(runs)!r}")
-        text, f = experiment_section(n, runs / n, out, draw=draw)
+        text, f = experiment_section(n, runs / n, out, figures=figures)
         sections.append(text)
         findings += f
+        spec = yaml.safe_load((runs / n / "experiment.yaml").read_text()) if (runs / n / "experiment.yaml").exists() else {}
+        commits[n] = run_commits(spec or {}, load_calls(runs / n))
+    command = (f"trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}"
+               + (" --text-only" if figures == "none" else ""))
     head = [
         "# Off-policy lab report", "",
-        f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by "
-        f"`trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}`.", "",
-        "Every run is `trustbatch train` with the lab's common settings (`LAB_COMMON` in "
-        f"`src/trustbatch/lab/experiment.py`: {LAB_COMMON['train.steps']} rounds × {LAB_COMMON['rollout.prompts_per_step']} prompts × 8 samples, "
-        "(an experiment run before a change of these says its own prompts per round), "
-        f"one optimizer step per round unless the arm says otherwise, held-out pass@1 from 256 prompts × "
-        f"{LAB_COMMON['eval.samples_per_prompt']} samples every {LAB_COMMON['eval.every']} rounds), each seed with its own SFT base. "
-        "Only the behaviour shift and the objective change between arms; nothing was tuned for any arm.", "",
-        "The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps per "
-        "round that has `steps.jsonl` shows every step; one from before that file existed "
-        "shows its round means, each at the round's last step.", "",
-        "The rules (`src/trustbatch/lab/stats.py`, each with the commit that introduced it) were fixed before the runs "
-        "but one: the primary score is the mean of the last "
-        "two held-out evaluations; a run collapses when its primary score is below half of its base or its training "
-        "reward (10-round mean) ends below half of its peak; arms are compared by paired t-intervals over seeds "
-        f"with a Bonferroni correction per experiment, and 'match' is claimed only inside ±{MARGIN}. The exception is "
-        f"post hoc: 'both collapse' (`{POST_HOC_RULE}`), two arms that collapse in every common seed, was written after "
-        "the first run in which every arm collapsed had been seen. Each verdict it decided is followed by what the "
-        "rules fixed before the runs read (an experiment registered after the rule existed says so in its section). Each experiment's **Equivalence** lines (TOST, and the smallest margin its "
-        f"design resolves; rule of `{EQUIVALENCE_RULE}`) were added after all these runs: post hoc, and they change "
-        "no verdict.", "",
+        f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by `{command}`.", "",
+        *header_lines(runs, names, commits, figures=figures != "none"),
         *preflight_summary(runs),
         *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",

@@ -39,9 +39,12 @@ def _save(fig, out: Path, fname: str) -> str:
     return fname
 
 
-def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path) -> list[str]:
+def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool = True) -> list[str]:
     """Write one experiment's figures into ``out`` (curves, per-step traces, ratio histograms; for replayed arms the
-    step-ratio and within-round figures) and return their file names, in the order the section links them."""
+    step-ratio and within-round figures) and return their file names, in the order the section links them
+    (``draw=False``: the names alone, nothing written)."""
+    if not draw:
+        return [f"{name}_{tag}.png" for tag in ("curves", "traces", "ratios")] + _replay_figures(name, arms, out, draw=False)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,18 +98,22 @@ def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path) -> lis
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     files.append(_save(fig, out, f"{name}_ratios.png"))
-    step_fig = step_ratio_figure(name, arms, out)
-    within_fig = within_round_figure(name, arms, out)
-    return files + [f for f in (step_fig, within_fig) if f]
+    return files + _replay_figures(name, arms, out, draw=True)
 
 
-def within_round_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
-    """ESS, clip share, KL weight and gradient norm against the step index within a round, for multi-step arms."""
+def _replay_figures(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool) -> list[str]:
+    """The step-ratio and within-round figures of replayed arms (none without them)."""
+    return [f for f in (step_ratio_figure(name, arms, out, draw=draw), within_round_figure(name, arms, out, draw=draw)) if f]
+
+
+def within_round_figure(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool = True) -> str | None:
+    """ESS, clip share, KL weight and gradient norm against the step index within a round, for multi-step arms
+    (``draw=False``: the file name alone)."""
+    multi = {arm: runs for arm, runs in arms.items() if len(within_round(runs, "ess")[0]) > 1}
+    if not multi or not draw:
+        return f"{name}_within_round.png" if multi else None
     import matplotlib.pyplot as plt
 
-    multi = {arm: runs for arm, runs in arms.items() if len(within_round(runs, "ess")[0]) > 1}
-    if not multi:
-        return None
     fig, axes = plt.subplots(1, len(WITHIN_KEYS), figsize=(2.6 * len(WITHIN_KEYS), 3.0), dpi=80)
     for ax, (key, label, _) in zip(axes, WITHIN_KEYS):
         for i, (arm, runs) in enumerate(arms.items()):
@@ -124,15 +131,15 @@ def within_round_figure(name: str, arms: dict[str, list[dict]], out: Path) -> st
     return _save(fig, out, f"{name}_within_round.png")
 
 
-def step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str | None:
+def step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool = True) -> str | None:
     """Replayed rounds: the spread of log π_θ/μ over each optimizer step's mini-batch, against the step's index
     within its round (records of every recorded round and seed pooled), one line per arm; None when no arm
-    takes more than one optimizer step per round."""
+    takes more than one optimizer step per round (``draw=False``: the file name alone)."""
+    per_arm = step_histograms(arms)
+    if not per_arm or not draw:
+        return f"{name}_step_ratios.png" if per_arm else None
     import matplotlib.pyplot as plt
 
-    per_arm = step_histograms(arms)
-    if not per_arm:
-        return None
     fig, ax = plt.subplots(1, 1, figsize=(6.5, 3.2), dpi=80)
     for i, (arm, (edges, by_step)) in enumerate(per_arm.items()):
         xs = list(by_step)
@@ -149,8 +156,9 @@ def step_ratio_figure(name: str, arms: dict[str, list[dict]], out: Path) -> str 
     return _save(fig, out, f"{name}_step_ratios.png")
 
 
-def dose_figure(name: str, scored: dict[str, tuple[dict, dict, dict]], out: Path) -> str | None:
-    """Primary score and collapses against shift strength, one line per objective family."""
+def dose_figure(name: str, scored: dict[str, tuple[dict, dict, dict]], out: Path, *, draw: bool = True) -> str | None:
+    """Primary score and collapses against shift strength, one line per objective family (``draw=False``: the file
+    name alone)."""
     doses: list[str] = []
     fams: dict[str, dict[str, tuple[float, float, int, int]]] = {}
     ref = None
@@ -164,8 +172,8 @@ def dose_figure(name: str, scored: dict[str, tuple[dict, dict, dict]], out: Path
         if dose not in doses:
             doses.append(dose)
         fams.setdefault(fam, {})[dose] = (m, se, n_col, len(col))
-    if not doses:
-        return None
+    if not doses or not draw:
+        return f"{name}_dose.png" if doses else None
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,7 +13,6 @@ from pathlib import Path
 from .. import records
 from ...records import git_commit
 from ..calls import WALL, covered_seconds, elapsed_seconds, load_calls
-from ..stats import EQUIVALENCE_RULE, POST_HOC_RULE
 from .runs import run_config
 
 
@@ -28,11 +27,36 @@ def descends(commit: str, ancestor: str) -> bool | None:
     return {0: True, 1: False}.get(r.returncode)
 
 
-def registration_line(registered: str | None, calls: list[dict]) -> tuple[str | None, bool]:
-    """(the report's line on a registered design, whether the rules of ``POST_HOC_RULE`` and ``EQUIVALENCE_RULE``
-    were fixed before it). No line and False for an experiment without ``registered``."""
+def run_commits(spec: dict, calls: list[dict]) -> list[str | None]:
+    """The recorded commit of every ``lab run`` call that trained runs of an experiment: each call's ``commit`` in
+    ``calls.jsonl`` (None for a call without one, such as a ``legacy_wall_s`` record of calls made before the file
+    existed), or ``experiment.yaml``'s ``commit`` (``spec``) for an experiment without ``calls.jsonl``; [] when
+    neither is recorded."""
+    if calls:
+        return [str(c["commit"]) if c.get("commit") else None for c in calls]
+    return [str(spec["commit"])] if spec.get("commit") else []
+
+
+def rule_standing(rule: str, commits: list[str | None]) -> bool | None:
+    """Whether the rule introduced at commit ``rule`` was fixed before the runs made at ``commits``
+    (``stats`` module docstring): True when ``rule`` is an ancestor of (or is) every one of them, False when it is
+    not an ancestor of one of them (post hoc), None when a commit is unrecorded, there is none, or git cannot say."""
+    standing = [None if c is None else descends(c, rule) for c in commits]
+    if any(s is False for s in standing):
+        return False
+    return True if standing and all(standing) else None
+
+
+def standing_label(standing: bool | None) -> str:
+    """The words the report uses for ``rule_standing``'s answer."""
+    return {True: "fixed before these runs", False: "post hoc"}.get(standing, "not known to precede these runs")
+
+
+def registration_line(registered: str | None, calls: list[dict]) -> str | None:
+    """The report's line on a registered design: whether every ``lab run`` call's commit descends from the
+    registration commit; None for an experiment without ``registered``."""
     if not registered:
-        return None, False
+        return None
     commits = sorted({str(c["commit"]) for c in calls if "start" in c and "commit" in c})
     later = {c: descends(c, registered) for c in commits}
     if not commits:
@@ -44,8 +68,7 @@ def registration_line(registered: str | None, calls: list[dict]) -> tuple[str | 
                  + " do not descend from it")
     else:
         check = "git could not check the calls' commits against it here"
-    rules_before = all(descends(registered, r) for r in (POST_HOC_RULE, EQUIVALENCE_RULE))
-    return f"**Registered** at `{registered}` before any run: {check}.", rules_before
+    return f"**Registered** at `{registered}` before any run: {check}."
 
 
 def calls_line(calls: list[dict]) -> str:
@@ -192,6 +215,8 @@ def experiment_cost(exp_dir: Path) -> dict | None:
         build_s: base-build seconds the calls recorded, None when no call recorded them;
             ``builds_partial``: some of the time comes from calls that did not record their builds.
         run_s: (shortest, longest) one-thread seconds of its own runs, or None.
+        preflight_s: the pre-flight's seconds from ``preflight.json``'s ``start`` and ``end``; None when it has
+            none (a pre-flight from before they were recorded), False when the experiment has no pre-flight.
     """
     exp_dir = Path(exp_dir)
     own: list[float] = []
@@ -209,6 +234,8 @@ def experiment_cost(exp_dir: Path) -> dict | None:
         return None
     calls = load_calls(exp_dir)
     wall_s, build_s = _wall_and_builds(exp_dir, calls)
-    return {"own": len(own), "reused": reused, "reused_s": reused_s, "unknown": unknown, "wall_s": wall_s,
+    pre = json.loads((exp_dir / "preflight.json").read_text()) if (exp_dir / "preflight.json").exists() else False
+    pre_s = pre if pre is False else (pre["end"] - pre["start"] if isinstance(pre, dict) and "end" in pre else None)
+    return {"own": len(own), "reused": reused, "reused_s": reused_s, "unknown": unknown, "wall_s": wall_s, "preflight_s": pre_s,
             "build_s": build_s, "builds_partial": build_s is not None and any("legacy_wall_s" in c for c in calls),
             "run_s": (min(own), max(own)) if own else None}

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from ..preflight import CONTROL_COSINE, CONTROL_ZEROED
-from ..stats import EQUIVALENCE_RULE, MARGIN, POWER, pick_tuned
+from ..stats import MARGIN, POWER, pick_tuned
 from .provenance import base_sets
 from .runs import (arm_scores, histogram_quantile, mean_se, over_steps, step_exact_quantiles, step_histograms,
                    within_round)
@@ -171,18 +171,18 @@ def preflight_summary(runs: Path) -> list[str]:
             *rows, ""]
 
 
-def equivalence_lines(results: list[tuple], fixed_before: bool = False) -> list[str]:
+def equivalence_lines(results: list[tuple], rule: str, label: str) -> list[str]:
     """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
     read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
-    no more than 'no difference found'. ``fixed_before``: the experiment was registered after the rule existed."""
+    no more than 'no difference found'. ``rule``: the rule's commit; ``label``: how it stands against these runs
+    (``provenance.standing_label``: "fixed before these runs", "post hoc", ...)."""
     if not results:
         return []
     unresolved = (" The interval rule's 'match' above rests on a margin this design does not resolve: read it as 'no "
                   "difference found', not as equivalence.")
     lo, hi = min(r.resolvable for r, _ in results), max(r.resolvable for r, _ in results)
     span = f"±{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"±{lo:.3f} to ±{hi:.3f}"
-    when = "fixed before these runs" if fixed_before else "written after these runs: post hoc here"
-    return [f"**Equivalence** (rule of `{EQUIVALENCE_RULE}`, {when}). The smallest margin "
+    return [f"**Equivalence** (rule of `{rule}`, {label}). The smallest margin "
             f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
             f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{MARGIN}' is tested "
             "only where ±" f"{MARGIN} is at or above a pair's resolvable margin:", ""] + [
@@ -231,11 +231,13 @@ def cost_table(costs: dict[str, dict | None]) -> list[str]:
     lines = [f"## Cost against the {BUDGET_MIN:.0f}-minute budget", "",
              "Wall-clock covered by each experiment's `trustbatch lab run` calls on the 2-core machine (overlapping "
              "calls counted once; other work shared the cores during some calls, which the lab notes say). Base builds "
-             "run inside a call and count in its time; the column shows them where the calls recorded them. Reused "
+             "run inside a call and count in its time; the column shows them where the calls recorded them. A pre-flight (`trustbatch lab "
+             "preflight`, which builds the bases it needs) runs outside the calls: its own column, where "
+             "`preflight.json` recorded its time (older pre-flights did not: their time is in the lab's notes). Reused "
              "runs: runs whose resolved config names another experiment's run folder (an on-policy reference "
              "copied or linked here); they are not counted in the wall-clock, and their one-thread time is shown.", "",
-             "| experiment | runs trained | reused runs (one-thread time) | wall-clock | of it base builds | one run (one thread) | within budget |",
-             "|---|---|---|---|---|---|---|"]
+             "| experiment | runs trained | reused runs (one-thread time) | wall-clock | of it base builds | pre-flight | one run (one thread) | within budget |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, c in costs.items():
         if c is None:
             continue
@@ -250,5 +252,6 @@ def cost_table(costs: dict[str, dict | None]) -> list[str]:
             wall = f"{c['wall_s'] / 60:.1f} min"
             over = c["wall_s"] / 60 - BUDGET_MIN
             verdict = "yes" if over <= 0 else f"**no** ({over:.1f} min over)"
-        lines.append(f"| {name} | {trained} | {reused} | {wall} | {builds} | {runs} | {verdict} |")
+        pre = "none" if c["preflight_s"] is False else ("not recorded" if c["preflight_s"] is None else f"{c['preflight_s'] / 60:.1f} min")
+        lines.append(f"| {name} | {trained} | {reused} | {wall} | {builds} | {pre} | {runs} | {verdict} |")
     return lines + [""]

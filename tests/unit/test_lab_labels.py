@@ -1,0 +1,98 @@
+"""Issue 47 item 3: a rule is "fixed before the runs" exactly when its commit is an ancestor of every run's recorded
+commit. Checked in a throwaway git repository whose ancestry the test builds, through the real report."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from trustbatch.lab.report import header, rule_standing, write_report
+from trustbatch.lab.report import compose
+
+
+def _git(repo, *args) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "HOME": str(repo), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def history(tmp_path, monkeypatch):
+    """run_old ← rule ← run_new, and side ← run_old on a branch: {name: short commit}; GIT_DIR points at it."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    commits = {}
+    for name in ("run_old", "rule", "run_new"):
+        _git(repo, "commit", "-q", "--allow-empty", "-m", name)
+        commits[name] = _git(repo, "rev-parse", "--short", "HEAD")
+    _git(repo, "checkout", "-q", "-b", "side", commits["run_old"])
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "side")
+    commits["side"] = _git(repo, "rev-parse", "--short", "HEAD")
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))  # what provenance.descends asks git about
+    return commits
+
+
+def test_a_rule_is_fixed_before_exactly_the_runs_made_at_its_descendants(history):
+    rule = history["rule"]
+    assert rule_standing(rule, [history["run_new"]]) is True
+    assert rule_standing(rule, [rule]) is True  # a run at the rule's own commit: the rule was there
+    assert rule_standing(rule, [history["run_old"]]) is False  # the rule is younger than the run: post hoc
+    assert rule_standing(rule, [history["run_new"], history["side"]]) is False  # one run off its line is enough
+    assert rule_standing(rule, [history["run_new"], None]) is None  # a call that recorded no commit
+    assert rule_standing(rule, []) is None
+    assert rule_standing(rule, ["0123456789abcdef"]) is None  # git cannot say
+
+
+def _experiment(root, commit, registered=None):
+    """Two arms × two seeds with fixed held-out scores (P3O ahead by 0.10 and 0.12), one call at ``commit``."""
+    exp = root / "e"
+    for arm, finals in (("p3o@x", (0.60, 0.62)), ("grpo@x", (0.50, 0.50))):
+        for seed, final in zip((0, 1), finals):
+            d = exp / arm / f"seed{seed}"
+            d.mkdir(parents=True)
+            rows = [{"step": 0, "heldout_accuracy": 0.3}] + [{"step": s, "reward_mean": 0.5} for s in range(1, 5)]
+            rows[2]["heldout_accuracy"] = rows[4]["heldout_accuracy"] = final
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / "summary.json").write_text(json.dumps({"steps": 4, "wall_s": 60.0}))
+    spec = {"arms": {"p3o@x": {}, "grpo@x": {}}, "compare": [["p3o@x", "grpo@x"]], "commit": commit}
+    (exp / "experiment.yaml").write_text(yaml.safe_dump(spec | ({"registered": registered} if registered else {})))
+    (exp / "calls.jsonl").write_text(json.dumps({"start": 0.0, "end": 60.0, "commit": commit, "seeds": [0, 1]}) + "\n")
+    return root
+
+
+def _equivalence_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("**Equivalence**"))
+
+
+def test_the_report_labels_rules_by_ancestry_not_by_a_registered_key(history, tmp_path, monkeypatch):
+    rule = history["rule"]
+    monkeypatch.setattr(compose, "EQUIVALENCE_RULE", rule)
+    monkeypatch.setattr(header, "RULES", {"equivalence (TOST)": rule})
+    # runs made before the rule existed, in an experiment whose `registered:` commit is younger than the rule
+    old = _experiment(tmp_path / "old", history["run_old"], registered=history["run_new"])
+    text = write_report(old, tmp_path / "r1", figures="none").read_text()
+    assert _equivalence_line(text).startswith(f"**Equivalence** (rule of `{rule}`, post hoc)")
+    assert f"| equivalence (TOST) | `{rule}` | – | e | – |" in text
+    # runs made after it, with no `registered:` key at all
+    new = _experiment(tmp_path / "new", history["run_new"])
+    text = write_report(new, tmp_path / "r2", figures="none").read_text()
+    assert _equivalence_line(text).startswith(f"**Equivalence** (rule of `{rule}`, fixed before these runs)")
+    assert f"| equivalence (TOST) | `{rule}` | e | – | – |" in text
+    # a call that recorded no commit: not known
+    (new / "e" / "calls.jsonl").write_text(json.dumps({"legacy_wall_s": 60.0}) + "\n")
+    text = write_report(new, tmp_path / "r3", figures="none").read_text()
+    assert "not known to precede these runs" in _equivalence_line(text)
+
+
+def test_the_header_states_the_runs_own_settings(history, tmp_path):
+    runs = _experiment(tmp_path / "runs", history["run_new"])
+    for arm in ("p3o@x", "grpo@x"):
+        for seed in (0, 1):
+            cfg = {"train": {"steps": 4, "epochs": 1, "minibatches": 1}, "rollout": {"prompts_per_step": 16, "group_size": 4},
+                   "eval": {"every": 2, "samples_per_prompt": 2}, "task": {"heldout_size": 32}}
+            (runs / "e" / arm / f"seed{seed}.yaml").write_text(yaml.safe_dump(cfg))
+    text = write_report(runs, tmp_path / "r", figures="none").read_text()
+    assert "| e | 0, 1 | 4 | 4 rounds × 16 prompts × 4 samples, held-out 32 × 2 every 2 rounds |" in text
+    assert "100 rounds" not in text  # the lab's default settings are not what these runs ran
