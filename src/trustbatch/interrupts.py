@@ -38,6 +38,23 @@ def _raise_interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def _watch(reader: socket.socket, done: threading.Event, codes: set[int]) -> None:
+    """Wait for the first of ``codes`` on the wakeup socket, then re-deliver it to the main thread until ``done``."""
+    got = None
+    while got is None and not done.is_set():
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        got = next((c for c in data if c in codes), None)
+    reader.settimeout(RESEND_S)
+    main = threading.main_thread().ident
+    while not done.wait(RESEND_S):
+        signal.pthread_kill(main, got)
+        with contextlib.suppress(OSError):
+            reader.recv(64)  # drain the re-delivery's own byte
+
+
 @contextlib.contextmanager
 def interrupt_guard():
     """Within the block, SIGINT and SIGTERM raise ``KeyboardInterrupt`` in the main thread, re-delivered until one
@@ -71,26 +88,9 @@ def interrupt_guard():
     if signal.SIGINT in wanted:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     done = threading.Event()
-    main = threading.main_thread().ident
     codes = {int(s) for s in wanted}
-
-    def watch() -> None:
-        got = None
-        while not done.is_set():
-            try:
-                data = reader.recv(64)
-            except OSError:
-                return
-            got = next((c for c in data if c in codes), got)
-            if got is not None:
-                break
-        reader.settimeout(RESEND_S)
-        while not done.wait(RESEND_S):
-            signal.pthread_kill(main, got)
-            with contextlib.suppress(OSError):
-                reader.recv(64)  # drain the re-delivery's own byte
-
-    watcher = threading.Thread(target=watch, daemon=True, name="trustbatch-interrupt-watch")
+    watcher = threading.Thread(target=_watch, args=(reader, done, codes), daemon=True,
+                               name="trustbatch-interrupt-watch")
     watcher.start()
     try:
         yield
