@@ -30,7 +30,7 @@ FLOORS = [
     ("orchestration",),
     ("recipes",),
     ("lab",),
-    ("cli", "__main__"),
+    ("cli", "__main__", "api"),
 ]
 FLOOR = {name: i + 1 for i, names in enumerate(FLOORS) for name in names}
 

@@ -18,8 +18,10 @@ Terms = tuple[tuple[str, float], ...]  # (scorer name, weight) per reward functi
 
 
 def labels(names: Sequence[str]) -> list[str]:
-    """A metric label per reward function: the function's name (``module:fn`` → ``fn``), ``#k`` added to repeats."""
-    base = [n.rpartition(":")[2] if ":" in n and not n.startswith(("rg:", "rg-final:")) else n for n in names]
+    """A metric label per reward function: the function's name (``module:fn`` → ``fn``, ``python:f.<locals>.g`` →
+    ``g``), ``#k`` added to repeats."""
+    base = [n.rpartition(":")[2].rpartition(".")[2] if n.startswith("python:")
+            else n.rpartition(":")[2] if ":" in n and not n.startswith(("rg:", "rg-final:")) else n for n in names]
     return [b if base.count(b) == 1 else f"{b}#{base[:k].count(b)}" for k, b in enumerate(base)]
 
 

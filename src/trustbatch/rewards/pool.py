@@ -32,6 +32,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from ..processes import die_with_parent
+from .objects import GroupForm, is_object, lookup
 from .scorers import BatchForm, ScoreResult, get, one_line, score_local, score_one, stopped_early
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
@@ -226,8 +227,10 @@ class RewardPool:
     def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        # a Python object (rewards.objects) lives in this process only: it is scored here, whatever ``workers`` says
+        workers = 0 if is_object(name) else workers
         self.name, self.workers, self.timeout_s, self.chunk_size = name, workers, timeout_s, chunk_size
-        self._local = get(name)  # fails fast, in this process, with a one-line error
+        self._local = lookup(name) if workers == 0 and is_object(name) else get(name)  # fails fast, in one line
         # fork: a worker needs no re-import of __main__ (spawn would re-run an unguarded user script);
         # it never touches torch, so the parent's OpenMP threads do not matter.
         self._ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -256,6 +259,8 @@ class RewardPool:
         if len(completions) != len(references) or (contexts is not None and len(contexts) != len(references)):
             raise ValueError(f"{len(completions)} completions but {len(references)} references"
                              + ("" if contexts is None else f" and {len(contexts)} contexts"))
+        if isinstance(self._local, GroupForm):  # whole groups, in this process (rewards.objects)
+            return self._local.score(completions, references, contexts)
         if isinstance(self._local, BatchForm):
             references = [BatchForm.pack(r, None if contexts is None else contexts[i]) for i, r in enumerate(references)]
         if self.workers == 0:

@@ -1,0 +1,131 @@
+"""The Python API: ``Trainer(...).train()`` runs the same ``trustbatch train`` as the command line, with Python objects.
+
+TRL users write ``GRPOTrainer(model=..., reward_funcs=[f, g], reward_weights=[...], train_dataset=ds)``; here::
+
+    from trustbatch.api import Trainer
+
+    summary = Trainer(model="Qwen2.5-0.5B-Instruct/", reward_funcs=[correct, short], reward_weights=[1.0, 0.2],
+                      train_dataset=rows, overrides={"train.steps": 100}).train()
+
+Everything becomes a ``Config`` first (what ``--print-config`` shows and ``config.yaml`` keeps), and the run is
+``recipes.train.train``: one build path, no second trainer. Datasets are written once to the cache as JSONL, named by
+their content's hash, and the config points at that file, so the run directory's config names data that stays.
+Reward functions become ``reward.functions`` terms by name (``rewards.objects.reward_name``): an importable
+module-level function runs as ``module:function`` everywhere; any other callable is scored in this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .config import Config, load_config
+from .errors import UserError
+from .policy.base import cache_dir
+from .records import atomic_write
+from .recipes.train import train
+from .rewards.objects import in_other_processes, reward_name
+
+
+class Trainer:
+    """RL post-training from Python; ``train()`` returns the run's summary (also written to ``summary.json``).
+
+    Args:
+        config: a ``Config``, a YAML file's path, or None for the defaults.
+        model: a local model directory (``model.path``).
+        reward_funcs: reward functions, each a scorer name (``"gsm8k"``, ``"module:function"``) or a callable:
+            ``f(completion, reference) -> float`` per completion, or TRL's batch form
+            ``f(prompts, completions, reference, **columns) -> list`` (a callable's batch form is called once per
+            group, the completions of one prompt together, so it may rank them).
+        reward_weights: one weight per reward function (default 1 each); the training reward is Σ w_i r_i.
+        train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset`` or a file path, in any format
+            ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
+        overrides: ``{"train.steps": 4}`` or ``["train.steps=4"]``, applied last, as on the command line.
+        resume: a run directory to continue from its last checkpoint, as ``trustbatch train --resume``: its saved
+            config, with ``overrides`` of the resumable keys only; give the same reward callables again.
+
+    Raises:
+        UserError: bad input, in one line (an unknown key, a weight count that differs from the functions', a
+            callable reward with async rollout workers or Ray, which cannot reach it), and whatever ``train`` raises.
+    """
+
+    def __init__(self, config: Config | str | Path | None = None, *, model: str | Path | None = None,
+                 reward_funcs: Sequence[Callable | str] | None = None, reward_weights: Sequence[float] | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None,
+                 overrides: Mapping[str, Any] | Sequence[str] | None = None, resume: str | Path | None = None):
+        self.resume = str(resume) if resume is not None else None
+        if self.resume is not None:
+            if any(x is not None for x in (config, model, train_dataset, eval_dataset, reward_weights)):
+                raise UserError("resume continues a run with its saved config; give only reward_funcs (the same "
+                                "callables as before) and overrides of the resumable keys")
+            for f in reward_funcs or []:
+                reward_name(f)  # registered again under the names the saved config holds
+            self.config, self._overrides = None, _override_list(overrides)
+            return
+        base = config.model_dump(mode="json") if isinstance(config, Config) else None
+        path = None if isinstance(config, Config) or config is None else str(config)
+        sets: dict[str, Any] = {}
+        if model is not None:
+            sets["model.path"] = str(model)
+        if train_dataset is not None:
+            sets["data.train"] = _as_file(train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            sets["data.heldout"] = _as_file(eval_dataset, "eval_dataset")
+        if reward_funcs:
+            weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
+            if len(weights) != len(reward_funcs):
+                raise UserError(f"{len(reward_weights)} reward_weights for {len(reward_funcs)} reward_funcs; give one "
+                                "weight per function")
+            sets["reward.functions"] = [{"name": reward_name(f), "weight": float(w)}
+                                        for f, w in zip(reward_funcs, weights)]
+        elif reward_weights is not None:
+            raise UserError("reward_weights without reward_funcs; give the functions they weigh")
+        args = [f"{k}={json.dumps(v)}" for k, v in sets.items()] + _override_list(overrides)
+        self.config = load_config(path, args, base=base)
+        names = [t.name for t in self.config.reward.functions]
+        if self.config.rollout.mode == "async":
+            in_other_processes(names, "rollout.mode=async (rollout worker processes)")
+        if self.config.orchestrator == "ray":
+            in_other_processes(names, "orchestrator=ray")
+
+    def train(self) -> dict:
+        """Run the training, or continue it (``resume``); returns the summary dict (``recipes.train.train``)."""
+        if self.resume is not None:
+            return train(None, resume=self.resume, overrides=self._overrides)
+        return train(self.config)
+
+
+def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        raise UserError(f"overrides={overrides!r} is one string; give a list of key=value strings or a dict")
+    return [str(o) for o in overrides]
+
+
+def _as_file(data: Any, what: str) -> str:
+    """A path for ``data``: a path as it is; rows (a list of dicts, a ``datasets.Dataset``) written to the cache as
+    JSONL named by the SHA-256 of their content, so the same rows always give the same file."""
+    if isinstance(data, (str, Path)):
+        return str(data)
+    rows = _rows(data, what)
+    text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows)
+    path = cache_dir() / "datasets" / f"{what}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+    if not path.exists():
+        atomic_write(path, text)
+    return str(path)
+
+
+def _rows(data: Any, what: str) -> list[dict]:
+    if hasattr(data, "to_list") and hasattr(data, "column_names"):  # a datasets.Dataset
+        data = data.to_list()
+    if not isinstance(data, Iterable) or isinstance(data, Mapping):
+        raise UserError(f"{what} is a {type(data).__name__}; give a list of dicts, a datasets.Dataset or a file path")
+    rows = list(data)
+    if not rows or not all(isinstance(r, Mapping) for r in rows):
+        raise UserError(f"{what} must hold at least one row, each a dict of fields (e.g. prompt, answer)")
+    return [dict(r) for r in rows]

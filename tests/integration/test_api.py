@@ -1,0 +1,115 @@
+"""Issue 45 item 1: the Python API. ``Trainer(...).train()`` with callables and datasets runs the command line's loop:
+each reward value the run logs is recomputed here from the completions the reward functions saw, and the API's run
+equals the CLI's on the same config and seed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+datasets = pytest.importorskip("datasets")
+
+from trustbatch.api import Trainer  # noqa: E402
+from trustbatch.errors import UserError  # noqa: E402
+from trustbatch.rewards import objects  # noqa: E402
+
+from runproc import ROOT, assert_same_weights, cache, records  # noqa: E402,F401
+from scorers_for_tests import digit_fraction, even_length  # noqa: E402
+from tiny import TINY  # noqa: E402
+
+ROWS = [{"problem": f"Lily has {i} apples and finds {i % 7 + 1} more. How many apples does she have?",
+         "answer": i + i % 7 + 1} for i in range(40)]
+P, G = 4, 4  # prompts per round, samples per prompt
+RUN = ["reward.workers=0", f"rollout.prompts_per_step={P}", f"rollout.group_size={G}", "rollout.max_new_tokens=6",
+       "train.steps=2", "train.lr=1e-2", "eval.every=2", "eval.samples_per_prompt=2", "checkpoint_every=2",
+       "data.heldout_size=8", "threads=1"]
+
+
+def _rounds(run) -> list[dict]:
+    return [r for r in records(run) if r["step"] > 0]
+
+
+def test_a_closure_reward_on_a_dataset_logs_what_it_returned(tmp_path, shared_dir, monkeypatch):
+    seen: list[str] = []
+    offset = 0.25  # captured: a closure, not importable by name
+
+    def parity(completion, reference):
+        seen.append(completion)
+        return offset + 0.5 * (len(completion) % 2)
+
+    run = tmp_path / "run"
+    trainer = Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[parity], reward_weights=[2.0],
+                      train_dataset=datasets.Dataset.from_list(ROWS[8:]), eval_dataset=ROWS[:8],
+                      overrides=RUN + [f"run_dir={run}"])
+    trainer.train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["reward"]["functions"] == [{"name": "python:test_a_closure_reward_on_a_dataset_logs_what_it_returned"
+                                             ".<locals>.parity", "weight": 2.0}]
+    written = [json.loads(line) for line in open(saved["data"]["train"])]
+    assert written == ROWS[8:]  # the dataset's rows, as the config names them
+    rounds = _rounds(run)
+    assert len(rounds) == 2 and len(seen) == 2 * P * G  # held-out evaluation keeps the data's scorer
+    for k, rec in enumerate(rounds):
+        batch = seen[k * P * G:(k + 1) * P * G]
+        by_hand = sum(0.25 + 0.5 * (len(c) % 2) for c in batch) / len(batch)
+        assert rec["rewards/parity"] == pytest.approx(by_hand, abs=1e-12)
+        assert rec["reward_mean"] == pytest.approx(2.0 * by_hand, abs=1e-12)
+    # a resume needs the callable again, and says so in one line without it (a new process: an empty registry)
+    with monkeypatch.context() as m, pytest.raises(UserError, match="was a Python object given to trustbatch.Trainer"):
+        m.setattr(objects, "_OBJECTS", {})
+        Trainer(resume=run, overrides={"train.steps": 3}).train()
+    Trainer(resume=run, reward_funcs=[parity], overrides={"train.steps": 3}).train()
+    assert [r["step"] for r in _rounds(run)] == [1, 2, 3] and len(seen) == 3 * P * G
+
+
+def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, shared_dir):
+    calls: list[tuple[list[str], list[str]]] = []
+
+    def longer_than_others(prompts, completions, reference, **columns):
+        calls.append((list(prompts), list(completions)))
+        n = len(completions)
+        return [sum(len(o) < len(c) for o in completions) / (n - 1) for c in completions]
+
+    run = tmp_path / "run"
+    Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[longer_than_others],
+            train_dataset=ROWS[8:], eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={run}"]).train()
+    assert len(calls) == 2 * P
+    assert all(len(c) == G and len(set(p)) == 1 for p, c in calls)  # one prompt's G completions per call
+    for k, rec in enumerate(_rounds(run)):
+        groups = [c for _, c in calls[k * P:(k + 1) * P]]
+        # by hand, a second way: the position of each length among the group's sorted lengths (ties: the first)
+        by_hand = [sorted(len(o) for o in g).index(len(c)) / (G - 1) for g in groups for c in g]
+        assert rec["rewards/longer_than_others"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
+
+
+def test_the_api_trains_what_the_command_line_trains(tmp_path, cache, support_on_pythonpath):
+    """Importable functions become ``module:function`` terms: the CLI given those names trains the same weights."""
+    args = TINY + ["train.steps=2", "checkpoint_every=2", "threads=1", "reward.workers=0"]
+    api_run, cli_run = tmp_path / "api", tmp_path / "cli"
+    Trainer(reward_funcs=[digit_fraction, even_length], reward_weights=[1.0, 0.5],
+            overrides=args + [f"run_dir={api_run}"]).train()
+    terms = ('[{name: "scorers_for_tests:digit_fraction", weight: 1.0}, '
+             '{name: "scorers_for_tests:even_length", weight: 0.5}]')
+    done = subprocess.run([sys.executable, "-m", "trustbatch", "train", *args, f"run_dir={cli_run}",
+                           f"reward.functions={terms}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert records(api_run) == records(cli_run)
+    assert_same_weights(api_run / "checkpoints" / "step_000002", cli_run / "checkpoints" / "step_000002")
+
+
+def test_what_cannot_work_is_refused_in_one_line():
+    def closure(completion, reference):
+        return 0.0
+
+    with pytest.raises(UserError, match="is a Python object, which rollout.mode=async"):
+        Trainer(reward_funcs=[closure], overrides={"rollout.mode": "async"})
+    with pytest.raises(UserError, match="2 reward_weights for 1 reward_funcs"):
+        Trainer(reward_funcs=[closure], reward_weights=[1.0, 2.0])
+    with pytest.raises(UserError, match="not callable"):
+        Trainer(reward_funcs=[3])
+    with pytest.raises(UserError, match="train_dataset must hold at least one row"):
+        Trainer(train_dataset=[])
+    with pytest.raises(UserError, match="unknown"):
+        Trainer(overrides={"train.stepz": 3})
