@@ -99,7 +99,18 @@ def _checkpoint(world: World, out_dir: Path) -> dict:
     again.load_state_dict(saved["learner"])
     return {"adam": {n: {k: _whole(v).clone() for k, v in again.optimizer.state[p].items()}
                      for n, p in again.model.named_parameters()},
-            "version": again.version, "lr": again.scheduler.get_last_lr()}
+            "version": again.version, "lr": again.scheduler.get_last_lr(), "before_any_step": _step0(world)}
+
+
+def _step0(world: World) -> dict:
+    """A checkpoint before the first step (the trainer's step 0), saved and loaded back at two ranks: what each
+    optimizer holds afterwards."""
+    fresh = Learner(_model(), "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+    saved = world.gather(fresh.state_dict())[0]  # rank 0's, as every rank reads it from the file
+    again = Learner(_model(), "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+    again.load_state_dict(saved)
+    return {"saved": saved["optimizer"], "after_save": dict(fresh.optimizer.state),
+            "after_load": dict(again.optimizer.state), "groups": again.optimizer.state_dict()["param_groups"]}
 
 
 def _micro_batch_scope_step(world: World | None, strategy: str = "ddp") -> dict:
@@ -207,6 +218,17 @@ def test_an_fsdp2_checkpoint_resumes_at_world_size_one(two_ranks):
         for n, moments in gathered["adam"].items():
             for k, v in moments.items():
                 assert torch.equal(again["adam"][n][k], v), (rank, n, k)
+
+
+def test_a_checkpoint_before_the_first_step_counts_no_adam_step(two_ranks):
+    # torch's gatherer and setter would run an AdamW step with zero gradients on an optimizer without state,
+    # leaving step = 1, so that the first real update takes step 2's bias corrections (0.7425x)
+    n_params = len(list(_model().parameters()))
+    for rank in range(2):
+        got = two_ranks[1][rank]["reloaded"]["before_any_step"]
+        assert got["after_save"] == {} and got["after_load"] == {}, rank
+        assert got["saved"]["state"] == {} and got["saved"]["param_groups"][0]["params"] == list(range(n_params))
+        assert got["groups"] == got["saved"]["param_groups"], rank
 
 
 def _torchrun(run: Path, env: dict, *extra: str) -> list[dict]:
