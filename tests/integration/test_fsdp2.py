@@ -99,7 +99,32 @@ def _checkpoint(world: World, out_dir: Path) -> dict:
     again.load_state_dict(saved["learner"])
     return {"adam": {n: {k: _whole(v).clone() for k, v in again.optimizer.state[p].items()}
                      for n, p in again.model.named_parameters()},
-            "version": again.version, "lr": again.scheduler.get_last_lr(), "before_any_step": _step0(world)}
+            "version": again.version, "lr": again.scheduler.get_last_lr(), "before_any_step": _step0(world),
+            "partly_frozen": _partly_frozen(world)}
+
+
+def _partly_frozen(world: World) -> dict:
+    """One AdamW step with the norms frozen (as LoRA freezes its base): the optimizer holds the other parameters
+    only. Its gathered state, each trainable parameter's moments gathered independently, and what a fresh sharded
+    learner holds after loading that state."""
+    def learner():
+        model = _model()
+        for n, p in model.named_parameters():
+            p.requires_grad_("norm" not in n)
+        return Learner(model, "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+
+    def moments(lrn):
+        return {n: {k: _whole(v).clone() for k, v in lrn.optimizer.state[p].items()}
+                for n, p in lrn.model.named_parameters() if p.requires_grad}
+
+    first = learner()
+    batch = _batch(5)
+    first.step(batch.select(world.shard(len(batch))))
+    saved = world.gather(first.state_dict()["optimizer"])[0]
+    again = learner()
+    again.load_state_dict({**first.state_dict(), "optimizer": saved})
+    return {"saved": saved, "trainable": [n for n, p in first.model.named_parameters() if p.requires_grad],
+            "adam": moments(first), "reloaded": moments(again)}
 
 
 def _step0(world: World) -> dict:
@@ -229,6 +254,19 @@ def test_a_checkpoint_before_the_first_step_counts_no_adam_step(two_ranks):
         assert got["after_save"] == {} and got["after_load"] == {}, rank
         assert got["saved"]["state"] == {} and got["saved"]["param_groups"][0]["params"] == list(range(n_params))
         assert got["groups"] == got["saved"]["param_groups"], rank
+
+
+def test_the_optimizer_state_maps_by_trainable_parameter(two_ranks):
+    # with frozen parameters the optimizer's index i is its i-th trainable parameter, not model.named_parameters()'s
+    for rank in range(2):
+        got = two_ranks[1][rank]["reloaded"]["partly_frozen"]
+        names = got["trainable"]
+        assert 0 < len(names) < len(list(_model().parameters())) and sorted(got["saved"]["state"]) == list(range(len(names)))
+        for i, n in enumerate(names):
+            assert sorted(got["saved"]["state"][i]) == ["exp_avg", "exp_avg_sq", "step"], n
+            for k, v in got["adam"][n].items():
+                assert torch.equal(got["saved"]["state"][i][k], v), (rank, n, k)
+                assert torch.equal(got["reloaded"][n][k], v), (rank, n, k)
 
 
 def _torchrun(run: Path, env: dict, *extra: str) -> list[dict]:
