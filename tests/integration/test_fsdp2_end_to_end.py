@@ -63,7 +63,7 @@ def test_two_fsdp2_ranks_equal_one_process_end_to_end(runs, cache):  # noqa: F81
         assert abs(b["entropy"] - a["entropy"]) <= 1e-6 * abs(a["entropy"]), a["step"]
     assert (runs / "fsdp2" / "samples.jsonl").read_text() == (runs / "one" / "samples.jsonl").read_text()
     base = _base(cache)
-    w1, w2 = weights(runs / "one" / "checkpoints" / "step_000004"), weights(runs / "fsdp2" / "checkpoints" / "step_000004")
+    w1, w2 = (weights(runs / r / "checkpoints" / "step_000004") for r in ("one", "fsdp2"))
     assert sorted(w1) == sorted(w2)
     for k in w1:
         update = (w1[k].double() - base[k].double()).norm()

@@ -50,7 +50,6 @@ def check_orchestrator(cfg: Config) -> None:
     backend_for(cfg).check(cfg)
 
 
-
 def check_learner(cfg: Config) -> None:
     """Refuse LoRA under FSDP2: the merged weights an engine, an evaluation copy and a checkpoint take are computed
     from whole tensors (``policy.lora.merged_state_dict``), which FSDP2 holds as DTensor shards.
