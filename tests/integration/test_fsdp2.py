@@ -2,8 +2,10 @@
 
 Also: FSDP2's bf16 mixed precision is compared with one process under bf16 autocast; an FSDP2
 checkpoint (whole weights and optimizer state gathered to rank 0) restores exactly at world size 1,
-and loads back into sharded ranks; a 2-rank ``torchrun`` of ``trustbatch train train.strategy=fsdp2``
-finishes and resumes in one process. All on CPU with gloo: FSDP2 on CUDA with NCCL was not run here.
+and loads back into sharded ranks; one written before the first step counts no AdamW step; with frozen parameters
+the saved state is indexed by the optimizer's own (trainable) parameters; a 2-rank ``torchrun`` of ``trustbatch
+train train.strategy=fsdp2`` finishes and resumes in one process (end to end against one process, and a kill -9
+resume at 2 ranks: test_fsdp2_end_to_end.py). All on CPU with gloo: FSDP2 on CUDA with NCCL was not run here.
 """
 
 import os
