@@ -244,21 +244,34 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
+def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in its own order (its ``state_dict`` indices): with LoRA only the
+    adapters, which are not the first of ``model.named_parameters()``."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state of an FSDP2 ``model`` on rank 0 ({} on other ranks) in ``Optimizer.state_dict()``'s
-    own format (state keyed by parameter index, in ``model.parameters()`` order), so that one process loads
-    it with ``optimizer.load_state_dict``; every rank must call it.
+    own format (state keyed by the index of the parameter in the optimizer's ``param_groups``), so that one
+    process loads it with ``optimizer.load_state_dict``; every rank must call it.
+
+    An optimizer that has not stepped yet is saved as it is (no state, its groups): torch's getter would first
+    run a step with zero gradients (``_init_optim_state``), which leaves the weights but counts a step in
+    AdamW's ``step``, so that the first real update would take the second step's bias corrections.
 
     Source: ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`` keys
-    by parameter name; the names map to indices in ``model.named_parameters()`` order.
+    by parameter name; the names map to the optimizer's indices (``_optimizer_names``).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if not optimizer.state:  # the same on every rank: all step together
+        return optimizer.state_dict() if dist.get_rank() == 0 else {}
     full = get_optimizer_state_dict(model, optimizer,
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not full:
         return {}
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    index = {name: i for i, name in enumerate(_optimizer_names(model, optimizer))}
     return {"state": {index[k]: v for k, v in full["state"].items()},
             "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in full["param_groups"]]}
 
@@ -267,12 +280,22 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     """Load ``Optimizer.state_dict()``-format ``state`` (whole tensors, the same on every rank) into the
     optimizer of an FSDP2 ``model``, each rank keeping its shard; every rank must call it.
 
+    A state without moments (saved before the first step) is loaded as it is, since torch's setter would first
+    step with zero gradients (see ``full_optimizer_state``) and keep the ``step`` that counts. The groups'
+    settings are the saved ones, as ``Optimizer.load_state_dict`` gives them.
+
     Raises:
         KeyError / ValueError: ``state`` is not for this model's parameters (torch's message).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    names = [name for name, _ in model.named_parameters()]
+    if not state["state"]:
+        optimizer.load_state_dict(state)
+        return
+    names = _optimizer_names(model, optimizer)
     by_name = {"state": {names[i]: v for i, v in state["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    # torch's setter turns tuples (AdamW's betas) into lists; the saved groups keep them as they were
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})

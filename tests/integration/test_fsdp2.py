@@ -2,8 +2,10 @@
 
 Also: FSDP2's bf16 mixed precision is compared with one process under bf16 autocast; an FSDP2
 checkpoint (whole weights and optimizer state gathered to rank 0) restores exactly at world size 1,
-and loads back into sharded ranks; a 2-rank ``torchrun`` of ``trustbatch train train.strategy=fsdp2``
-finishes and resumes in one process. All on CPU with gloo: FSDP2 on CUDA with NCCL was not run here.
+and loads back into sharded ranks; one written before the first step counts no AdamW step; with frozen parameters
+the saved state is indexed by the optimizer's own (trainable) parameters; a 2-rank ``torchrun`` of ``trustbatch
+train train.strategy=fsdp2`` finishes and resumes in one process (end to end against one process, and a kill -9
+resume at 2 ranks: test_fsdp2_end_to_end.py). All on CPU with gloo: FSDP2 on CUDA with NCCL was not run here.
 """
 
 import os
@@ -99,7 +101,43 @@ def _checkpoint(world: World, out_dir: Path) -> dict:
     again.load_state_dict(saved["learner"])
     return {"adam": {n: {k: _whole(v).clone() for k, v in again.optimizer.state[p].items()}
                      for n, p in again.model.named_parameters()},
-            "version": again.version, "lr": again.scheduler.get_last_lr()}
+            "version": again.version, "lr": again.scheduler.get_last_lr(), "before_any_step": _step0(world),
+            "partly_frozen": _partly_frozen(world)}
+
+
+def _partly_frozen(world: World) -> dict:
+    """One AdamW step with the norms frozen (as LoRA freezes its base): the optimizer holds the other parameters
+    only. Its gathered state, each trainable parameter's moments gathered independently, and what a fresh sharded
+    learner holds after loading that state."""
+    def learner():
+        model = _model()
+        for n, p in model.named_parameters():
+            p.requires_grad_("norm" not in n)
+        return Learner(model, "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+
+    def moments(lrn):
+        return {n: {k: _whole(v).clone() for k, v in lrn.optimizer.state[p].items()}
+                for n, p in lrn.model.named_parameters() if p.requires_grad}
+
+    first = learner()
+    batch = _batch(5)
+    first.step(batch.select(world.shard(len(batch))))
+    saved = world.gather(first.state_dict()["optimizer"])[0]
+    again = learner()
+    again.load_state_dict({**first.state_dict(), "optimizer": saved})
+    return {"saved": saved, "trainable": [n for n, p in first.model.named_parameters() if p.requires_grad],
+            "adam": moments(first), "reloaded": moments(again)}
+
+
+def _step0(world: World) -> dict:
+    """A checkpoint before the first step (the trainer's step 0), saved and loaded back at two ranks: what each
+    optimizer holds afterwards."""
+    fresh = Learner(_model(), "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+    saved = world.gather(fresh.state_dict())[0]  # rank 0's, as every rank reads it from the file
+    again = Learner(_model(), "p3o", {}, lr=1e-2, micro_batch_size=2, world=world, strategy="fsdp2")
+    again.load_state_dict(saved)
+    return {"saved": saved["optimizer"], "after_save": dict(fresh.optimizer.state),
+            "after_load": dict(again.optimizer.state), "groups": again.optimizer.state_dict()["param_groups"]}
 
 
 def _micro_batch_scope_step(world: World | None, strategy: str = "ddp") -> dict:
@@ -207,6 +245,31 @@ def test_an_fsdp2_checkpoint_resumes_at_world_size_one(two_ranks):
         for n, moments in gathered["adam"].items():
             for k, v in moments.items():
                 assert torch.equal(again["adam"][n][k], v), (rank, n, k)
+
+
+def test_a_checkpoint_before_the_first_step_counts_no_adam_step(two_ranks):
+    # torch's gatherer and setter would run an AdamW step with zero gradients on an optimizer without state,
+    # leaving step = 1, so that the first real update takes step 2's bias corrections (0.7425x)
+    n_params = len(list(_model().parameters()))
+    for rank in range(2):
+        got = two_ranks[1][rank]["reloaded"]["before_any_step"]
+        assert got["after_save"] == {} and got["after_load"] == {}, rank
+        assert got["saved"]["state"] == {} and got["saved"]["param_groups"][0]["params"] == list(range(n_params))
+        assert got["groups"] == got["saved"]["param_groups"], rank
+
+
+def test_the_optimizer_state_maps_by_trainable_parameter(two_ranks):
+    # with frozen parameters the optimizer's index i is its i-th trainable parameter, not model.named_parameters()'s
+    for rank in range(2):
+        got = two_ranks[1][rank]["reloaded"]["partly_frozen"]
+        names = got["trainable"]
+        assert 0 < len(names) < len(list(_model().parameters()))
+        assert sorted(got["saved"]["state"]) == list(range(len(names)))
+        for i, n in enumerate(names):
+            assert sorted(got["saved"]["state"][i]) == ["exp_avg", "exp_avg_sq", "step"], n
+            for k, v in got["adam"][n].items():
+                assert torch.equal(got["saved"]["state"][i][k], v), (rank, n, k)
+                assert torch.equal(got["reloaded"][n][k], v), (rank, n, k)
 
 
 def _torchrun(run: Path, env: dict, *extra: str) -> list[dict]:

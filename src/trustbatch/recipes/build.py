@@ -28,7 +28,7 @@ from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
-from .checks import check_objective, check_orchestrator
+from .checks import check_learner, check_objective, check_orchestrator
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
            "engine_spec", "foreign_engine", "preflight", "prepare_run", "restore_checkpoint_policy", "reward_spec",
@@ -67,9 +67,10 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
-            installed; an engine setting the engine does not run.
+            installed; an engine setting the engine does not run; LoRA with FSDP2.
     """
     check_objective(cfg)
+    check_learner(cfg)
     check_engine(engine_spec(cfg))
     check_orchestrator(cfg)
 

@@ -49,3 +49,15 @@ def check_orchestrator(cfg: Config) -> None:
     """
     backend_for(cfg).check(cfg)
 
+
+def check_learner(cfg: Config) -> None:
+    """Refuse LoRA under FSDP2: the merged weights an engine, an evaluation copy and a checkpoint take are computed
+    from whole tensors (``policy.lora.merged_state_dict``), which FSDP2 holds as DTensor shards.
+
+    Raises:
+        UserError: ``model.lora`` with ``train.strategy=fsdp2``.
+    """
+    if cfg.model.lora is not None and cfg.train.strategy == "fsdp2":
+        raise UserError("model.lora does not run with train.strategy=fsdp2 (the sharded adapters are not merged "
+                        "for the rollout engine or the checkpoint); use train.strategy=ddp, which replicates only "
+                        "the small adapters' optimizer state, or drop model.lora")

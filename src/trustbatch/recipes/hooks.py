@@ -3,6 +3,7 @@ the metrics log, checkpoints, progress and the truncation warning."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -63,13 +64,16 @@ class TrainHooks:
             self.built.eval_sync.push(learner.model, learner.version)
 
     def save(self, round_: int) -> None:
-        """Rank 0 writes the checkpoint. Under FSDP2 every rank calls this: the whole weights and optimizer
-        state are gathered to rank 0, so the checkpoint loads at any world size."""
+        """Rank 0 writes the checkpoint; every rank calls this. Every rank's torch and Python random states are
+        gathered (``rank_rng``, in rank order): a resume at the same world size continues each rank's own streams
+        (rank r's mini-batch order, ``Learner.train_on``). Under FSDP2 the whole weights and optimizer state are
+        gathered to rank 0 too, so the checkpoint loads at any world size."""
+        rank_rng = self.world.gather((torch.get_rng_state(), random.getstate()))
         if not (self.world.is_main or self.sharded):
             return
         parts = self.built.parts
         model_state = full_model_state(self.policy.model) if self.sharded else None
-        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
+        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict(), "rank_rng": rank_rng}
         if not self.world.is_main:
             return
         sync_state = parts.sync.state_dict()
@@ -118,7 +122,7 @@ class TrainHooks:
             self.refresh_eval()
         if not self.world.is_main:
             if save:
-                self.save(round_)  # gathers under FSDP2; writes nothing
+                self.save(round_)  # gathers its random streams (and its shards under FSDP2); writes nothing
             return
         self.warn_truncation(round_, m)
         if skipped:

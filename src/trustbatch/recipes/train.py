@@ -203,7 +203,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
         hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console)
         if state is not None:
-            _restore_state(parts, state, policy.model, version)
+            _restore_state(parts, state, policy.model, version, world)
             console.print(f"resuming {run_dir} from {ckpt.name}")
         if resuming:  # records past the checkpoint (or all of them, without one) are redone
             log.truncate_after(start if state is not None else -1)
@@ -241,15 +241,22 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     return summary
 
 
-def _restore_state(parts, state: dict, model, version: int) -> None:
-    """The checkpoint's learner, source and weight-sync state and its torch and Python random streams."""
+def _restore_state(parts, state: dict, model, version: int, world: World) -> None:
+    """The checkpoint's learner, source and weight-sync state and this rank's torch and Python random streams.
+
+    At the world size the checkpoint was written at, each rank takes its own streams (``rank_rng``); at another
+    (or from a checkpoint without them) every rank takes rank 0's, and the run goes on, though not as it would have.
+    """
     parts.learner.load_state_dict(state["learner"])
     parts.source.load_state_dict(state["source"])
     if "sync" in state:
         parts.sync.load_state_dict(state["sync"])
         parts.sync.push(model, version)  # serve the restored (lagged) weights
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
+    rank_rng = state.get("rank_rng") or []
+    torch_rng, python_rng = (rank_rng[world.rank] if len(rank_rng) == world.size
+                             else (state["torch_rng"], state["python_rng"]))
+    torch.set_rng_state(torch_rng)
+    random.setstate(python_rng)
 
 
 def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:

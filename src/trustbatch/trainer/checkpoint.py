@@ -7,8 +7,9 @@ with ``policy.lora.read_adapter`` as ``load_latest``'s loader.
 ``trainer_state.pt`` holds the round, the learner's optimizer, scheduler and policy version, the
 rollout source's prompt sampler (an async source: its next batch and, in deterministic order, the weights of
 the rounds that sample the next batches), the weight sync's snapshots (lagged sync), and the torch and Python
-random states. A checkpoint is written to a temporary folder and renamed, so a kill at any moment
-leaves the previous checkpoints intact; a checkpoint whose weights are not finite is never written.
+random states (rank 0's, and under torchrun every rank's as ``rank_rng``: ``recipes.hooks.TrainHooks.save``). A
+checkpoint is written to a temporary folder and renamed, so a kill at any moment leaves the previous checkpoints
+intact; a checkpoint whose weights are not finite is never written.
 """
 
 from __future__ import annotations
