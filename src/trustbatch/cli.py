@@ -70,7 +70,7 @@ def sft(
     else:
         if out is None:
             raise UserError("SFT of model.path needs --out DIR for the result")
-        policy = load_policy(cfg.model.path)
+        policy = load_policy(cfg.model.path, revision=cfg.model.revision)
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
         loss = run_sft(policy, sft_demos(task, model_cfg), steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)

@@ -120,7 +120,9 @@ class RewardConfig(_Strict):
 class ModelConfig(_Strict):
     """``path`` loads any local HF model directory; without it the default small base is built (and cached)."""
 
-    path: str | None = Field(None, description="local Hugging Face model directory")
+    path: str | None = Field(None, description="local Hugging Face model directory, or a Hub id (Qwen/Qwen2.5-0.5B) "
+                                               "read from the hub cache (HF_HUB_OFFLINE honoured)")
+    revision: str | None = Field(None, description="a Hub id's branch, tag or commit (default: main)")
     hidden: Int = Field(128, ge=8, description="default base: width")
     layers: Int = Field(4, ge=1, description="default base: decoder layers")
     heads: Int = Field(4, ge=1, description="default base: attention heads")

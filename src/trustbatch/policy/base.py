@@ -35,7 +35,7 @@ def cache_dir() -> Path:
 
 # model settings that act on top of the base and do not determine it: a LoRA run trains adapters on the
 # same cached base as full fine-tuning (and the key stays what it was before the setting existed)
-NOT_BASE_KEYS = ("lora",)
+NOT_BASE_KEYS = ("lora", "revision")
 
 
 def base_key(task_cfg: dict, model_cfg: dict) -> str:

@@ -1,7 +1,8 @@
 """Loading a policy (a Hugging Face causal LM plus its tokenizer) from a local directory, or building one.
 
 ``Policy`` bundles the model and tokenizer with the ids the rollout engine and learner need. Any
-local HF directory loads with ``from_pretrained``; no hub is contacted (``local_files_only``).
+local HF directory loads with ``from_pretrained`` (``local_files_only``); a Hub id is first resolved to its
+snapshot in the hub cache (``policy.hub``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .hub import model_dir
 
 
 @dataclass
@@ -84,8 +86,9 @@ class Policy:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
-    """Load an HF causal LM and tokenizer from a local directory.
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: str | None = None) -> Policy:
+    """Load an HF causal LM and tokenizer from a local directory, or a Hub id's snapshot (``hub.model_dir``, at
+    ``revision``).
 
     A tokenizer without a pad token pads with EOS (stories260K has none). Loading is checked, so
     that a broken directory never yields a silently different model: every tensor the config
@@ -101,7 +104,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = Path(path).expanduser()
+    p = model_dir(path, revision)
     where = repr(str(p))
     if not p.is_dir():
         raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory (model.path=DIR)")

@@ -21,6 +21,7 @@ from ..pipeline.source import SourceSpec
 from ..pipeline.weight_sync import CopySync
 from ..policy import load_policy
 from ..policy.base import default_base
+from ..policy.hub import model_dir
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
@@ -127,8 +128,8 @@ def prepare_run(cfg: Config, console=None):
     task = configured_task(cfg)
     pool = reward_spec(cfg, task, heldout=True).pool()
     if cfg.model.path:
-        policy, source = load_policy(cfg.model.path), cfg.model.path
-        base = str(Path(cfg.model.path).expanduser().resolve())
+        policy, source = load_policy(cfg.model.path, revision=cfg.model.revision), cfg.model.path
+        base = str(model_dir(cfg.model.path, cfg.model.revision).resolve())
     else:
         policy, path, how = load_default_base(task, task_key(cfg), cfg.model.model_dump(mode="json"), console)
         source, base = f"{path} ({how})", str(path)

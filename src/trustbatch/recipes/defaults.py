@@ -9,10 +9,11 @@ budgets), at most half the model's context so that the prompt keeps the other ha
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..config import Config
 from ..data.benchmarks import ANSWER_TOKENS, benchmark_kind
+from ..errors import UserError
+from ..policy.hub import model_dir
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
@@ -23,8 +24,8 @@ def model_context(cfg: Config) -> int | None:
     if cfg.model.path is None:
         return cfg.model.max_len
     try:
-        mc = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+        mc = json.loads((model_dir(cfg.model.path, cfg.model.revision) / "config.json").read_text())
+    except (OSError, ValueError, UserError):
         return None  # loading the model says why
     mc = {**mc.get("text_config", {}), **mc} if isinstance(mc.get("text_config"), dict) else mc
     return next((int(mc[k]) for k in _CONTEXT_KEYS if isinstance(mc.get(k), int)), None)
