@@ -6,6 +6,7 @@ fields aside). Also the resume rules (what a resume may change) and recovery fro
 first checkpoint, a corrupt newest checkpoint and leftover temporary checkpoint folders.
 """
 
+import math
 import signal
 import warnings
 
@@ -24,8 +25,10 @@ SHIFTED = ["rollout.staleness=2", "train.epochs=2", "train.minibatches=2", "roll
 
 # kill points: ("round", n) after round n's record is written; ("ckpt", n) while a checkpoint folder is
 # being written (a .tmp-* folder exists) once round n's record is written, i.e. round n's checkpoint
+# a cosine schedule with warm-up and other AdamW settings (issue 45 item 4): the schedule continues exactly too
+SCHEDULE = ["train.lr_schedule=cosine", "train.warmup_steps=3", "train.adam_betas=[0.8,0.95]", "train.adam_eps=1e-6"]
 CASES = {  # the default suite: p3o with every shift that keeps state across rounds, and the reward pool
-    "p3o_stale_replay_bf16_workers2": (SHIFTED, [("ckpt", 1), ("round", 3)]),
+    "p3o_stale_replay_bf16_workers2_cosine": (SHIFTED + SCHEDULE, [("ckpt", 1), ("round", 3)]),
 }
 SLOW_CASES = {
     "p3o_workers2": ([], [("round", 2), ("ckpt", 4)]),
@@ -77,6 +80,13 @@ def test_kill9_at_several_points_then_resume_is_bit_identical(tmp_path, cache, c
     # a kill during round 1's checkpoint write leaves only the step-0 checkpoint: that resumes too
     if CASES[case][1][0] == ("ckpt", 1):
         assert segments[1]["start_round"] == 0
+    if SCHEDULE[0] in CASES[case][0]:  # the lr after each optimizer step k (4 a round), by hand: warm-up, cosine
+        lr, warm, total = load_config(None, TINY).train.lr, 3, 6 * 4
+        f = [(k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm)))
+             for k in range(1, total + 1)]
+        logged = [(x["step"], x["opt_step"], x["lr"]) for x in records(tmp_path / "run", "steps.jsonl")]
+        assert [(r, j) for r, j, _ in logged] == [(r, j) for r in range(1, 7) for j in range(4)]
+        assert [x for _, _, x in logged] == pytest.approx([lr * v for v in f], rel=1e-12)
 
 
 @pytest.mark.slow
@@ -170,3 +180,11 @@ def test_resume_of_a_run_older_than_a_config_key():
         check_resume_changes(saved, {"train": {"steps": 10, "lr": 3e-4}, "ray_learners": 2}, defaults)
     with pytest.raises(UserError, match="ray_learners"):  # without defaults the old strict rule holds
         check_resume_changes(saved, {"train": {"steps": 10, "lr": 3e-4}, "ray_learners": 1})
+
+
+def test_checkpoint_keep_keeps_the_newest_n_and_a_resume_may_change_it(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    train(load_config(None, QUICK + ["train.steps=3", "checkpoint_keep=1", f"run_dir={run_dir}"]))
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000003"]
+    train(None, resume=str(run_dir), overrides=["train.steps=5", "checkpoint_keep=3"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_00000{k}" for k in (3, 4, 5)]

@@ -30,6 +30,8 @@ class Config(_Strict):
     run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
     checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
                                                         "base evaluation)")
+    checkpoint_keep: Int = Field(2, ge=1, description="newest checkpoints kept (older ones are deleted after each "
+                                                  "save; the run resumes from the newest)")
     orchestrator: Literal["local", "ray"] = Field(
         "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
                              "existing cluster (with rollout.mode=async; needs trustbatch[ray])")

@@ -254,7 +254,12 @@ class TrainConfig(_Strict):
     steps: Int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
     lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant, or a linear or cosine decay to 0 at the last optimizer "
+                                "step (steps × epochs × minibatches)")
     weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[Float, Float] = Field((0.9, 0.99), description="AdamW's (beta1, beta2)")
+    adam_eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
     grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")
     micro_batch_size: Int = Field(512, ge=1, description="rows per micro-batch (gradient accumulation within an "
                                                          "optimizer step)")

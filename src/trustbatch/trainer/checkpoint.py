@@ -29,19 +29,21 @@ from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
 
 _FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
-KEEP = 2  # checkpoints kept besides the newest ones being written
+KEEP = 2  # checkpoints kept by default (checkpoint_keep)
 
 
 class NonFiniteWeights(UserError):
     """The policy's weights hold NaN or inf: the run stops rather than checkpoint them."""
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: dict | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: dict | None = None,
+                    keep: int = KEEP) -> Path:
     """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path.
 
     ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states. ``model_state``: the
     policy's whole state dict when ``policy.model`` is sharded (FSDP2: ``parallel.full_model_state``),
-    written in its place, so that the checkpoint loads at any world size.
+    written in its place, so that the checkpoint loads at any world size. Once it is complete, only the ``keep``
+    newest checkpoints stay.
 
     Raises:
         NonFiniteWeights: a weight is NaN or inf (nothing is written).
@@ -83,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP]:
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -51,6 +51,7 @@ from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
 from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
+from .schedule import lr_multiplier
 from .passes import ForwardPasses, empty_like
 
 # what the learner adds to the objective's metrics: the entropy of π_θ per valid token (from its forward)
@@ -107,6 +108,9 @@ class Learner(ForwardPasses):
             shared-prompt forward then falls back to the plain one (checkpointed layers drop the cache).
         diagnostics: also log, at every optimizer step, the share of tokens GRPO's clip would zero
             (``objectives.clipped.grpo_zeroed_shares``, whatever the objective; the lab sets it).
+        lr_schedule, warmup_steps, total_steps: the learning-rate multiplier per optimizer step
+            (``trainer.schedule.lr_multiplier``: warm-up, then constant, linear or cosine decay to 0 at total_steps).
+        betas, eps, weight_decay: AdamW's (``torch.optim.AdamW``).
 
     The learner trains on the device its model's parameters are on (the recipe moves the model there);
     batches are moved to it.
@@ -125,7 +129,8 @@ class Learner(ForwardPasses):
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
                  trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
                  logprob_chunk_size: int | None = 1024, strategy: str = "ddp", param_dtype: torch.dtype | None = None,
-                 diagnostics: bool = False):
+                 diagnostics: bool = False, lr_schedule: str = "constant", total_steps: int = 0,
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -180,12 +185,9 @@ class Learner(ForwardPasses):
         self._pad: TrainBatch | None = None
         # only what trains: with LoRA (policy.lora) the adapters, the frozen base has neither grads nor Adam state
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
-        # Linear warm-up: Adam's first bias-corrected steps are close to lr·sign(g) on every weight,
-        # a large random kick to a warmed-up policy when the policy gradient is noisy.
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-        )
+            self.optimizer, lr_multiplier(lr_schedule, warmup_steps, total_steps))
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
