@@ -161,8 +161,8 @@ class RewardConfig(_Strict):
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
     max_failure_rate: Float = Field(
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
-                                     "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
-                                     "failure is reported as a warning")
+                                     "held-out evaluation's scoring call) fail to score (errors + timeouts), or, "
+                                     "with reward.functions, of one function's; any failure is reported as a warning")
 
     @model_validator(mode="after")
     def _one_reward_source(self):
