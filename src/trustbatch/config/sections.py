@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import re
-import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 
 from ..parallel import DEVICE_SPEC
+from .words import all_bools, switch, typed
 from .yaml_io import YamlBool
 
 
@@ -19,51 +19,6 @@ def _no_bool(v: Any) -> Any:
     # pydantic's lax mode reads True as 1: `train.steps=true` would train one step.
     if isinstance(v, (bool, YamlBool)):
         raise ValueError(f"expected a number, not the boolean {v if isinstance(v, YamlBool) else str(v).lower()}")
-    return v
-
-
-def _switch(v: Any) -> Any:
-    # a key of words auto/on/off: YAML reads an unquoted on/off (and true/false) as a boolean
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, str) and v.lower() in ("on", "off", "true", "false"):
-        return "on" if v.lower() in ("on", "true") else "off"
-    return v
-
-
-def _leaves(annotation) -> set:
-    """The plain types an annotation admits (a Literal's: its values' types; ``Annotated`` and unions unwrapped)."""
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return {type(a) for a in get_args(annotation)}
-    if origin is Annotated:
-        return _leaves(get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        return set().union(*(_leaves(a) for a in get_args(annotation)))
-    return {annotation}
-
-
-def _all_bools(v: Any) -> Any:
-    if isinstance(v, YamlBool):
-        return v.value
-    if isinstance(v, dict):
-        return {k: _all_bools(x) for k, x in v.items()}
-    return [_all_bools(x) for x in v] if isinstance(v, list) else v
-
-
-def _typed(v: Any, annotation) -> Any:
-    """A value read with ``YamlBool``s as the field of ``annotation`` takes it: a boolean field gets YAML's boolean,
-    a number field the ``YamlBool`` (``_no_bool`` refuses it, quoting it), any other the word as typed. Free-form
-    dicts get booleans throughout; a section's own fields are its own validator's."""
-    leaves = _leaves(annotation)
-    if isinstance(v, YamlBool):
-        if bool in leaves:
-            return v.value
-        return v if leaves <= {int, float, type(None)} else str(v)
-    if isinstance(v, list):
-        return [str(x) if isinstance(x, YamlBool) else x for x in v]
-    if isinstance(v, dict) and any(get_origin(a) is dict for a in leaves):
-        return _all_bools(v)
     return v
 
 
@@ -95,7 +50,7 @@ class _Strict(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: _typed(v, fields[k].annotation) if k in fields else _all_bools(v) for k, v in data.items()}
+        return {k: typed(v, fields[k].annotation) if k in fields else all_bools(v) for k, v in data.items()}
 
 
 class TaskConfig(_Strict):
@@ -135,7 +90,7 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
-    chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)] = Field(
+    chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(
         "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
     system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
 
