@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from trustbatch.config import load_config
+from trustbatch.errors import UserError
 from trustbatch.recipes import train
 from trustbatch.trainer.runlog import MetricsLog
 from trustbatch.trainer.trackers import open_trackers
@@ -194,3 +195,33 @@ def test_a_bad_store_or_a_missing_key_is_one_line_before_the_run_starts(tmp_path
         assert procs[name].returncode == 2 and says in line, err
         assert not (tmp_path / name).exists(), name
     assert afile.read_text() == "not a folder"
+
+
+def test_wandb_online_needs_a_stored_or_given_key_and_offline_needs_none(tmp_path, monkeypatch):
+    """The login check of issue 46 item 2 against W&B's own lookup: a netrc entry for the host counts as a login, an
+    absent one does not, a key of the wrong form is refused as wandb.init refuses it; offline needs none."""
+    pytest.importorskip("wandb", reason=SKIP)
+    from trustbatch.trainer.trackers.wandb import check_login
+
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # no terminal to ask at
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_login()
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(UserError, match="no W&B API key is configured"):
+        check_login()
+    import wandb
+
+    host = wandb.Settings().base_url.split("://")[1].rstrip("/")
+    (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password {'a' * 40}\n")
+    check_login()
+    (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password abc\n")
+    with pytest.raises(UserError, match="40"):  # W&B's own words on the key's form
+        check_login()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key in the environment: W&B's to check at init
+    (tmp_path / "netrc").unlink()
+    check_login()
