@@ -135,6 +135,31 @@ def test_bad_input_is_one_line(tmp_path, parquet_run):
     assert not (tmp_path / "o3").exists() and not list(tmp_path.glob(".o3*"))
 
 
+def test_an_out_that_cannot_be_written_is_one_line_before_the_model_loads(tmp_path, parquet_run, monkeypatch):
+    """Issue 46 item 2: an existing file, a path inside a file, a folder that cannot be made (/proc refuses it);
+    the three commands run at once (each is a Python start)."""
+    from runproc import one_line
+
+    import trustbatch.policy
+
+    run = parquet_run[0]
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cases = {str(afile): "is a file, not a folder", str(afile / "model"): "lies inside", "/proc/1/no/model":
+             "cannot write --out"}
+    procs = {out: subprocess.Popen([sys.executable, "-m", "trustbatch", "export", str(run), "--out", out],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out in cases}
+    for out, says in cases.items():
+        _, err = procs[out].communicate(timeout=600)
+        line = one_line(err)
+        assert procs[out].returncode == 2 and says in line and repr(out) in line, err
+    assert afile.read_text() == "not a folder" and not list(tmp_path.glob(".*tmp-*"))
+    monkeypatch.setattr(trustbatch.policy, "load_policy", lambda *a, **k: pytest.fail("the model loaded first"))
+    for out, says in cases.items():
+        with pytest.raises(UserError, match=says):
+            export_run(run, out)
+
+
 def test_a_chat_model_trains_on_its_template_with_the_system_prompt(tmp_path, shared_dir, hf_cache):
     """The wiring from the config: prepare_run frames the run's prompts (and a resumed full fine-tuning
     checkpoint's) with the chat template and data.system_prompt; the export's card and eval command say so."""

@@ -8,6 +8,8 @@ from trustbatch.config import load_config
 from trustbatch.recipes import train
 from trustbatch.rewards.functions import WeightedRewards
 
+from runproc import cache  # noqa: F401  (the tiny base, built once)
+
 
 def test_batch_form_in_worker_processes_matches_by_hand():
     terms = (("scorers_for_tests:contains_answer", 1.0), ("scorers_for_tests:column_bonus", 0.5))
@@ -35,3 +37,20 @@ def test_training_logs_each_function_and_their_weighted_sum(tmp_path, shared_dir
         assert r["rewards/column_bonus"] == 0.75  # the data's column, read by the batch-form function
         assert 0 <= r["rewards/digit_fraction"] <= 1
         assert r["reward_mean"] == pytest.approx(r["rewards/digit_fraction"] + 0.4 * 0.75, abs=1e-12)
+
+
+def test_a_function_that_always_fails_stops_the_run_in_one_line_naming_it(tmp_path, cache, support_on_pythonpath):
+    """Issue 46 item 4: of two reward functions, one raising on every call is exactly half the scorings, never above
+    reward.max_failure_rate=0.5; its own rate (all of a round's completions) stops the real run at round 1."""
+    from runproc import one_line, run, train_args
+
+    run_dir = tmp_path / "run"
+    p = run(train_args(run_dir, "train.steps=3", "reward.workers=0", "reward.max_failure_rate=0.5",
+                       "reward.functions=[{name: scorers_for_tests:digit_fraction}, "
+                       "{name: scorers_for_tests:always_raises}]"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = one_line(p.stderr)
+    assert "reward function 'always_raises'" in line and "failed on 100% of completions" in line, line
+    assert "reward.max_failure_rate=0.5" in line and "always_raises: no score" in line, line
+    trained = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert trained == []  # round 1 is refused before its update

@@ -111,6 +111,24 @@ def test_a_directory_without_metrics_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(two_runs, tmp_path):
+    """Issue 46 item 2: an existing file, a path inside a file, a folder that cannot be made (/proc refuses it);
+    the three commands run at once (each is a Python start)."""
+    from runproc import one_line
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cases = {str(afile): "is a file, not a folder", str(afile / "report"): "lies inside", "/proc/1/no/report":
+             "cannot write --out"}
+    procs = {out: subprocess.Popen([sys.executable, "-m", "trustbatch", "report", str(two_runs[0]), "--out", out],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out in cases}
+    for out, says in cases.items():
+        _, err = procs[out].communicate(timeout=120)
+        line = one_line(err)
+        assert procs[out].returncode == 2 and says in line and repr(out) in line, err
+    assert afile.read_text() == "not a folder"
+
+
 class _Policy:
     def encode_prompt(self, prompt: str) -> list[int]:
         return [int(prompt)]

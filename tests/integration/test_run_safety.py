@@ -187,6 +187,37 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint_s
     assert (run_dir / "checkpoints" / "step_000003").is_dir()
 
 
+def _mount_namespaces() -> bool:
+    """Whether this process may make a mount namespace and bind-mount in it (root with CAP_SYS_ADMIN)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("unshare") is None:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.run(["unshare", "-m", "mount", "--bind", d, d], capture_output=True)
+    return p.returncode == 0
+
+
+@pytest.mark.skipif(not _mount_namespaces(), reason="needs `unshare -m` and mount (root with CAP_SYS_ADMIN)")
+def test_a_disk_that_turns_read_only_during_a_checkpoint_write_is_one_line(tmp_path, cache):
+    """Issue 46 item 2: safetensors raises its own error type on a read-only filesystem, which the one-line handler
+    of unwritable run directories did not see. A real read-only remount (tests/support/readonly_checkpoint.py) just
+    before the weights of the round-1 checkpoint are written."""
+    from runproc import ROOT, SHORT
+
+    run_dir = tmp_path / "run"
+    p = run(["unshare", "-m", sys.executable, str(ROOT / "tests" / "support" / "readonly_checkpoint.py"), str(run_dir),
+             "2", *SHORT, "train.steps=2", "reward.workers=0"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = one_line(p.stderr)
+    assert "Read-only file system" in line and f"{run_dir}/checkpoints" in line and "--resume" in line, line
+    # the previous checkpoint is intact: a resume starts from it (the full-disk test above resumes one for real)
+    path, _, state = load_latest(run_dir, load_policy)
+    assert path.name == "step_000000" and state["step"] == 0
+
+
 def test_torch_save_on_a_full_disk_is_an_enospc_oserror(tmp_path, monkeypatch):
     """torch.save raises RuntimeError, not OSError, when the disk fills: save_checkpoint names it ENOSPC."""
     import errno

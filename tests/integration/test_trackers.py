@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from trustbatch.config import load_config
+from trustbatch.errors import UserError
 from trustbatch.recipes import train
 from trustbatch.trainer.runlog import MetricsLog
 from trustbatch.trainer.trackers import open_trackers
@@ -160,3 +162,66 @@ def test_mlflow_failed_segment_then_resume_and_a_stored_run_the_store_lacks(trac
     log.close()
     new_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     assert new_id != "0" * 32 and client.get_run(new_id).info.status == "FINISHED"
+
+
+def test_a_bad_store_or_a_missing_key_is_one_line_before_the_run_starts(tmp_path):
+    """Issue 46 item 2: an MLflow store that cannot be written (inside a file, a folder /proc refuses), a scheme
+    MLflow does not know, W&B online with no API key: each `trustbatch train` exits 2 with one line naming it, and
+    leaves no run directory (the check comes before it, and before any model loads). The four run at once."""
+    pytest.importorskip("wandb", reason=SKIP)
+    pytest.importorskip("mlflow", reason=SKIP)
+    from runproc import one_line
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))  # no stored login
+    cases = {  # name -> (extra overrides, extra environment, what the line says)
+        "inside_a_file": ([f"log.mlflow_uri=sqlite:///{afile}/mlflow.db"], {}, f"sqlite:///{afile}/mlflow.db"),
+        "proc": (["log.mlflow_uri=sqlite:////proc/1/no/mlflow.db"], {}, "sqlite:////proc/1/no/mlflow.db"),
+        "scheme": (["log.mlflow_uri=nosuch://host/x"], {}, "nosuch://host/x"),
+        "wandb_online": (["log.trackers=[wandb]"], {"WANDB_MODE": "online"}, "WANDB_MODE=online"),
+    }
+    procs = {}
+    for name, (extra, more_env, _) in cases.items():
+        trackers = [] if any(e.startswith("log.trackers") for e in extra) else ["log.trackers=[mlflow]"]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "trustbatch", "train", *RUN, f"run_dir={tmp_path / name}", *trackers, *extra],
+            cwd=tmp_path, env={**env, **more_env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+    for name, (_, _, says) in cases.items():
+        _, err = procs[name].communicate(timeout=300)
+        line = one_line(err)
+        assert procs[name].returncode == 2 and says in line, err
+        assert not (tmp_path / name).exists(), name
+    assert afile.read_text() == "not a folder"
+
+
+def test_wandb_online_needs_a_stored_or_given_key_and_offline_needs_none(tmp_path, monkeypatch):
+    """The login check of issue 46 item 2 against W&B's own lookup: a netrc entry for the host counts as a login, an
+    absent one does not, a key of the wrong form is refused as wandb.init refuses it; offline needs none."""
+    pytest.importorskip("wandb", reason=SKIP)
+    from trustbatch.trainer.trackers.wandb import check_login
+
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # no terminal to ask at
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_login()
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(UserError, match="no W&B API key is configured"):
+        check_login()
+    import wandb
+
+    host = wandb.Settings().base_url.split("://")[1].rstrip("/")
+    (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password {'a' * 40}\n")
+    check_login()
+    (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password abc\n")
+    with pytest.raises(UserError, match="40"):  # W&B's own words on the key's form
+        check_login()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key in the environment: W&B's to check at init
+    (tmp_path / "netrc").unlink()
+    check_login()

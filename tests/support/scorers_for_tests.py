@@ -77,3 +77,8 @@ def hang_always(completion: str, reference: str) -> float:
     """Never returns: a run scoring in-process with it stays in its base's evaluation, before any checkpoint."""
     while True:
         time.sleep(3600)
+
+
+def always_raises(completion: str, reference: str) -> float:
+    """A broken reward function: raises on every call."""
+    raise ValueError("always_raises: no score")

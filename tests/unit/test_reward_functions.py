@@ -38,16 +38,36 @@ def test_weighted_sum_and_components_by_hand():
 
 
 def test_a_failing_function_counts_over_completions_times_functions():
+    terms = (("scorers_for_tests:digit_fraction", 1.0), ("scorers_for_tests:misbehave", 1.0))
+    completions = ["raise", "7", "raise", "x"]  # misbehave raises on "raise": 2 of the 4 completions
+    with WeightedRewards(terms, workers=0) as r:
+        res = r.score(completions, REFERENCES)
+    assert res.errors == 2 and res.components["misbehave"] == [0.0, 0.0, 0.0, 0.0]
+    assert "misbehave" in res.last_error and "scorer bug" in res.last_error
+    # 2 failures of 8 scorings (25 %), and misbehave's own 2 of 4 (50 %): at the limit, so only a warning
+    warning = rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.5, where="round 1")
+    assert "2 errors" in warning and "8 scorings" in warning
+    with pytest.raises(UserError, match="reward function 'misbehave' .* failed on 50% of completions \\(2 of 4\\)"):
+        rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.4, where="round 1")
+
+
+def test_a_function_that_always_fails_is_judged_on_its_own_rate():
+    """Issue 46 item 4: one broken function of two is 50 % of the scorings, never above max_failure_rate=0.5; its
+    own rate, 4 of 4 completions, is."""
     terms = (("scorers_for_tests:digit_fraction", 1.0), ("scorers_for_tests:batch_wrong_length", 1.0))
     with WeightedRewards(terms, workers=0) as r:
         res = r.score(COMPLETIONS, REFERENCES, contexts=CONTEXTS)
     assert res.errors == 4 and res.components["batch_wrong_length"] == [0.0] * 4
-    assert "batch_wrong_length" in res.last_error and "one score per completion" in res.last_error
-    # 4 failures of 8 scorings: 50 %, at the limit, so only a warning; the same 4 over 4 completions would be 100 %
-    warning = rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.5, where="round 1")
-    assert "4 errors" in warning and "8 scorings" in warning
-    with pytest.raises(UserError, match="failed on 50%"):
-        rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.4, where="round 1")
+    assert res.failures["digit_fraction"] == (0, None) and res.failures["batch_wrong_length"][0] == 4
+    with pytest.raises(UserError) as e:
+        rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.5, where="round 1")
+    assert "reward function 'batch_wrong_length'" in str(e.value) and "(4 of 4)" in str(e.value)
+    assert "one score per completion" in str(e.value) and "\n" not in str(e.value)
+    # the rounds of one training step add up (dynamic sampling): the rate stays per function
+    both = res + res
+    assert both.failures["batch_wrong_length"][0] == 8 and both.failures["digit_fraction"][0] == 0
+    with pytest.raises(UserError, match="batch_wrong_length' .*\\(8 of 8\\)"):
+        rewards.check_scoring(both, scorer=r.name, max_failure_rate=0.5, where="round 1")
 
 
 def test_labels_name_each_function_once():

@@ -131,7 +131,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults ← ``base`` dict ← YAML file ← ``key=value`` overrides (values parsed as YAML).
 
     Values are parsed by ``yaml_loads`` (``3e-1`` is a float). Numbers must be finite and not
-    booleans (``train.steps=true`` is refused), also inside ``objective.options`` and ``task.params``.
+    booleans (``train.steps=true`` is refused), also inside ``objective.options`` and ``task.params``. YAML's
+    boolean words (``on``, ``off``, ``yes``, ``no``, ``true``, ``false``) are booleans for a boolean key and inside
+    free-form dicts, and the word as typed for any other key (``data.chat_template=on``), so refusals quote it.
 
     Raises:
         UserError: a missing, non-UTF-8 or invalid YAML file, an override without ``=``, an unknown
@@ -139,7 +141,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict = copy.deepcopy(base or {})  # overrides set keys in nested dicts: never in the caller's
     if path is not None:
-        loaded = read_yaml_file(path) or {}
+        loaded = read_yaml_file(path, words=True) or {}
         if not isinstance(loaded, dict):
             raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
         for k, v in _flatten(loaded).items():
@@ -149,7 +151,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise UserError(f"override {ov!r} must look like key=value, e.g. train.steps=50")
         k, _, v = ov.partition("=")
         try:
-            val = yaml_loads(v) if v != "" else None
+            val = yaml_loads(v, words=True) if v != "" else None
         except yaml.YAMLError:
             val = v
         _set_dotted(data, k.strip(), val)

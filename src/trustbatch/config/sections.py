@@ -11,12 +11,14 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from ..parallel import DEVICE_SPEC
+from .words import all_bools, switch, typed
+from .yaml_io import YamlBool
 
 
 def _no_bool(v: Any) -> Any:
     # pydantic's lax mode reads True as 1: `train.steps=true` would train one step.
-    if isinstance(v, bool):
-        raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
+    if isinstance(v, (bool, YamlBool)):
+        raise ValueError(f"expected a number, not the boolean {v if isinstance(v, YamlBool) else str(v).lower()}")
     return v
 
 
@@ -41,6 +43,14 @@ FreeDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
 class _Strict(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` or `.nan` must not pass validation.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_words(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: typed(v, fields[k].annotation) if k in fields else all_bools(v) for k, v in data.items()}
 
 
 class TaskConfig(_Strict):
@@ -80,7 +90,7 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
-    chat_template: Literal["auto", "on", "off"] = Field(
+    chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(
         "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
     system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
 
@@ -106,8 +116,8 @@ class RewardConfig(_Strict):
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
     max_failure_rate: Float = Field(
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
-                                     "held-out evaluation's scoring call) fail to score (errors + timeouts); any "
-                                     "failure is reported as a warning")
+                                     "held-out evaluation's scoring call) fail to score (errors + timeouts), or, "
+                                     "with reward.functions, of one function's; any failure is reported as a warning")
 
     @model_validator(mode="after")
     def _one_reward_source(self):

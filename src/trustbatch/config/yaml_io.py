@@ -26,17 +26,39 @@ _Loader.add_implicit_resolver(
 )
 
 
-def yaml_loads(text: str) -> Any:
-    """Parse YAML text as configs are parsed: safe, with ``3e-1``-style floats (see ``_Loader``).
+class YamlBool(str):
+    """A YAML 1.1 boolean (``on``, ``off``, ``yes``, ``no``, ``true``, ``false`` in any case) as the user typed it.
+
+    ``load_config`` reads values with these kept, so that a key whose values are words gets the word
+    (``data.chat_template=on``) and a refusal quotes what was typed; ``value`` is YAML's reading, which a boolean
+    key gets (``Config``'s sections convert every one before validation). Never truth-test one: ``bool(YamlBool("off"))``
+    is True, as for any non-empty string.
+    """
+
+    @property
+    def value(self) -> bool:
+        return self.lower() in ("yes", "true", "on")
+
+
+class _WordLoader(_Loader):
+    """``_Loader`` that gives ``YamlBool`` for YAML's boolean words."""
+
+
+_WordLoader.add_constructor("tag:yaml.org,2002:bool", lambda loader, node: YamlBool(loader.construct_scalar(node)))
+
+
+def yaml_loads(text: str, words: bool = False) -> Any:
+    """Parse YAML text as configs are parsed: safe, with ``3e-1``-style floats (see ``_Loader``); ``words``: YAML's
+    booleans as ``YamlBool`` (the typed word), for ``load_config``.
 
     Raises:
         yaml.YAMLError: the text is not valid YAML.
     """
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    return yaml.load(text, Loader=_WordLoader if words else _Loader)  # noqa: S506 - both are SafeLoaders
 
 
-def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
-    """Read and parse a YAML file (UTF-8) with ``yaml_loads``.
+def read_yaml_file(path: str | Path, what: str = "config file", words: bool = False) -> Any:
+    """Read and parse a YAML file (UTF-8) with ``yaml_loads`` (``words`` as there).
 
     Raises:
         UserError: the file is missing, not UTF-8 (names the line) or not valid YAML.
@@ -52,6 +74,6 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
         raise UserError(f"{what} {str(p)!r} line {line} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
                         "save the file as UTF-8") from None
     try:
-        return yaml_loads(text)
+        return yaml_loads(text, words)
     except yaml.YAMLError as e:
         raise UserError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None

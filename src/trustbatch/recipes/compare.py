@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import _flatten, read_yaml_file  # _flatten: the dotted keys overrides use
 from ..errors import UserError
 from ..records import atomic_write, read_metrics
+from .outputs import output_folder
 
 HELDOUT, HELDOUT_SE = "heldout_accuracy", "heldout_accuracy_se"
 # (metrics key, panel title); a panel is drawn when at least one run logged its key
@@ -204,13 +205,14 @@ def write_comparison(run_dirs: list[str | Path], out: str | Path) -> Path:
 
     Raises:
         UserError: no run directory, one given twice, or one without ``metrics.jsonl`` / ``config.yaml``; the
-            runs logged none of the plotted metrics.
+            runs logged none of the plotted metrics; ``out`` is a file, lies inside one, or cannot be created or
+            written (``outputs.output_folder``).
     """
     if not run_dirs:
         raise UserError("give at least one run directory: trustbatch report RUN_DIR [RUN_DIR ...] --out DIR")
     paths = [Path(p) for p in run_dirs]
     runs = [load_run(p, name) for p, name in zip(paths, labels(paths))]
-    out = Path(out)
+    out = output_folder(out)
     plot_runs(runs, out / FIGURE)
     page = out / "README.md"
     atomic_write(page, report_markdown(runs))

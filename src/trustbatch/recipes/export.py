@@ -28,6 +28,7 @@ from ..records import git_commit, read_metrics
 from ..seeding import row_seed
 from ..trainer.checkpoint import checkpoints
 from .hooks import EVAL_STREAM
+from .outputs import output_folder
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
 
@@ -43,7 +44,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
 
     Raises:
         UserError: ``run_dir`` is missing or no run directory, holds no checkpoint, or none at ``step`` (the
-            message lists those it has); ``out`` exists and is not empty; the checkpoint does not load (a LoRA
+            message lists those it has); ``out`` is a non-empty directory or a file, lies inside a file, or
+            cannot be created or written (``outputs.output_folder``); the checkpoint does not load (a LoRA
             checkpoint's base moved, corrupt weights).
     """
     from ..policy import load_policy
@@ -52,10 +54,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     run, cfg, ckpt = _checked_run(Path(run_dir), step)
     step = int(ckpt.name.removeprefix("step_"))
     dest = Path(out).expanduser()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.is_dir() and any(dest.iterdir()):
         raise UserError(f"--out {str(dest)!r} exists and is not an empty directory; give a new directory")
+    output_folder(dest, create=False)  # a file, inside a file, unwritable: said before the model loads
     policy = load_policy(ckpt)  # a LoRA checkpoint: its base with the adapter merged, plain layers
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         with _quiet_transformers():  # no "Writing model shards" progress bar

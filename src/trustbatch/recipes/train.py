@@ -28,7 +28,7 @@ from ..trainer.checkpoint import checkpoints, clean_temporaries, load_latest
 from ..trainer.loop import run_loop
 from ..trainer.progress import Progress
 from ..trainer.runlog import MetricsLog, plot_run
-from ..trainer.trackers import require_trackers
+from ..trainer.trackers import check_trackers, require_trackers
 from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
@@ -103,6 +103,8 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         world = World.from_env(cfg.train.device)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if world.is_main:  # the rank that opens them; a store is created once, not by every rank at once
+        check_trackers(cfg.log.trackers, cfg.log.mlflow_uri)
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")

@@ -4,7 +4,8 @@ Each function is scored by its own ``RewardPool``, so the time limit, the failur
 apply to every function and form (per-completion ``score(completion, reference)`` or TRL's batch form,
 ``scorers.BatchForm``). Each r_i is a scorer's reward in [0, 1] (clamped and counted as for one scorer); the weighted
 sum is not clamped. A failure of any function scores that function 0 and counts once in the round's failure rate,
-which is over completions × functions.
+which is over completions × functions; each function's own failure rate (over completions) is judged against
+``reward.max_failure_rate`` too, so one that always fails stops the run however many others score.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class WeightedRewards:
         last = [f"{lab}: {p.last_error}" for lab, p in zip(self.labels, parts) if p.last_error]
         return ScoreResult(rewards, sum(p.errors for p in parts), sum(p.timeouts for p in parts),
                            sum(p.clamped for p in parts), last[-1] if last else None, sum(p.unscored for p in parts),
-                           {lab: p.rewards for lab, p in zip(self.labels, parts)}, len(parts))
+                           {lab: p.rewards for lab, p in zip(self.labels, parts)}, len(parts),
+                           {lab: (p.errors + p.timeouts, p.last_error) for lab, p in zip(self.labels, parts)})
 
     def close(self) -> None:
         for p in self.pools:

@@ -37,13 +37,19 @@ class ScoreResult:
     # functions scored each completion (the failure rate is over completions x functions)
     components: dict[str, list[float]] = field(default_factory=dict)
     functions: int = 1
+    # several reward functions: each one's failures (errors + timeouts) and its last error, by label, so that one
+    # broken function among k is judged on its own rate, not diluted to 1/k of the scorings
+    failures: dict[str, tuple[int, str | None]] = field(default_factory=dict)
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
         """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
         components = {k: v + other.components.get(k, []) for k, v in self.components.items()}
+        failures = {k: (self.failures.get(k, (0, None))[0] + other.failures.get(k, (0, None))[0],
+                        other.failures.get(k, (0, None))[1] or self.failures.get(k, (0, None))[1])
+                    for k in {**self.failures, **other.failures}}
         return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
                            self.clamped + other.clamped, other.last_error or self.last_error,
-                           self.unscored + other.unscored, components, max(self.functions, other.functions))
+                           self.unscored + other.unscored, components, max(self.functions, other.functions), failures)
 
 
 def stopped_early(failed: int, n: int, max_failure_rate: float | None) -> bool:
@@ -246,13 +252,22 @@ def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, 
         max_failure_rate: ``reward.max_failure_rate``, a fraction in [0, 1].
         where: what was scored, e.g. ``"round 12"``, for the message.
         n: completions scored (default ``len(result.rewards)``); with several reward functions the rate is over
-            n x ``result.functions`` scorings.
+            n x ``result.functions`` scorings, and each function's own (``result.failures``) over n.
 
     Raises:
-        UserError: (errors + timeouts) / n is above ``max_failure_rate``; the message names the
-            counts, the scorer, its last error and the config keys to change.
+        UserError: (errors + timeouts) / n is above ``max_failure_rate``, or one reward function's failures / n
+            is (the message then names that function); the message names the counts, the scorer, its last error
+            and the config keys to change.
     """
-    n = (len(result.rewards) if n is None else n) * result.functions
+    completions = len(result.rewards) if n is None else n
+    for label, (failed, cause) in result.failures.items():
+        if completions > 0 and failed / completions > max_failure_rate:
+            last = f"; last error: {cause}" if cause else ""
+            raise UserError(f"{where}: reward function {label!r} of {scorer!r} failed on {failed / completions:.0%} "
+                            f"of completions ({failed} of {completions}), above reward.max_failure_rate="
+                            f"{max_failure_rate:g}{last}; fix it or remove it from reward.functions, or raise "
+                            "reward.timeout_s or reward.max_failure_rate")
+    n = completions * result.functions
     failed = result.errors + result.timeouts
     if n <= 0 or failed + result.clamped == 0:
         return None

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..errors import UserError
 from ..policy.lora import save_adapter
@@ -74,13 +75,11 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except RuntimeError as e:
+    except (RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        # torch.save on a full disk raises RuntimeError ("unexpected pos", "PytorchStreamWriter failed
-        # writing"), not OSError: say what it is, so the run ends with one line instead of a traceback
-        if shutil.disk_usage(root).free < _FULL_DISK_BYTES:
-            raise OSError(errno.ENOSPC, f"no space left while writing a checkpoint ({str(e).splitlines()[0][:120]})",
-                          str(root)) from e
+        cause = _write_error(root, e)
+        if cause is not None:
+            raise cause from e
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -88,6 +87,24 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_error(root: Path, e: Exception) -> OSError | None:
+    """The OSError behind a writer's own error type, or None when ``root`` still takes files (another fault).
+
+    torch.save on a full disk raises RuntimeError ("unexpected pos", "PytorchStreamWriter failed writing") and
+    safetensors its SafetensorError (a read-only filesystem, permissions): named as the OSError they wrap, the run
+    ends with one line (``recipes.rundir.run_dir_write_error``) instead of a traceback. A full disk is told by its
+    free space (a small file may still fit), anything else by trying to create a file in ``root``.
+    """
+    if shutil.disk_usage(root).free < _FULL_DISK_BYTES:
+        return OSError(errno.ENOSPC, f"no space left while writing a checkpoint ({str(e).splitlines()[0][:120]})",
+                       str(root))
+    try:
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as probe:
+        return OSError(probe.errno, probe.strerror, str(root))  # the folder, not the probe's random name
+    return None
 
 
 def clean_temporaries(run_dir: Path) -> int:

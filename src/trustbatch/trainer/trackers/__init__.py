@@ -60,6 +60,25 @@ def require_trackers(names: list[str]) -> None:
                             f"pip install 'trustbatch[{name}]', or remove {name} from log.trackers")
 
 
+def check_trackers(names: list[str], mlflow_uri: str | None = None) -> None:
+    """Check before any model loads what would stop the named trackers at start: their packages
+    (``require_trackers``), MLflow's tracking store (opened, as a run opens it) and W&B's login when it runs online.
+
+    Raises:
+        UserError: a missing package, an MLflow store that cannot be used (an unknown scheme, a path that cannot be
+            written), ``WANDB_MODE=online`` with no API key; one line naming the setting and the fix.
+    """
+    require_trackers(names)
+    if "mlflow" in names:
+        from .mlflow import check_store
+
+        check_store(mlflow_uri)
+    if "wandb" in names:
+        from .wandb import check_login
+
+        check_login()
+
+
 def open_trackers(names: list[str], run_dir: Path, config: dict, *, resuming: bool,
                   mlflow_uri: str | None = None) -> list[Tracker]:
     """Start the named trackers for ``run_dir``; on a resume, continue the runs whose ids ``trackers.json`` holds.

@@ -17,6 +17,30 @@ MAX_PARAM = 6000  # MLflow's longest parameter value (mlflow.utils.validation.MA
 BATCH = 100  # MLflow's most parameters in one log_batch call
 
 
+def check_store(uri: str | None) -> None:
+    """Open the tracking store ``uri`` (None: ``MLFLOW_TRACKING_URI``, else MLflow's default) as ``start`` will,
+    before any model loads: a SQL store is created there (its tables too), so an unwritable one fails here.
+
+    Raises:
+        UserError: MLflow refuses the URI (an unknown scheme) or cannot open the store (a path that cannot be
+            created or written); the message names the URI and MLflow's reason.
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from ...errors import UserError
+
+    try:
+        MlflowClient(tracking_uri=uri)  # resolves the store now (MLflow checks the URI on construction)
+    except Exception as e:  # noqa: BLE001 - MLflow raises its own types, SQLAlchemy's and OSError alike
+        where = f"log.mlflow_uri={uri!r}" if uri else (f"the MLflow tracking store {mlflow.get_tracking_uri()!r} "
+                                                       "(MLFLOW_TRACKING_URI, else MLflow's default)")
+        cause = " ".join(str(e).split())
+        cause = cause if len(cause) <= 200 else cause[:199] + "…"
+        raise UserError(f"{where} cannot be used ({type(e).__name__}: {cause}); give a store MLflow can write, e.g. "
+                        "log.mlflow_uri=sqlite:///PATH/mlflow.db in a folder you can write, or http://HOST:5000") from None
+
+
 class MlflowTracker:
     """An MLflow run through ``MlflowClient`` (no fluent active-run state in the trainer's process)."""
 

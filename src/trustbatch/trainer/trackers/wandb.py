@@ -10,9 +10,48 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 STEP_KEY = "round"
+
+
+def check_login() -> None:
+    """Before any model loads: an online run (``WANDB_MODE`` set to other than offline, dryrun or disabled, and no
+    ``WANDB_API_KEY``) needs a stored login (``wandb login``) unless W&B can ask for one at a terminal.
+
+    Raises:
+        UserError: W&B would stop at ``wandb.init`` with "No API key configured", or on a stored key of the wrong
+            form.
+    """
+    mode = os.environ.get("WANDB_MODE")
+    if not mode or os.environ.get("WANDB_API_KEY") or mode in ("offline", "dryrun", "disabled") or _terminal():
+        return
+    import wandb
+
+    try:  # W&B's own lookup (environment, netrc, its settings file), without a prompt or a network call
+        from wandb.sdk.lib.wbauth.authenticate import authenticate_session
+    except ImportError:  # another W&B than the pinned one: wandb.init will say it
+        return
+    from ...errors import UserError
+
+    host = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+    try:
+        found = authenticate_session(host=host, source="trustbatch", prompt=False, update_session=False)
+    except wandb.errors.AuthenticationError as e:  # a key of the wrong form: wandb.init refuses it the same way
+        raise UserError(f"log.trackers names wandb and WANDB_MODE={mode}, but W&B's login for {host} cannot be "
+                        f"used ({e}); run `wandb login` again or set WANDB_API_KEY") from None
+    if found is None:
+        raise UserError(f"log.trackers names wandb and WANDB_MODE={mode}, but no W&B API key is configured for "
+                        f"{host}: set WANDB_API_KEY or run `wandb login`, or unset WANDB_MODE to log offline")
+
+
+def _terminal() -> bool:
+    """Whether W&B may ask for a key at a terminal (stdin may be closed or absent in a service)."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class WandbTracker:
