@@ -22,8 +22,7 @@ known in the forward.
 
 Precision: log-probs are computed from each chunk's logits upcast to at least float32 (float32 for
 bf16/fp16/fp32 models, float64 for a float64 model), as the full path does (scale-up invariant 1).
-Under autocast the backward recomputes the logits under the
-forward's autocast state.
+Under autocast the backward recomputes the logits under the forward's autocast state.
 
 What is still [B, C, V]: the behaviour policy's full log-probs that the rollout engine stores with
 the batch for ``kl="exact"`` (and the proximal snapshot's, for the two-anchor variant). They enter
