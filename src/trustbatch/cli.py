@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 _TRAIN_HELP = (
     "Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base.\n\n"
     "Configuration sections, set as section.key=value or in a --config YAML file: task, data, reward, model (and "
-    "model.lora), rollout, objective, train, eval, log; top-level keys: run_dir, checkpoint_every, orchestrator, "
+    "model.lora), rollout, objective, train, eval, log; top-level keys: run_dir, checkpoint_every, checkpoint_keep, orchestrator, "
     "ray_address, ray_learners, threads. Every key with its type, default and meaning: docs/config.md."
 )
 
