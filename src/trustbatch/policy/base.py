@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..data import TaskSplit
+from ..records import umask_modes
 from .model import Policy, build_small_llama, load_policy
 from .sft import sft
 from .shipped import install_shipped, shipped_base
@@ -113,6 +114,7 @@ def build_base(
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         policy.save(tmp)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..records import umask_modes
+
 SHIPPED_DIR = Path(__file__).resolve().parent / "bases"
 MANIFEST = "BASE.json"
 BASE_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -71,6 +73,7 @@ def install_shipped(src: Path, final: Path) -> Path:
     try:
         for f in (*BASE_FILES, MANIFEST):  # the manifest too: the cache then says where its base came from
             shutil.copyfile(src / f, tmp / f)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

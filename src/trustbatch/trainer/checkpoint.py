@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..records import umask_modes
 from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
 
@@ -70,6 +71,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         }, tmp / "trainer_state.pt")
         if final.exists():
             shutil.rmtree(final)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except RuntimeError as e:
         shutil.rmtree(tmp, ignore_errors=True)
