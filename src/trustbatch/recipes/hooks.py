@@ -3,6 +3,7 @@ the metrics log, checkpoints, progress and the truncation warning."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -25,11 +26,18 @@ class TrainHooks:
     """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
 
     def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
-                 world: World, console=None):
+                 world: World, console=None, wall_before: float = 0.0, started: float | None = None):
         self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
         self.log, self.progress, self.world, self.console = log, progress, world, console
+        # the run's wall time: the earlier segments' (saved in the checkpoint resumed from), then this one's
+        self.wall_before, self.started = wall_before, time.time() if started is None else started
         self._ratio_round: int | None = None
         self._truncation_warned = False
+
+    def wall_s(self) -> float:
+        """Seconds of wall time of the run so far, over all its segments: the earlier ones up to the checkpoint this
+        one resumed from (the rounds a kill lost after it are redone, and counted once), then this one's."""
+        return self.wall_before + time.time() - self.started
 
     def is_eval(self, round_: int) -> bool:
         return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
@@ -69,7 +77,7 @@ class TrainHooks:
             return
         parts = self.built.parts
         model_state = full_model_state(self.policy.model) if self.sharded else None
-        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict()}
+        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict(), "wall_s": self.wall_s()}
         if not self.world.is_main:
             return
         sync_state = parts.sync.state_dict()
