@@ -40,6 +40,22 @@ def test_an_empty_cache_loads_the_shipped_base_without_building(tmp_path, monkey
     assert base_mod.find_base("chain_sum", task_key(cfg), cfg.model.model_dump(mode="json")) == (copy, "cached")
 
 
+def test_a_smaller_heldout_set_starts_from_the_shipped_base(tmp_path, monkeypatch):
+    """Issue 45 item 8: task.heldout_size=32 is held out of the shipped base's SFT already (it skipped the first 256
+    prompts), so it loads that base instead of building one."""
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+
+    def no_build(*a, **k):
+        raise AssertionError("the base was built (an SFT step ran)")
+
+    monkeypatch.setattr(base_mod, "sft", no_build)
+    cfg = load_config(None, ["reward.workers=0", "task.heldout_size=32"])
+    task, _, pool, source = prepare_run(cfg)
+    pool.close()
+    key, _, _ = default_key()
+    assert source == f"{tmp_path / 'cache' / 'base' / f'chain_sum-{key}'} (shipped)" and len(task.heldout) == 32
+
+
 # ---- a run's stdout to a file, its samples -------------------------------------------------------------------
 
 def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(tmp_path, cache, support_on_pythonpath):

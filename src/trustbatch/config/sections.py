@@ -50,6 +50,9 @@ class TaskConfig(_Strict):
     params: FreeDict = Field(default_factory=dict, description="merged over the task's defaults")
     train_size: Int = Field(3500, ge=1, description="training prompts")
     heldout_size: Int = Field(256, ge=1, description="held-out prompts")
+    heldout_reserve: Int = Field(
+        256, ge=0, description="the default base's SFT skips the first max(heldout_reserve, heldout_size) prompts: "
+                               "held-out sets up to this size share one base and were never trained on")
     seed: Int = Field(1, description="generation seed")
 
     @model_validator(mode="after")

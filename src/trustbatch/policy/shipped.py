@@ -61,6 +61,17 @@ def shipped_base(name: str, key: str, root: Path = SHIPPED_DIR) -> tuple[Path | 
     return d, ""
 
 
+def shipped_manifests(name: str, root: Path = SHIPPED_DIR) -> list[dict]:
+    """The readable manifests of the bases shipped for task ``name`` (any key)."""
+    out = []
+    for d in sorted(root.glob(f"{name}-*")):
+        try:
+            out.append(json.loads((d / MANIFEST).read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def install_shipped(src: Path, final: Path) -> Path:
     """Copy a shipped base's files into the cache folder ``final`` (written to a temporary sibling and renamed),
     so that checkpoints and LoRA adapters name a path that stays put across reinstalls. Returns the folder to
