@@ -94,6 +94,26 @@ def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(
     assert all(s["prompt"] + s["completion"] in last for s in samples if s["step"] == 4)
 
 
+def test_a_start_refused_for_its_input_leaves_no_directory_to_call_interrupted(tmp_path, cache):
+    import io
+
+    import pytest
+    from rich.console import Console
+
+    from trustbatch.errors import UserError
+    from trustbatch.recipes import train
+
+    run_dir = tmp_path / "run"
+    quick = TINY + ["threads=1", "reward.workers=0", f"run_dir={run_dir}"]
+    with pytest.raises(UserError, match="distinct prompts"):  # refused in prepare_run, after the directory was made
+        train(load_config(None, quick + ["task.heldout_size=5000"]), console=Console(file=io.StringIO()))
+    assert not run_dir.exists()
+    out = io.StringIO()
+    train(load_config(None, quick + ["train.steps=1"]), console=Console(file=out, width=200))
+    assert "before its first checkpoint" not in out.getvalue()
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("interrupted-")]
+
+
 # ---- Ctrl-C before the first checkpoint ----------------------------------------------------------------------
 
 def test_ctrl_c_before_the_first_checkpoint_says_so_and_the_directory_starts_again(tmp_path, cache,

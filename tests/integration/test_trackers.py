@@ -160,3 +160,28 @@ def test_mlflow_failed_segment_then_resume_and_a_stored_run_the_store_lacks(trac
     log.close()
     new_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     assert new_id != "0" * 32 and client.get_run(new_id).info.status == "FINISHED"
+
+
+def test_mlflow_default_store_is_beside_the_run_directory_not_in_the_working_directory(tmp_path, monkeypatch):
+    """Neither log.mlflow_uri nor MLFLOW_TRACKING_URI: the store is RUNS/mlflow.db and the artifacts RUNS/mlruns,
+    RUNS being the folder that holds the run directory (runs/ by default); the working directory stays empty."""
+    pytest.importorskip("mlflow", reason=SKIP)
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "beside")
+    cwd, runs = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    run_dir = runs / "one"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plot.png").write_bytes(b"a plot")
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=False))
+    log.log(1, {"x": 1.0})
+    log.close(artifacts=(run_dir / "plot.png",))
+    assert list(cwd.iterdir()) == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(1, 1.0)]
+    stored = [p for p in (runs / "mlruns").rglob("plot.png")]
+    assert len(stored) == 1 and stored[0].read_bytes() == b"a plot"

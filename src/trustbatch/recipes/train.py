@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from datetime import datetime
@@ -78,7 +79,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             if checkpoints(run_dir):
                 raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or "
                                 "another run_dir")
-            notes.append(f"{run_dir} held a start interrupted before its first checkpoint: its files are kept in "
+            notes.append(f"{run_dir} held a start that ended before its first checkpoint: its files are kept in "
                          f"{set_aside(run_dir)}; starting over")
     return cfg, run_dir, [], notes
 
@@ -116,10 +117,17 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
+    created = world.is_main and resume is None and not run_dir.exists()
     old_handler = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         with lock:
             return _train_locked(cfg, run_dir, changed, resume is not None, world, console, started)
+    except UserError:
+        # refused for its input (a data file, the model, the task) before any checkpoint: the directory this start
+        # made holds nothing to keep, and a next start would take it for an interrupted one
+        if created and not checkpoints(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     except KeyboardInterrupt:
         if not checkpoints(run_dir):
             raise RunInterrupted("interrupted before the first checkpoint; nothing to resume; run again with the same "
