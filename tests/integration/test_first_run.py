@@ -114,6 +114,31 @@ def test_a_start_refused_for_its_input_leaves_no_directory_to_call_interrupted(t
     assert not [p for p in run_dir.iterdir() if p.name.startswith("interrupted-")]
 
 
+def test_the_truncation_warning_says_when_the_context_holds_no_more(tmp_path, cache):
+    import io
+
+    from rich.console import Console
+
+    from trustbatch.recipes import train
+    from trustbatch.recipes.hooks import truncation_advice
+
+    task, policy, pool, _ = prepare_run(load_config(None, TINY + ["reward.workers=0"]))
+    pool.close()
+    longest = max(len(policy.encode_prompt(e.prompt)) for e in task.train)
+    context = policy.model.config.max_position_embeddings  # the tiny base's model.max_len
+    out = io.StringIO()
+    train(load_config(None, TINY + [f"rollout.max_new_tokens={context - longest}", "train.steps=1", "threads=1",
+                                    "reward.workers=0", f"run_dir={tmp_path / 'run'}"]),
+          console=Console(file=out, width=100))
+    warned = [line for line in out.getvalue().splitlines() if "were cut at" in line]
+    assert len(warned) == 1, out.getvalue()
+    assert (f"the model's context of {context} tokens cannot hold more beside the longest prompt ({longest} tokens)"
+            in warned[0]) and "raise rollout.max_new_tokens" not in warned[0]
+    # with room left, the advice is the budget that still keeps every prompt: 64 - 20 = 44 tokens
+    assert truncation_advice(8, 64, 20).startswith("raise rollout.max_new_tokens (up to 44 keeps every prompt")
+    assert truncation_advice(44, 64, 20).startswith("the model's context of 64 tokens cannot hold more")
+
+
 # ---- Ctrl-C before the first checkpoint ----------------------------------------------------------------------
 
 def test_ctrl_c_before_the_first_checkpoint_says_so_and_the_directory_starts_again(tmp_path, cache,

@@ -22,6 +22,20 @@ SAMPLES_PER_EVAL = 4  # sample completions each evaluation writes to samples.jso
 TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
 
 
+def truncation_advice(max_new_tokens: int, context: int | None, longest_prompt: int) -> str:
+    """What to do about completions cut at ``max_new_tokens`` (all in tokens): raise the budget as far as the model's
+    ``context`` holds it beside the ``longest_prompt`` (a longer one would drop prompts: ``fit_to_context``), or,
+    where the context holds no more, say so."""
+    if context is None:
+        return "raise rollout.max_new_tokens"
+    room = context - longest_prompt
+    if room > max_new_tokens:
+        return f"raise rollout.max_new_tokens (up to {room} keeps every prompt, longest {longest_prompt} tokens, in " \
+               f"the model's context of {context})"
+    return (f"the model's context of {context} tokens cannot hold more beside the longest prompt ({longest_prompt} "
+            "tokens): use a model with a longer context (model.max_len for the default base) or shorter prompts")
+
+
 class TrainHooks:
     """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
 
@@ -113,10 +127,13 @@ class TrainHooks:
         if self._truncation_warned or self.console is None or frac is None or frac <= TRUNCATION_WARNING:
             return
         self._truncation_warned = True
+        longest = max((len(self.policy.encode_prompt(e.prompt)) for e in self.task.train), default=0)
+        context = getattr(self.policy.model.config, "max_position_embeddings", None)
         self.console.print(f"[yellow]warning: round {round_}: {frac:.0%} of the completions were cut at "
                            f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} before their end (over "
-                           f"{TRUNCATION_WARNING:.0%}); their rewards score unfinished answers: raise "
-                           "rollout.max_new_tokens (warned once per run)[/yellow]", highlight=False, soft_wrap=True)
+                           f"{TRUNCATION_WARNING:.0%}); their rewards score unfinished answers: "
+                           f"{truncation_advice(self.cfg.rollout.max_new_tokens, context, longest)} (warned once per "
+                           "run)[/yellow]", highlight=False, soft_wrap=True)
 
     def after_round(self, round_: int, m: dict) -> None:
         skipped = "skipped_step" in m
