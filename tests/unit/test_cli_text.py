@@ -1,5 +1,5 @@
-"""What the ``trustbatch`` command prints, as a user reads it: help text whole (rich markup eats ``[lab]``), and no
-transformers warning that trustbatch says better itself (issue 45 item 9)."""
+"""What the ``trustbatch`` command prints, as a user reads it: help text whole (rich markup eats ``[lab]``), the
+header's world size, and no transformers warning that trustbatch says better itself (issue 45 items 7 and 9)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,15 @@ def test_the_tokenizers_sequence_length_warning_is_silenced(shared_dir, capfd):
     policy.tokenizer.model_max_length = 10  # transformers warns past this length, once per tokenizer
     assert len(policy.tokenizer("word " * 50)["input_ids"]) > 10
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_the_header_counts_ray_learner_actors_as_the_world():
+    """torchrun's ranks are tested end to end (tests/integration/test_parallel.py); Ray learner actors are ranks too."""
+    from trustbatch.config import load_config
+    from trustbatch.parallel import World
+    from trustbatch.recipes.train import where_it_runs
+
+    ray = ["orchestrator=ray", "rollout.mode=async"]
+    assert where_it_runs(load_config(None, ray + ["ray_learners=3"]), World()).endswith(
+        "world size 3 (Ray learner actors)")
+    assert where_it_runs(load_config(None, ray + ["ray_learners=0"]), World()).endswith("world size 1")

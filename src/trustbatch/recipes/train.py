@@ -259,7 +259,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         pool.close()
     if not world.is_main:
         return {}
-    summary = _summary(cfg, task, run_dir, last, hooks.wall_s(), world.size, console)
+    summary = _summary(cfg, task, run_dir, last, hooks.wall_s(), learner_ranks(cfg, world), console)
     log.close(artifacts=(run_dir / "plot.png",))
     return summary
 
@@ -327,13 +327,20 @@ BF16_ON_CPU = ("warning: train.precision=bf16-mixed on the CPU is slower than fl
                "2-core x86 host) and saves only memory; use train.precision=float32 on a CPU")
 
 
+def learner_ranks(cfg: Config, world: World) -> int:
+    """The data-parallel learner ranks: torchrun's world size, or the Ray learner actors (``backends.ray_learner``:
+    ``ray_learners`` under ``orchestrator=ray`` in one process)."""
+    return cfg.ray_learners if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1 else world.size
+
+
 def where_it_runs(cfg: Config, world: World) -> str:
     """The header line that says where the run trains: device (with the GPU's name), precision, strategy and world
     size, e.g. ``device cuda:0 (NVIDIA H100 80GB HBM3), precision bf16-mixed, strategy fsdp2, world size 4``."""
     dev = world.device
     name = f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""
+    ray = " (Ray learner actors)" if learner_ranks(cfg, world) != world.size else ""
     return (f"device {dev}{name}, precision {cfg.train.precision}, strategy {cfg.train.strategy}, "
-            f"world size {world.size}")
+            f"world size {learner_ranks(cfg, world)}{ray}")
 
 
 def _fmt(x) -> str:
