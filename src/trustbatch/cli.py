@@ -121,7 +121,7 @@ def eval_(
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, chat_template=chat_template,
                    system_prompt=system_prompt, progress=progress,
-                   warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line in a log
+                   warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
     table.add_column("prompts", justify="right")

@@ -46,7 +46,8 @@ def test_eval_warnings_stay_one_line_off_a_terminal(tmp_path, shared_dir):
              "--max-new-tokens", "4", "--workers", "0", "--out", str(tmp_path / "eval.json"), tmp_path=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     warned = [line for line in p.stdout.splitlines() if line.startswith("warning: rows: skipped 1 of 2 prompts")]
-    assert len(warned) == 1 and len(warned[0]) > 80 and warned[0].endswith("lower max_new_tokens to keep them"), p.stdout
+    assert len(warned) == 1 and len(warned[0]) > 80, p.stdout
+    assert warned[0].endswith("lower max_new_tokens to keep them"), p.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -146,7 +146,8 @@ def test_torchrun_two_ranks_trains(tmp_path):
     from trustbatch.recipes.compare import write_comparison
 
     page = write_comparison([run], tmp_path / "cmp").read_text()
-    table = page.splitlines()[page.splitlines().index("| run | rounds | base | final | best | wall time | world size |"):]
+    lines = page.splitlines()
+    table = lines[lines.index("| run | rounds | base | final | best | wall time | world size |"):]
     assert table[2].startswith("| run |") and table[2].strip("| ").split(" | ")[-1] == "2"
 
 

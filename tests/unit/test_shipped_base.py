@@ -72,8 +72,8 @@ def _key(overrides: list[str]) -> str:
 
 # evaluation, RL and held-out settings up to the reserve: the base's SFT reads none of them
 SAME_BASE = ["task.heldout_size=32", "task.heldout_size=1", "task.heldout_reserve=100", "eval.every=5",
-             "eval.samples_per_prompt=8", "eval.temperature=0.7", "train.lr=1e-4", "train.steps=7", "objective.name=grpo",
-             "rollout.group_size=4", "rollout.max_new_tokens=8", "model.lora.r=4", "reward.workers=0", "threads=1"]
+             "eval.samples_per_prompt=8", "eval.temperature=0.7", "train.lr=1e-4", "train.steps=7",
+             "objective.name=grpo", "rollout.group_size=4", "rollout.max_new_tokens=8", "model.lora.r=4", "reward.workers=0", "threads=1"]
 
 
 @pytest.mark.parametrize("override", SAME_BASE)

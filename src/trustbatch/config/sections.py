@@ -308,8 +308,8 @@ class LogConfig(_Strict):
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
         description="experiment trackers, each fed every round's metrics (W&B and MLflow also the config and the final "
-                    "plot): tensorboard (RUN_DIR/tensorboard), wandb (needs trustbatch[wandb]; offline unless WANDB_MODE or WANDB_API_KEY "
-                    "is set), mlflow (needs trustbatch[mlflow]); [] for none")
+                    "plot): tensorboard (RUN_DIR/tensorboard), wandb (needs trustbatch[wandb]; offline unless "
+                    "WANDB_MODE or WANDB_API_KEY is set), mlflow (needs trustbatch[mlflow]); [] for none")
     mlflow_uri: str | None = Field(
         None, description="mlflow: the tracking store, e.g. sqlite:///mlflow.db or http://host:5000 (default "
                           "MLFLOW_TRACKING_URI, else mlflow.db beside the run directory: runs/mlflow.db, artifacts in "

@@ -18,7 +18,7 @@ from ..errors import UserError
 
 class _NoSequenceLengthWarning(logging.Filter):
     """Drops transformers' "Token indices sequence length is longer than the specified maximum" warning: prompts that
-    do not fit the model's context are dropped with trustbatch's own one-line warning (``data.fit_prompts``), and the
+    do not fit the model's context are dropped with trustbatch's own one-line warning (``data.benchmarks.fit_prompts``), and the
     tokenizer's ``model_max_length`` is often not the model's context at all."""
 
     def filter(self, record: logging.LogRecord) -> bool:

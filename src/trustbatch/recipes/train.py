@@ -64,7 +64,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
-        if isinstance(saved.get("task"), dict):  # a run from before the reserve: its base skipped the held-out prompts alone
+        if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
             saved["task"].setdefault("heldout_reserve", 0)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
