@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..records import umask_modes
 from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
+from ..records import umask_modes
 
 _FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
 KEEP = 2  # checkpoints kept besides the newest ones being written
