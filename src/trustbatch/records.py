@@ -21,13 +21,55 @@ def git_commit() -> str:
         return "unknown"
 
 
+def package_version() -> str:
+    """The installed trustbatch's version (its metadata), or ``"unknown"`` for a source tree never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trustbatch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def umask() -> int:
+    """The process's file-mode creation mask (e.g. ``0o022``).
+
+    Linux shows it in /proc; elsewhere it can only be read by setting it, which another thread could see for an
+    instant (files it creates then get mode 0666 & the new mask), so it is set to itself at once.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(root: Path) -> None:
+    """Give ``root`` and everything under it the modes ``open`` and ``mkdir`` give under the umask (0644 and 0755
+    under 022), before it is renamed into place (a checkpoint, an export, a cached base) where others of the team
+    must read it: ``tempfile.mkdtemp`` makes 0700, and safetensors 0.8 writes 0600 (through a temporary file)."""
+    mask = umask()
+    for path in (Path(root), *Path(root).rglob("*")):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write to a temporary file in the same folder, then rename: readers see old or new, never half."""
+    """Write to a temporary file in the same folder, then rename: readers see old or new, never half.
+
+    The file gets the mode a plain ``open`` gives (0644 under umask 022), not ``mkstemp``'s 0600.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~umask())
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())

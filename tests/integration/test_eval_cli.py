@@ -37,6 +37,19 @@ def test_eval_story_model_on_gsm8k_reports_pass_at_k_about_zero(tmp_path, shared
     assert "pass@4" in p.stdout and "average" in p.stdout
 
 
+def test_eval_warnings_stay_one_line_off_a_terminal(tmp_path, shared_dir):
+    """stdout to a pipe: rich would wrap at 80 columns; a warning in a log must stay one line (issue 45 item 9)."""
+    rows = [{"question": "How many? " * 300, "answer": "1"}, {"question": "What is 1 + 1?", "answer": "2"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "-b", str(tmp_path / "rows.jsonl"),
+             "--prompt-field", "question", "--answer-field", "answer", "--reward", "math", "-n", "1", "-k", "1",
+             "--max-new-tokens", "4", "--workers", "0", "--out", str(tmp_path / "eval.json"), tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    warned = [line for line in p.stdout.splitlines() if line.startswith("warning: rows: skipped 1 of 2 prompts")]
+    assert len(warned) == 1 and len(warned[0]) > 80, p.stdout
+    assert warned[0].endswith("lower max_new_tokens to keep them"), p.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["-b", "gsm8k", "-n", "2", "-k", "1,4"], "need 1 <= k <= n"),
     (["-b", "/nonexistent.jsonl"], "neither a file nor a known benchmark"),

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def hf_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def parquet_run(tmp_path_factory, shared_dir, hf_cache):
     """A full fine-tuning run trained on a Parquet file, held out on a JSON file; its export (shared by the tests
-    below, which only read it)."""
+    below, which only read it). Both are written under umask 027 (UMASK), so that a mode the umask gives (0640,
+    0750) differs from mkstemp's and mkdtemp's (0600, 0700) and from one set without the umask (0644, 0755)."""
     tmp_path = tmp_path_factory.mktemp("parquet_run")
     pq.write_table(pa.Table.from_pylist(ROWS[8:]), tmp_path / "train.parquet")
     (tmp_path / "held.json").write_text(json.dumps(ROWS[:8]))
@@ -56,8 +58,52 @@ def parquet_run(tmp_path_factory, shared_dir, hf_cache):
     model = shared_dir / "models" / "stories260K-hf"
     cfg = load_config(None, RUN + [f"data={tmp_path / 'train.parquet'}", f"data.heldout={tmp_path / 'held.json'}",
                                    f"model.path={model}", f"run_dir={run}"])
-    summary = train(cfg, console=QUIET)
-    return run, out, summary, export_run(run, out)
+    old = os.umask(UMASK)
+    try:
+        summary = train(cfg, console=QUIET)
+        return run, out, summary, export_run(run, out)
+    finally:
+        os.umask(old)
+
+
+UMASK = 0o027
+
+
+def test_run_files_and_the_export_honour_the_umask(parquet_run):
+    """Every file and folder of the run and of its export has the mode open() and mkdir() give under the umask."""
+    run, out, _, _ = parquet_run
+    paths = [p for root in (run, out) for p in root.rglob("*")] + [out]
+    assert len(paths) > 15 and any(p.parent.name.startswith("step_") for p in paths)  # checkpoints and their files
+    modes = {str(p): oct(p.stat().st_mode & 0o777) for p in paths}
+    want = {str(p): oct((0o777 if p.is_dir() else 0o666) & ~UMASK) for p in paths}
+    assert modes == want
+
+
+def test_the_model_card_holds_no_local_path_and_names_the_version_without_git(parquet_run, shared_dir, monkeypatch):
+    import tomllib
+
+    from trustbatch.recipes import export
+
+    run, out, _, res = parquet_run
+    card = (out / "README.md").read_text()
+    local = [str(run.parent), str(shared_dir.resolve()), str(shared_dir), os.path.expanduser("~")]
+    assert "held.json" in card and "stories260K-hf" in card  # named, without their folders
+    assert [p for p in local if p in card] == []
+    assert str(run.parent) in " ".join(res["eval_command"])  # the command printed here keeps them: it runs here
+    assert "Exported from `run/checkpoints/step_000002`" in card
+
+    # an installed copy (no git): the card names the package version, read here from pyproject.toml
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    version = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert json.loads((run / "segments.jsonl").read_text().splitlines()[0])["version"] == version
+    monkeypatch.setattr(export, "git_commit", lambda: "unknown")
+    seg = run.parent / "installed-run"
+    seg.mkdir()
+    (seg / "segments.jsonl").write_text(json.dumps({"commit": "unknown", "version": version}) + "\n")
+    cfg = load_config(None, RUN)
+    card = export.model_card(cfg, seg, seg / "checkpoints" / "step_000002", 2, {}, None)
+    assert f"with trustbatch version `{version}`; trained with trustbatch version `{version}`." in card
+    assert "unknown" not in card
 
 
 def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(parquet_run, support_on_pythonpath):
@@ -78,7 +124,8 @@ def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(par
     assert last["step"] == 2 and 0.1 < last["heldout_accuracy"] < 0.9
     card = (out / "README.md").read_text()
     commit = json.loads((run / "segments.jsonl").read_text().splitlines()[0])["commit"]
-    assert f"trained at commit `{commit}`" in card and f"| heldout_accuracy | {last['heldout_accuracy']:.4f} |" in card
+    assert f"trained with trustbatch commit `{commit}`" in card
+    assert f"| heldout_accuracy | {last['heldout_accuracy']:.4f} |" in card
     assert "objective:\n  name: p3o" in card and "held.json" in card  # the resolved config, as YAML
 
     cmd = res["eval_command"]

@@ -40,6 +40,22 @@ def test_an_empty_cache_loads_the_shipped_base_without_building(tmp_path, monkey
     assert base_mod.find_base("chain_sum", task_key(cfg), cfg.model.model_dump(mode="json")) == (copy, "cached")
 
 
+def test_a_smaller_heldout_set_starts_from_the_shipped_base(tmp_path, monkeypatch):
+    """Issue 45 item 8: task.heldout_size=32 is held out of the shipped base's SFT already (it skipped the first 256
+    prompts), so it loads that base instead of building one."""
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+
+    def no_build(*a, **k):
+        raise AssertionError("the base was built (an SFT step ran)")
+
+    monkeypatch.setattr(base_mod, "sft", no_build)
+    cfg = load_config(None, ["reward.workers=0", "task.heldout_size=32"])
+    task, _, pool, source = prepare_run(cfg)
+    pool.close()
+    key, _, _ = default_key()
+    assert source == f"{tmp_path / 'cache' / 'base' / f'chain_sum-{key}'} (shipped)" and len(task.heldout) == 32
+
+
 # ---- a run's stdout to a file, its samples -------------------------------------------------------------------
 
 def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(tmp_path, cache, support_on_pythonpath):
@@ -76,6 +92,51 @@ def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(
     assert [t.step for t in texts] == [0, 2, 4]
     last = texts[-1].tensor_proto.string_val[0].decode()
     assert all(s["prompt"] + s["completion"] in last for s in samples if s["step"] == 4)
+
+
+def test_a_start_refused_for_its_input_leaves_no_directory_to_call_interrupted(tmp_path, cache):
+    import io
+
+    import pytest
+    from rich.console import Console
+
+    from trustbatch.errors import UserError
+    from trustbatch.recipes import train
+
+    run_dir = tmp_path / "run"
+    quick = TINY + ["threads=1", "reward.workers=0", f"run_dir={run_dir}"]
+    with pytest.raises(UserError, match="distinct prompts"):  # refused in prepare_run, after the directory was made
+        train(load_config(None, quick + ["task.heldout_size=5000"]), console=Console(file=io.StringIO()))
+    assert not run_dir.exists()
+    out = io.StringIO()
+    train(load_config(None, quick + ["train.steps=1"]), console=Console(file=out, width=200))
+    assert "before its first checkpoint" not in out.getvalue()
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("interrupted-")]
+
+
+def test_the_truncation_warning_says_when_the_context_holds_no_more(tmp_path, cache):
+    import io
+
+    from rich.console import Console
+
+    from trustbatch.recipes import train
+    from trustbatch.recipes.hooks import truncation_advice
+
+    task, policy, pool, _ = prepare_run(load_config(None, TINY + ["reward.workers=0"]))
+    pool.close()
+    longest = max(len(policy.encode_prompt(e.prompt)) for e in task.train)
+    context = policy.model.config.max_position_embeddings  # the tiny base's model.max_len
+    out = io.StringIO()
+    train(load_config(None, TINY + [f"rollout.max_new_tokens={context - longest}", "train.steps=1", "threads=1",
+                                    "reward.workers=0", f"run_dir={tmp_path / 'run'}"]),
+          console=Console(file=out, width=100))
+    warned = [line for line in out.getvalue().splitlines() if "were cut at" in line]
+    assert len(warned) == 1, out.getvalue()
+    assert (f"the model's context of {context} tokens cannot hold more beside the longest prompt ({longest} tokens)"
+            in warned[0]) and "raise rollout.max_new_tokens" not in warned[0]
+    # with room left, the advice is the budget that still keeps every prompt: 64 - 20 = 44 tokens
+    assert truncation_advice(8, 64, 20).startswith("raise rollout.max_new_tokens (up to 44 keeps every prompt")
+    assert truncation_advice(44, 64, 20).startswith("the model's context of 64 tokens cannot hold more")
 
 
 # ---- Ctrl-C before the first checkpoint ----------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 Also: micro-batching through the learner does not change the gradient (the batch statistics an
 objective declares cover the whole optimizer batch), and a 2-rank ``torchrun`` of ``trustbatch train``
-finishes.
+finishes, its header printed once and naming the world size, as summary.json and ``trustbatch report`` do.
 """
 
 import datetime
+import io
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
 from grad_probe import sgd_recording_grads
+from runproc import cache  # noqa: F401
 
 OBJECTIVES = ["p3o", "p3o_two_anchor", "grpo"]
 
@@ -134,4 +137,33 @@ def test_torchrun_two_ranks_trains(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3  # base evaluation and two rounds, written once (by rank 0)
-    assert (run / "summary.json").is_file()
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    out = p.stdout.splitlines()
+    assert sum(line.startswith("trustbatch train ") for line in out) == 1, p.stdout  # rank 0 alone prints
+    assert out.count("device cpu, precision float32, strategy ddp, world size 2") == 1, p.stdout
+    assert not [line for line in out if "slower than float32" in line]
+
+    from trustbatch.recipes.compare import write_comparison
+
+    page = write_comparison([run], tmp_path / "cmp").read_text()
+    lines = page.splitlines()
+    table = lines[lines.index("| run | rounds | base | final | best | wall time | world size |"):]
+    assert table[2].startswith("| run |") and table[2].strip("| ").split(" | ")[-1] == "2"
+
+
+def test_one_process_says_where_it_runs_and_that_bf16_mixed_is_slow_on_the_cpu(tmp_path, cache):  # noqa: F811
+    from rich.console import Console
+
+    from trustbatch.config import load_config
+    from trustbatch.recipes import train
+    from tiny import TINY
+
+    out = io.StringIO()
+    summary = train(load_config(None, TINY + ["train.steps=1", "threads=1", "reward.workers=0", "train.device=cpu",
+                                              "train.precision=bf16-mixed", f"run_dir={tmp_path / 'run'}"]),
+                    console=Console(file=out, width=80, soft_wrap=True))
+    lines = out.getvalue().splitlines()
+    assert "device cpu, precision bf16-mixed, strategy ddp, world size 1" in lines
+    warned = [line for line in lines if "slower than float32" in line]
+    assert len(warned) == 1 and "train.precision=bf16-mixed" in warned[0] and "train.precision=float32" in warned[0]
+    assert summary["world_size"] == 1 == json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"]

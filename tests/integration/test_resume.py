@@ -6,8 +6,10 @@ fields aside). Also the resume rules (what a resume may change) and recovery fro
 first checkpoint, a corrupt newest checkpoint and leftover temporary checkpoint folders.
 """
 
+import json
 import math
 import signal
+import time
 import warnings
 
 import pytest
@@ -127,7 +129,9 @@ def _cli(monkeypatch, capsys, *argv) -> tuple[int, str]:
 
 def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path, cache, monkeypatch, capsys):
     run_dir = tmp_path / "run"
+    t0 = time.time()
     train(load_config(None, QUICK + ["train.steps=2", f"run_dir={run_dir}"]))
+    first = time.time() - t0
     before = snapshot(run_dir)
 
     code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), "train.lr=0.01")
@@ -138,9 +142,17 @@ def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path,
     assert code == 2 and "already finished" in one_line(err) and "train.steps" in err
     assert snapshot(run_dir) == before  # summary.json byte-identical
 
+    # a run from before task.heldout_reserve existed: its base skipped the held-out prompts alone, and still does
+    saved = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text(saved.replace("  heldout_reserve: 0\n", ""))
+    t0 = time.time()
     code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), "train.steps=3")
+    resumed = time.time() - t0
     assert code == 0, err
-    assert "steps: 3" in (run_dir / "config.yaml").read_text()
+    wall = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+    assert resumed < wall < first + resumed  # both segments: more than the resume alone took, at most both
+    assert "steps: 3" in (run_dir / "config.yaml").read_text() and "  heldout_reserve: 0\n" in saved
+    assert (run_dir / "config.yaml").read_text() == saved.replace("  steps: 2\n", "  steps: 3\n")
     assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
     segments = records(run_dir, "segments.jsonl")
     assert [(s["start_round"], s["rounds"], s["changed"]) for s in segments] == [(0, 2, []), (2, 3, ["train.steps"])]

@@ -71,7 +71,7 @@ def test_the_table_names_exactly_the_key_the_runs_differ_in(two_runs, tmp_path):
         final = f"{last['heldout_accuracy']:.3f} ± {last['heldout_accuracy_se']:.3f} (round 2)"
         wall = json.loads((run / "summary.json").read_text())["wall_s"]
         assert rows[run.name][1] == "2" and rows[run.name][3] == final
-        assert rows[run.name][5] == f"{wall / 60:.1f} min"
+        assert rows[run.name][5] == f"{wall / 60:.1f} min" and rows[run.name][6] == "1"  # one process
 
 
 def test_the_figure_has_a_panel_per_logged_metric(two_runs, tmp_path):

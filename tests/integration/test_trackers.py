@@ -225,3 +225,28 @@ def test_wandb_online_needs_a_stored_or_given_key_and_offline_needs_none(tmp_pat
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key in the environment: W&B's to check at init
     (tmp_path / "netrc").unlink()
     check_login()
+
+
+def test_mlflow_default_store_is_beside_the_run_directory_not_in_the_working_directory(tmp_path, monkeypatch):
+    """Neither log.mlflow_uri nor MLFLOW_TRACKING_URI: the store is RUNS/mlflow.db and the artifacts RUNS/mlruns,
+    RUNS being the folder that holds the run directory (runs/ by default); the working directory stays empty."""
+    pytest.importorskip("mlflow", reason=SKIP)
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "beside")
+    cwd, runs = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    run_dir = runs / "one"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plot.png").write_bytes(b"a plot")
+    log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=False))
+    log.log(1, {"x": 1.0})
+    log.close(artifacts=(run_dir / "plot.png",))
+    assert list(cwd.iterdir()) == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(1, 1.0)]
+    stored = [p for p in (runs / "mlruns").rglob("plot.png")]
+    assert len(stored) == 1 and stored[0].read_bytes() == b"a plot"

@@ -4,6 +4,7 @@ The budgets are the peers' (verl: GSM8K 512, MATH 1024; verl's DAPO recipe on AI
 """
 
 import io
+from types import SimpleNamespace
 import json
 
 import pytest
@@ -70,8 +71,12 @@ def test_a_budget_the_user_set_or_the_default_task_is_left_alone(tmp_path, extra
 
 
 def _hooks(console) -> TrainHooks:
+    """Hooks whose policy encodes a prompt as one token a character, in a context of 64, over prompts of 4 and 10."""
     cfg = load_config(None, ["rollout.max_new_tokens=16"])
-    return TrainHooks(cfg, None, None, None, None, None, None, None, None, console)
+    policy = SimpleNamespace(encode_prompt=lambda p: [0] * len(p),
+                             model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64)))
+    task = SimpleNamespace(train=[SimpleNamespace(prompt="a" * 4), SimpleNamespace(prompt="b" * 10)])
+    return TrainHooks(cfg, None, None, policy, task, None, None, None, None, console)
 
 
 def test_truncation_past_20_percent_is_warned_once_in_one_line():
@@ -85,3 +90,4 @@ def test_truncation_past_20_percent_is_warned_once_in_one_line():
     hooks.warn_truncation(5, {"truncated_fraction": 0.9})
     lines = buf.getvalue().splitlines()
     assert len(lines) == 1 and "round 4" in lines[0] and "25%" in lines[0] and "rollout.max_new_tokens=16" in lines[0]
+    assert "raise rollout.max_new_tokens (up to 54 keeps every prompt" in lines[0]  # 64 - the longest prompt, 10

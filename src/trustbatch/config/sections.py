@@ -60,6 +60,9 @@ class TaskConfig(_Strict):
     params: FreeDict = Field(default_factory=dict, description="merged over the task's defaults")
     train_size: Int = Field(3500, ge=1, description="training prompts")
     heldout_size: Int = Field(256, ge=1, description="held-out prompts")
+    heldout_reserve: Int = Field(
+        256, ge=0, description="the default base's SFT skips the first max(heldout_reserve, heldout_size) prompts: "
+                               "held-out sets up to this size share one base and were never trained on")
     seed: Int = Field(1, description="generation seed")
 
     @model_validator(mode="after")
@@ -328,12 +331,13 @@ class LogConfig(_Strict):
 
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
-        description="experiment trackers, each fed the config, every round's metrics and the final plot: tensorboard "
-                    "(RUN_DIR/tensorboard), wandb (needs trustbatch[wandb]; offline unless WANDB_MODE or WANDB_API_KEY "
-                    "is set), mlflow (needs trustbatch[mlflow]); [] for none")
+        description="experiment trackers, each fed every round's metrics (W&B and MLflow also the config and the final "
+                    "plot): tensorboard (RUN_DIR/tensorboard), wandb (needs trustbatch[wandb]; offline unless "
+                    "WANDB_MODE or WANDB_API_KEY is set), mlflow (needs trustbatch[mlflow]); [] for none")
     mlflow_uri: str | None = Field(
         None, description="mlflow: the tracking store, e.g. sqlite:///mlflow.db or http://host:5000 (default "
-                          "MLFLOW_TRACKING_URI, else MLflow's own: sqlite:///mlflow.db in the working directory)")
+                          "MLFLOW_TRACKING_URI, else mlflow.db beside the run directory: runs/mlflow.db, artifacts in "
+                          "runs/mlruns)")
 
 
 ModelConfig.model_rebuild()

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from ..records import umask_modes
 from . import records
 from .bases import write_bases
 
@@ -59,6 +60,7 @@ def archive_experiment(exp_dir: Path, dest: Path) -> int:
                     packed[src.relative_to(exp_dir).as_posix()] = records.read_bytes(src)  # follows symlinks
         if packed:
             written += records.write_pack(tmp / records.PACK, packed)
+        umask_modes(tmp)
         old = None
         if dest.exists():
             _inline_links_into(dest)

@@ -2,8 +2,13 @@
 
 No model hub is reachable on the machines we target, so the default path builds its own model.
 The result is cached under ``$TRUSTBATCH_CACHE`` (default ``~/.cache/trustbatch``) by a hash of
-everything that determines it, and reused by later runs. The default config's base ships with the package
-(``policy.shipped``), so a fresh machine finds it without building.
+everything that determines it (``base_settings``: what the build reads, no more), and reused by later runs. The
+default config's base ships with the package (``policy.shipped``), so a fresh machine finds it without building.
+
+A reasoning-gym task's first ``task.heldout_reserve`` (256) prompts are kept from the base's SFT, whatever
+``task.heldout_size``: any held-out set up to that size is prompts the base never saw, and one base serves them all
+(``task.heldout_size=32`` starts from the shipped base). A larger held-out set is skipped by the SFT too, and so
+builds its own base.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ..data import TaskSplit
+from ..data import TaskSplit, load_task
+from ..errors import UserError
+from ..records import umask_modes
 from .model import Policy, build_small_llama, load_policy
 from .sft import sft
-from .shipped import install_shipped, shipped_base
+from .shipped import install_shipped, shipped_base, shipped_manifests
 from .tokenizer import train_tokenizer
 
 BASE_FORMAT = 1  # bump when the recipe changes, to invalidate old caches
@@ -33,15 +40,55 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-# model settings that act on top of the base and do not determine it: a LoRA run trains adapters on the
-# same cached base as full fine-tuning (and the key stays what it was before the setting existed)
-NOT_BASE_KEYS = ("lora", "revision")
+# what build_base reads of a reasoning-gym task and of the model section: settings outside these lists (held-out
+# evaluation, RL, LoRA, keys added later) never move the key. ``path`` is always None for a default base; it stays
+# so that the keys, and the shipped base's (chain_sum-88727ec7e0e902cd), are what they were before this list.
+BASE_TASK_KEYS = ("name", "params", "train_size", "heldout_size", "seed")
+BASE_MODEL_KEYS = ("path", "hidden", "layers", "heads", "vocab_size", "max_len", "sft_examples", "sft_teacher_error",
+                   "sft_steps", "sft_batch_size", "sft_lr", "seed")
+
+
+def sft_skip(task_cfg: dict) -> int:
+    """How many leading prompts of a generated task the base's SFT skips: the held-out ones, and at least
+    ``task.heldout_reserve`` (a config without the key, from before it existed: the held-out ones alone)."""
+    return max(task_cfg["heldout_size"], task_cfg.get("heldout_reserve", 0))
+
+
+def base_settings(task_cfg: dict, model_cfg: dict) -> dict:
+    """``{"format", "task", "model"}``: the settings that determine the default base, as its key hashes them.
+
+    ``task_cfg``: ``recipes.build.task_key`` (the ``task`` section, or for data files the ``data`` section less the
+    prompt format, all of which the split of the files reads); ``model_cfg``: the ``model`` section as a dict. A
+    reasoning-gym task's ``heldout_size`` enters as ``sft_skip``, the prompts the SFT skips (``heldout_reserve``
+    itself does not: a reserve below the held-out size changes nothing).
+    """
+    if "train" in task_cfg:  # data files: which rows train depends on every data setting left in task_key
+        task = dict(task_cfg)
+    else:
+        task = {k: task_cfg[k] for k in BASE_TASK_KEYS} | {"heldout_size": sft_skip(task_cfg)}
+    return {"format": BASE_FORMAT, "task": task, "model": {k: model_cfg[k] for k in BASE_MODEL_KEYS}}
 
 
 def base_key(task_cfg: dict, model_cfg: dict) -> str:
-    model_cfg = {k: v for k, v in model_cfg.items() if k not in NOT_BASE_KEYS}
-    blob = json.dumps({"format": BASE_FORMAT, "task": task_cfg, "model": model_cfg}, sort_keys=True)
+    """The default base's cache key: the first 16 hex digits of the sha256 of ``base_settings`` as sorted-key JSON."""
+    blob = json.dumps(base_settings(task_cfg, model_cfg), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sft_split(task: TaskSplit, task_cfg: dict) -> TaskSplit:
+    """The split whose train prompts the base's SFT reads: ``task`` itself, or for a reasoning-gym task held out on
+    fewer than ``task.heldout_reserve`` prompts, the task generated again with that many held out (the same prompt
+    sequence: reasoning-gym draws each item from the seed and its index)."""
+    skip = None if "train" in task_cfg else sft_skip(task_cfg)
+    if skip is None or skip == task_cfg["heldout_size"]:
+        return task
+    try:
+        return load_task(task_cfg["name"], train_size=task_cfg["train_size"], heldout_size=skip,
+                         seed=task_cfg["seed"], params=task_cfg["params"])
+    except UserError:
+        raise UserError(f"task {task_cfg['name']!r} with {task_cfg['params']} has too few distinct prompts for the "
+                        f"default base, whose SFT skips the first {skip} (so that it never trains on a held-out "
+                        "prompt); widen task.params, lower task.heldout_reserve or give model.path") from None
 
 
 def weak_teacher(demos: list[tuple[str, str]], error: float, seed: int) -> list[tuple[str, str]]:
@@ -84,7 +131,23 @@ def find_base(task_name: str, task_cfg: dict, model_cfg: dict) -> tuple[Path | N
     src, why_not = shipped_base(task_name, key)
     if src is not None:
         return install_shipped(src, final), "shipped"
-    return None, f"no base for these task and model settings (key {key}) is cached in {final.parent}, and {why_not}"
+    moved = moved_settings(base_settings(task_cfg, model_cfg), shipped_manifests(task_name))
+    return None, (f"no base for these task and model settings (key {key}) is cached in {final.parent}, and {why_not}"
+                  + (f"; the shipped {task_name} base was built with other {', '.join(moved)}" if moved else ""))
+
+
+def moved_settings(settings: dict, manifests: list[dict]) -> list[str]:
+    """The settings (``task.heldout_size (256 -> 512)``, dotted, in key order) in which ``settings``
+    (``base_settings``) differ from the nearest of the shipped bases' ``manifests``; [] when none ships."""
+    best: list[str] | None = None
+    for m in manifests:
+        diff = [f"{section}.{k} ({m.get(section, {}).get(k)!r} -> {settings[section].get(k)!r})"
+                for section in ("task", "model")
+                for k in sorted(set(settings[section]) | set(m.get(section, {})))
+                if settings[section].get(k) != m.get(section, {}).get(k)]
+        if best is None or len(diff) < len(best):
+            best = diff
+    return best or []
 
 
 def build_base(
@@ -95,9 +158,11 @@ def build_base(
 
     model_cfg keys: hidden, layers, heads, vocab_size, max_len, sft_examples, sft_teacher_error, sft_steps,
     sft_batch_size, sft_lr, seed.
-    The directory is written to a temporary sibling and renamed, so a crash never leaves half a model.
+    The tokenizer and the SFT read the train prompts of ``sft_split``. The directory is written to a temporary
+    sibling and renamed, so a crash never leaves half a model.
     """
     final = base_folder(task.name, task_cfg, model_cfg)
+    task = sft_split(task, task_cfg)
     texts = [e.prompt for e in task.train] + [" " + e.answer for e in task.train]
     tok = train_tokenizer(texts, vocab_size=model_cfg["vocab_size"])
     model = build_small_llama(
@@ -113,6 +178,7 @@ def build_base(
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         policy.save(tmp)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

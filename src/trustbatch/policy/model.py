@@ -8,6 +8,7 @@ snapshot in the hub cache (``policy.hub``).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,18 @@ import torch
 
 from ..errors import UserError
 from .hub import model_dir
+
+
+class _NoSequenceLengthWarning(logging.Filter):
+    """Drops transformers' "Token indices sequence length is longer than the specified maximum" warning: prompts that
+    do not fit the model's context are dropped with trustbatch's own one-line warning (``data.benchmarks.fit_prompts``), and the
+    tokenizer's ``model_max_length`` is often not the model's context at all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer")
+
+
+logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoSequenceLengthWarning())
 
 
 @dataclass

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..records import umask_modes
+
 SHIPPED_DIR = Path(__file__).resolve().parent / "bases"
 MANIFEST = "BASE.json"
 BASE_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -59,6 +61,17 @@ def shipped_base(name: str, key: str, root: Path = SHIPPED_DIR) -> tuple[Path | 
     return d, ""
 
 
+def shipped_manifests(name: str, root: Path = SHIPPED_DIR) -> list[dict]:
+    """The readable manifests of the bases shipped for task ``name`` (any key)."""
+    out = []
+    for d in sorted(root.glob(f"{name}-*")):
+        try:
+            out.append(json.loads((d / MANIFEST).read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def install_shipped(src: Path, final: Path) -> Path:
     """Copy a shipped base's files into the cache folder ``final`` (written to a temporary sibling and renamed),
     so that checkpoints and LoRA adapters name a path that stays put across reinstalls. Returns the folder to
@@ -71,6 +84,7 @@ def install_shipped(src: Path, final: Path) -> Path:
     try:
         for f in (*BASE_FILES, MANIFEST):  # the manifest too: the cache then says where its base came from
             shutil.copyfile(src / f, tmp / f)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,5 +1,5 @@
 """``trustbatch report RUN_DIR [RUN_DIR ...] --out DIR``: several runs overlaid in one figure, and a short Markdown
-page: the configuration keys in which they differ, base, final and best held-out accuracy, wall time.
+page: the configuration keys in which they differ, base, final and best held-out accuracy, wall time, world size.
 
 Reads what ``trustbatch train`` leaves in a run directory (``metrics.jsonl``, ``config.yaml``, ``summary.json``,
 ``segments.jsonl``); writes ``OUT/README.md`` and ``OUT/runs.png``. Runs of any commit compare: a panel or a
@@ -166,7 +166,16 @@ def _wall(run: Run) -> str:
     if run.summary is None or not _finite(run.summary.get("wall_s")):
         return "unfinished (no summary.json)"
     text = f"{run.summary['wall_s'] / 60:.1f} min"
-    return text + (f" (the last of {run.segments} segments)" if run.segments > 1 else "")
+    if run.segments == 1:
+        return text
+    # summaries that name the world size count every segment's time; older ones only the last segment's
+    return text + (f" ({run.segments} segments)" if "world_size" in run.summary else
+                   f" (the last of {run.segments} segments)")
+
+
+def _world(run: Run) -> str:
+    size = (run.summary or {}).get("world_size")
+    return str(size) if isinstance(size, int) else "—"
 
 
 def _value(v) -> str:
@@ -175,7 +184,7 @@ def _value(v) -> str:
 
 def report_markdown(runs: list[Run], figure: str | None = FIGURE) -> str:
     """The page: the runs, the config keys in which they differ (one row each), then base / final / best held-out
-    accuracy (± standard error when logged) and wall time per run."""
+    accuracy (± standard error when logged), wall time and world size (data-parallel ranks) per run."""
     lines = ["# Run comparison", ""]
     lines += [f"- **{r.label}**: `{r.path}`" for r in runs] + [""]
     if figure:
@@ -188,13 +197,13 @@ def report_markdown(runs: list[Run], figure: str | None = FIGURE) -> str:
     else:
         lines += ["The resolved configurations are identical (run_dir aside)."]
     lines += ["", "## Held-out accuracy (pass@1) and wall time", "",
-              "| run | rounds | base | final | best | wall time |", "|---|---|---|---|---|---|"]
+              "| run | rounds | base | final | best | wall time | world size |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         steps = [rec["step"] for rec in r.records if "step" in rec]
         best = max(r.evals, key=lambda rec: rec[HELDOUT]) if r.evals else None  # the first of equal maxima
         base = r.evals[0] if r.evals and r.evals[0]["step"] == 0 else None
         lines.append(f"| {r.label} | {max(steps) if steps else 0} | {_acc(base)} | "
-                     f"{_acc(r.evals[-1] if r.evals else None)} | {_acc(best)} | {_wall(r)} |")
+                     f"{_acc(r.evals[-1] if r.evals else None)} | {_acc(best)} | {_wall(r)} | {_world(r)} |")
     lines += ["", "Best is the highest held-out evaluation of the run (chosen after the fact: an optimistic number); "
               "± is the standard error over held-out prompts where the run logged it."]
     return "\n".join(lines) + "\n"

@@ -22,9 +22,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..config import Config, dump_config, load_config, read_yaml_file
+import yaml
+
+from ..config import Config, load_config, read_yaml_file
 from ..errors import UserError
-from ..records import git_commit, read_metrics
+from ..records import git_commit, package_version, read_metrics, umask_modes
 from ..seeding import row_seed
 from ..trainer.checkpoint import checkpoints
 from .hooks import EVAL_STREAM
@@ -70,6 +72,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
         (tmp / "README.md").write_text(card, encoding="utf-8")
         if dest.exists():
             dest.rmdir()
+        umask_modes(tmp)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -144,17 +147,22 @@ def eval_command(cfg: Config, model: Path, step: int) -> list[str] | None:
 def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, command: list[str] | None,
                chat: bool = False) -> str:
     """README.md of an export: what was trained from what, the numbers, how to check them, the resolved config.
-    ``chat``: the prompts went through the tokenizer's chat template."""
-    commits = _segment_commits(run)
-    source = cfg.data.train or f"reasoning-gym task {cfg.task.name} (seed {cfg.task.seed})"
+    ``chat``: the prompts went through the tokenizer's chat template.
+
+    The card is published with the folder, so it holds no absolute local path (``_no_local_paths``: each is given by
+    its last component), and names the code by commit, else by package version (an installed copy has no git)."""
+    trained = _segment_versions(run)
+    source = _no_local_paths(cfg.data.train) or f"reasoning-gym task {cfg.task.name} (seed {cfg.task.seed})"
     lora = cfg.model.lora
     lines = ["---", "library_name: transformers", "tags: [trustbatch, reinforcement-learning]", "---", "",
              f"# {run.name}, round {step}", "",
              f"RL post-training with trustbatch: objective `{cfg.objective.name}` on {source}, from "
-             f"`{cfg.model.path or 'the default small base'}`"
+             f"`{_no_local_paths(cfg.model.path) or 'the default small base'}`"
              + (f", LoRA r={lora.r} alpha={lora.alpha:g} merged into the base weights" if lora else "") + ".",
-             f"Exported from `{ckpt}` at trustbatch commit `{git_commit()}`; trained at commit "
-             + (", ".join(f"`{c}`" for c in commits) if commits else "unknown (not recorded by this run)") + ".", ""]
+             f"Exported from `{run.name}/{ckpt.relative_to(run).as_posix() if ckpt.is_relative_to(run) else ckpt.name}`"
+             f" with trustbatch {_code_version(git_commit(), package_version())}; trained with trustbatch "
+             + (", ".join(trained) if trained else "of unknown version (not recorded by this run)") + ".",
+             "Local paths are given by their last component.", ""]
     if chat:
         lines += ["Prompts were sent as a user message through the tokenizer's chat template"
                   + (f", after the system message {cfg.data.system_prompt!r}" if cfg.data.system_prompt else "")
@@ -169,21 +177,45 @@ def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, com
     else:
         lines += [f"Round {step} had no held-out evaluation (eval.every={cfg.eval.every})."]
     if command:
-        lines += ["", "The same evaluation, sampled again from this directory (the same prompts and random streams):",
-                  "", "```", shlex.join(command), "```"]
-    lines += ["", "## Training configuration", "", "```yaml", dump_config(cfg).rstrip(), "```", ""]
+        lines += ["", "The same evaluation, sampled again from this directory (the same prompts and random streams), "
+                  "run beside it and the data files:", "", "```", shlex.join(_no_local_paths(command)), "```"]
+    config = yaml.safe_dump(_no_local_paths(cfg.model_dump(mode="json")), sort_keys=False)
+    lines += ["", "## Training configuration", "", "```yaml", config.rstrip(), "```", ""]
     return "\n".join(lines)
 
 
-def _segment_commits(run: Path) -> list[str]:
-    """The distinct commits of the run's segments (start and resumes), in order; older runs recorded none."""
+def _no_local_paths(value):
+    """``value`` (a string, or lists and dicts of them) with each absolute or home-relative path replaced by its
+    last component, so that a published card does not reveal the machine's folders."""
+    if isinstance(value, dict):
+        return {k: _no_local_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_local_paths(v) for v in value]
+    if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")):
+        return Path(value).name or value
+    return value
+
+
+def _code_version(commit: str | None, version: str | None) -> str:
+    """``commit abc1234``, else ``version 0.1.0`` (an installed copy, no git), else ``of unknown version``."""
+    if commit and commit != "unknown":
+        return f"commit `{commit}`"
+    if version and version != "unknown":
+        return f"version `{version}`"
+    return "of unknown version"
+
+
+def _segment_versions(run: Path) -> list[str]:
+    """The distinct code versions (``_code_version``) of the run's segments (start and resumes), in order; older
+    runs recorded none."""
     seg = run / "segments.jsonl"
     out: list[str] = []
     for line in seg.read_text().splitlines() if seg.is_file() else []:
         try:
-            c = json.loads(line).get("commit")
+            rec = json.loads(line)
+            v = _code_version(rec.get("commit"), rec.get("version"))
         except (json.JSONDecodeError, AttributeError):
             continue
-        if c and c not in out:
-            out.append(c)
+        if v not in out:
+            out.append(v)
     return out

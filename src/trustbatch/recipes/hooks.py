@@ -4,6 +4,7 @@ the metrics log, checkpoints, progress and the truncation warning."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -22,15 +23,36 @@ SAMPLES_PER_EVAL = 4  # sample completions each evaluation writes to samples.jso
 TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
 
 
+def truncation_advice(max_new_tokens: int, context: int | None, longest_prompt: int) -> str:
+    """What to do about completions cut at ``max_new_tokens`` (all in tokens): raise the budget as far as the model's
+    ``context`` holds it beside the ``longest_prompt`` (a longer one would drop prompts: ``fit_to_context``), or,
+    where the context holds no more, say so."""
+    if context is None:
+        return "raise rollout.max_new_tokens"
+    room = context - longest_prompt
+    if room > max_new_tokens:
+        return f"raise rollout.max_new_tokens (up to {room} keeps every prompt, longest {longest_prompt} tokens, in " \
+               f"the model's context of {context})"
+    return (f"the model's context of {context} tokens cannot hold more beside the longest prompt ({longest_prompt} "
+            "tokens): use a model with a longer context (model.max_len for the default base) or shorter prompts")
+
+
 class TrainHooks:
     """Around each round: the ratio histogram, held-out evaluation, the metrics log, checkpoints, progress."""
 
     def __init__(self, cfg: Config, run_dir: Path, built, policy, task, pool, log: MetricsLog, progress: Progress,
-                 world: World, console=None):
+                 world: World, console=None, wall_before: float = 0.0, started: float | None = None):
         self.cfg, self.run_dir, self.built, self.policy, self.task, self.pool = cfg, run_dir, built, policy, task, pool
         self.log, self.progress, self.world, self.console = log, progress, world, console
+        # the run's wall time: the earlier segments' (saved in the checkpoint resumed from), then this one's
+        self.wall_before, self.started = wall_before, time.time() if started is None else started
         self._ratio_round: int | None = None
         self._truncation_warned = False
+
+    def wall_s(self) -> float:
+        """Seconds of wall time of the run so far, over all its segments: the earlier ones up to the checkpoint this
+        one resumed from (the rounds a kill lost after it are redone, and counted once), then this one's."""
+        return self.wall_before + time.time() - self.started
 
     def is_eval(self, round_: int) -> bool:
         return round_ % self.cfg.eval.every == 0 or round_ == self.cfg.train.steps
@@ -73,7 +95,8 @@ class TrainHooks:
             return
         parts = self.built.parts
         model_state = full_model_state(self.policy.model) if self.sharded else None
-        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict(), "rank_rng": rank_rng}
+        state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict(), "rank_rng": rank_rng,
+                 "wall_s": self.wall_s()}
         if not self.world.is_main:
             return
         sync_state = parts.sync.state_dict()
@@ -109,10 +132,13 @@ class TrainHooks:
         if self._truncation_warned or self.console is None or frac is None or frac <= TRUNCATION_WARNING:
             return
         self._truncation_warned = True
+        longest = max((len(self.policy.encode_prompt(e.prompt)) for e in self.task.train), default=0)
+        context = getattr(self.policy.model.config, "max_position_embeddings", None)
         self.console.print(f"[yellow]warning: round {round_}: {frac:.0%} of the completions were cut at "
                            f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} before their end (over "
-                           f"{TRUNCATION_WARNING:.0%}); their rewards score unfinished answers: raise "
-                           "rollout.max_new_tokens (warned once per run)[/yellow]", highlight=False, soft_wrap=True)
+                           f"{TRUNCATION_WARNING:.0%}); their rewards score unfinished answers: "
+                           f"{truncation_advice(self.cfg.rollout.max_new_tokens, context, longest)} (warned once per "
+                           "run)[/yellow]", highlight=False, soft_wrap=True)
 
     def after_round(self, round_: int, m: dict) -> None:
         skipped = "skipped_step" in m

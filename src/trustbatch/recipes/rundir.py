@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import UserError
-from ..records import git_commit
+from ..records import git_commit, package_version
 from ..trainer.runlog import MetricsLog
 from ..trainer.trackers import open_trackers
 
@@ -121,9 +121,10 @@ def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -
 
 def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) -> None:
     """Append one line per run segment (start, resume) to ``segments.jsonl``: when, from where, what changed, and
-    the trustbatch commit that ran it (``records.git_commit``; the model card of ``trustbatch export`` names it)."""
+    the trustbatch commit and version that ran it (``records.git_commit``, ``records.package_version``; the model
+    card of ``trustbatch export`` names them)."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(), "start_round": start_round,
-           "rounds": rounds, "changed": changed, "commit": git_commit()}
+           "rounds": rounds, "changed": changed, "commit": git_commit(), "version": package_version()}
     with open(Path(run_dir) / "segments.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 

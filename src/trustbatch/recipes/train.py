@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
@@ -59,6 +60,8 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
+        if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
+            saved["task"].setdefault("heldout_reserve", 0)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
                                        defaults=load_config().model_dump(mode="json"))
@@ -72,7 +75,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             if checkpoints(run_dir):
                 raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or "
                                 "another run_dir")
-            notes.append(f"{run_dir} held a start interrupted before its first checkpoint: its files are kept in "
+            notes.append(f"{run_dir} held a start that ended before its first checkpoint: its files are kept in "
                          f"{set_aside(run_dir)}; starting over")
     return cfg, run_dir, [], notes
 
@@ -91,7 +94,10 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     """
     from rich.console import Console
 
+    started = time.time()
     console = console or Console(soft_wrap=True)  # a line to a log file stays one line
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 alone speaks; errors still end every rank
+        console = Console(quiet=True)
     cfg, run_dir, changed, notes = _resolve_run(cfg, resume, overrides)
     for line in notes:
         console.print(line, highlight=False, markup=False)
@@ -109,9 +115,16 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
+    created = world.is_main and resume is None and not run_dir.exists()
     try:
         with interrupt_guard(), lock:
-            return _train_locked(cfg, run_dir, changed, resume is not None, world, console)
+            return _train_locked(cfg, run_dir, changed, resume is not None, world, console, started)
+    except UserError:
+        # refused for its input (a data file, the model, the task) before any checkpoint: the directory this start
+        # made holds nothing to keep, and a next start would take it for an interrupted one
+        if created and not checkpoints(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     except KeyboardInterrupt:
         if not checkpoints(run_dir):
             raise RunInterrupted("interrupted before the first checkpoint; nothing to resume; run again with the same "
@@ -163,7 +176,8 @@ def _refuse_config_with_resume(config: str | None, resume: str | None) -> None:
         raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
 
 
-def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console) -> dict:
+def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console,
+                  started: float) -> dict:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_temporaries(run_dir)
@@ -179,7 +193,6 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     torch.manual_seed(cfg.train.seed + world.rank)  # ranks sample different completions
 
     # ---- task, policy, reward pool, parts -----------------------------------------------------
-    t_start = time.time()
     if not world.is_main:
         world.barrier()  # rank 0 builds (or finds) the cached default base first, the others then load it
     task, policy, pool, source = prepare_run(cfg, console)
@@ -203,7 +216,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
                             check_round=scoring_check(cfg, task, console))
         parts = built.parts
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
-        hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console)
+        hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console,
+                           wall_before=float(state.get("wall_s", 0.0)) if state else 0.0, started=started)
         if state is not None:
             _restore_state(parts, state, policy.model, version, world)
             console.print(f"resuming {run_dir} from {ckpt.name}")
@@ -216,6 +230,9 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             record_segment(run_dir, start, cfg.train.steps, changed)
         console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
                       f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
+        console.print(where_it_runs(cfg, world), highlight=False, markup=False)
+        if cfg.train.precision == "bf16-mixed" and world.device.type == "cpu":
+            console.print(f"[yellow]{BF16_ON_CPU}[/yellow]", highlight=False, soft_wrap=True)
         console.print(f"run directory: {run_dir}")
         if state is None:  # not when resuming from the step-0 checkpoint
             if world.is_main:
@@ -238,7 +255,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         pool.close()
     if not world.is_main:
         return {}
-    summary = _summary(cfg, task, run_dir, last, time.time() - t_start, console)
+    summary = _summary(cfg, task, run_dir, last, hooks.wall_s(), learner_ranks(cfg, world), console)
     log.close(artifacts=(run_dir / "plot.png",))
     return summary
 
@@ -275,7 +292,9 @@ def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:
         pool.in_process_marker = marker
 
 
-def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, console) -> dict:
+def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, world_size: int, console) -> dict:
+    """Write ``summary.json`` and print the closing line. ``wall_s``: seconds of all the run's segments (each resume
+    adds its own to the time up to the checkpoint it resumed from, ``TrainHooks.wall_s``)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_run(records, run_dir / "plot.png", title=f"{cfg.objective.name} on {task.name}")
     evals = [r for r in records if "heldout_accuracy" in r]
@@ -293,6 +312,7 @@ def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, consol
         "final_reward_mean": last.get("reward_mean"),
         "final_ess": last.get("ess"),
         "wall_s": wall_s,
+        "world_size": world_size,
         "run_dir": str(run_dir),
     }
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -303,6 +323,27 @@ def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, consol
         f"plot {run_dir / 'plot.png'}"
     )
     return summary
+
+
+BF16_ON_CPU = ("warning: train.precision=bf16-mixed on the CPU is slower than float32 there (CPU bfloat16 autocast "
+               "has few fast kernels: 1.3-1.6x a learner step with one thread, up to 14x a round with both cores of a "
+               "2-core x86 host) and saves only memory; use train.precision=float32 on a CPU")
+
+
+def learner_ranks(cfg: Config, world: World) -> int:
+    """The data-parallel learner ranks: torchrun's world size, or the Ray learner actors (``backends.ray_learner``:
+    ``ray_learners`` under ``orchestrator=ray`` in one process)."""
+    return cfg.ray_learners if cfg.orchestrator == "ray" and cfg.ray_learners > 0 and world.size == 1 else world.size
+
+
+def where_it_runs(cfg: Config, world: World) -> str:
+    """The header line that says where the run trains: device (with the GPU's name), precision, strategy and world
+    size, e.g. ``device cuda:0 (NVIDIA H100 80GB HBM3), precision bf16-mixed, strategy fsdp2, world size 4``."""
+    dev = world.device
+    name = f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""
+    ray = " (Ray learner actors)" if learner_ranks(cfg, world) != world.size else ""
+    return (f"device {dev}{name}, precision {cfg.train.precision}, strategy {cfg.train.strategy}, "
+            f"world size {learner_ranks(cfg, world)}{ray}")
 
 
 def _fmt(x) -> str:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from ..errors import UserError
 from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
+from ..records import umask_modes
 
 _FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
 KEEP = 2  # checkpoints kept by default (checkpoint_keep)
@@ -74,6 +75,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         }, tmp / "trainer_state.pt")
         if final.exists():
             shutil.rmtree(final)
+        umask_modes(tmp)
         os.replace(tmp, final)
     except (RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,8 +1,9 @@
 """MLflow: a run named after the run directory in experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``trustbatch``).
 
-The tracking store is ``log.mlflow_uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db``
-in the working directory; artifacts go where the experiment's artifact location says, ``./mlruns`` by default). A
-resumed run sets the stored run back to RUNNING and appends to it.
+The tracking store is ``log.mlflow_uri``, else ``MLFLOW_TRACKING_URI``, else ``default_store``: ``mlflow.db`` in the
+folder that holds the run directory (``runs/mlflow.db`` for the default ``run_dir``), not MLflow's own default in the
+working directory; an experiment created there keeps its artifacts in ``mlruns/`` beside it. A resumed run sets the
+stored run back to RUNNING and appends to it.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ class MlflowTracker:
 
     def __init__(self, uri: str | None = None):
         self.uri, self.client, self.run_id = uri, None, None
+        self._artifacts: str | None = None  # the artifact location of an experiment this tracker creates
 
     def start(self, config: dict, run_dir: Path, resume_id: str | None) -> str:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=self.uri)
+        uri = self.uri or os.environ.get("MLFLOW_TRACKING_URI")
+        self._artifacts = None if uri else default_store(Path(run_dir))[1]
+        self.client = MlflowClient(tracking_uri=uri or default_store(Path(run_dir))[0])
         if resume_id is not None:
             try:
                 self.client.update_run(resume_id, status="RUNNING")
@@ -72,7 +76,8 @@ class MlflowTracker:
 
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "trustbatch")
         experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+            name, artifact_location=self._artifacts)
         run = self.client.create_run(experiment_id, run_name=run_dir.name,
                                      tags={"trustbatch.run_dir": str(run_dir.resolve())})
         params = [Param(k, str(v)[:MAX_PARAM]) for k, v in flat_config(config).items()]
@@ -94,6 +99,14 @@ class MlflowTracker:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def default_store(run_dir: Path) -> tuple[str, str]:
+    """``(tracking URI, artifact location URI)`` when neither ``log.mlflow_uri`` nor ``MLFLOW_TRACKING_URI`` names a
+    store: ``sqlite:////abs/runs/mlflow.db`` and ``file:///abs/runs/mlruns``, beside the run directory, so that the
+    store and the runs are in one folder (git-ignored) and not scattered in each working directory."""
+    folder = Path(run_dir).resolve().parent
+    return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlruns").as_uri()
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
