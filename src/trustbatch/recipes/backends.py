@@ -68,7 +68,7 @@ def _learner_kwargs(cfg: Config, version: int) -> dict:
                 ess_scope=tr.ess_scope, warmup_steps=tr.warmup_steps, epochs=tr.epochs, minibatches=tr.minibatches,
                 version=version, max_bad_steps=tr.max_bad_steps, precision=tr.precision,
                 activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size,
-                diagnostics=tr.diagnostics)
+                diagnostics=tr.diagnostics, padding_free=tr.padding_free)
 
 
 def local_learner(inp: Inputs) -> Learner:
