@@ -253,15 +253,19 @@ def same_batch(model, batch, a) -> dict[str, tuple[float, float, float]]:
     return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in res.items()}
 
 
-def scale_job(a) -> None:
+def scale_model():
+    """The ``--scale`` shape: a random Llama, hidden 640, 8 layers, 10 heads, vocabulary 8192 (~48M), in train mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8192, hidden_size=640, intermediate_size=1920, num_hidden_layers=8,
                       num_attention_heads=10, num_key_value_heads=10, max_position_embeddings=1024,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.train()
+    return LlamaForCausalLM(cfg).train()
+
+
+def scale_job(a) -> None:
+    model = scale_model()
     g = torch.Generator().manual_seed(1)
     P, C, G = a.prompt, a.completion, a.group
     prompt = torch.randint(3, 8192, (P,), generator=g).tolist()

@@ -56,11 +56,18 @@ def test_packed_equals_padded(share, attn, chunk_size):
     seen = _inputs_seen(model)
     got = _run(packed_response_logprobs, model, packed, weights, chunk_size=chunk_size, share_prompts=share,
                min_saving=0.0)
-    # one row of real tokens: every prompt + completion, or each distinct prompt (less its last token) once
-    # and each completion with the token before it
-    distinct = {tuple(p[:-1]) for p in prompts}
-    n = sum(map(len, distinct)) + sum(len(c) + 1 for c in comps) if share else sum(map(len, prompts + comps))
-    assert [tuple(s.shape) for s in seen] == [(1, n)]
+    # rows no longer than the longest item (a sequence; or a distinct prompt less its last token, with each of its
+    # completions and the token before it), fewer positions than the padded layout, and every real token in them
+    if share:
+        groups = {}
+        for p, c in zip(prompts, comps):
+            groups.setdefault(tuple(p[:-1]), []).append(len(c) + 1)
+        items = [len(p) + sum(cs) for p, cs in groups.items()]
+    else:
+        items = [len(p) + len(c) for p, c in zip(prompts, comps)]
+    assert len(seen) == 1
+    R, W = seen[0].shape
+    assert W == max(items) and sum(items) <= R * W < packed.input_ids.numel()
     tol = TOL_EAGER if attn == "eager" else TOL
     _close(got[0][m], want[0][m], "log-probs", tol)
     _close(got[1][m], want[1][m], "entropy", tol)

@@ -35,9 +35,24 @@ _TREE_MASK_ATTN = ("sdpa", "eager")  # attention implementations that take an ar
 
 
 @dataclass
-class _Row:
-    """One packed row: ids and positions ``[N]``, the 4-D mask or None (plain packing), and for each valid
-    response position (``response_mask``, row-major) the index of the token that predicts it ``[M]``."""
+class _Tokens:
+    """A micro-batch's tokens in packing order ``[N]``: id, position, the item (sequence, or prompt with its
+    segments) each belongs to, and for the prefix-tree mask its block (prompt or segment) and the prompt it
+    reads; for each valid response position (``response_mask``, row-major) the index of the token predicting it."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    item: torch.Tensor
+    predictor: torch.Tensor
+    block: torch.Tensor | None = None
+    parent: torch.Tensor | None = None
+    n_prefix_blocks: int = 0
+
+
+@dataclass
+class _Rows:
+    """The packed model input: ``[R, W]`` ids and positions, the ``[R, 1, W, W]`` mask or None (restarting
+    positions only), and the flat ``[R·W]`` indices of the predicting tokens ``[M]`` and their targets ``[M]``."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -46,7 +61,7 @@ class _Row:
     targets: torch.Tensor
 
 
-def _plain(packed: Packed) -> _Row | None:
+def _plain(packed: Packed) -> _Tokens | None:
     """Every row's attended tokens end to end; None when the micro-batch is not ``pack``'s left-padded layout
     (positions 0..len-1 after the padding) or a response position has no token before it."""
     ids, att, pos, m = packed.input_ids, packed.attention_mask.bool(), packed.position_ids, packed.response_mask
@@ -61,14 +76,13 @@ def _plain(packed: Packed) -> _Row | None:
     if bool((local[m] < 1).any()):
         return None
     offset = lens.cumsum(0) - lens
-    flat = ids[att]
-    predictor = (offset[:, None] + local - 1)[m]
-    return _Row(flat, pos[att], None, predictor, flat[predictor + 1])
+    item = torch.arange(B, device=ids.device)[:, None].expand(B, L)[att]
+    return _Tokens(ids[att], pos[att], item, (offset[:, None] + local - 1)[m])
 
 
-def _tree(packed: Packed, dtype: torch.dtype, attn: str) -> tuple[_Row, int] | None:
-    """Distinct prompts once, then each row's completion segment, with the prefix-tree mask; None when
-    ``split_prompts`` finds no shared layout. Also returns the tokens the tree row computes."""
+def _tree(packed: Packed) -> _Tokens | None:
+    """Distinct prompts once, then each row's completion segment (last prompt token + completion); an item is a
+    prompt with the segments that read it. None when ``split_prompts`` finds no shared layout."""
     s = split_prompts(packed)
     if s is None:
         return None
@@ -77,27 +91,72 @@ def _tree(packed: Packed, dtype: torch.dtype, attn: str) -> tuple[_Row, int] | N
     B, C1 = s.seg_ids.shape
     C = C1 - 1
     in_prefix = torch.arange(P, device=dev)[None] < s.prefix_len[:, None]  # [U, P]
-    in_seg = torch.arange(C1, device=dev)[None] <= s.n[:, None]  # last prompt token + n_i completion tokens
-    ids = torch.cat([s.prefix_ids[in_prefix], s.seg_ids[in_seg]])
-    pos = torch.cat([torch.arange(P, device=dev).expand(U, P)[in_prefix], s.seg_pos[in_seg]])
-    # block: which prompt or segment a token belongs to; parent: the prompt it reads (its own for a prompt token)
-    block = torch.cat([torch.arange(U, device=dev)[:, None].expand(U, P)[in_prefix],
-                       (U + torch.arange(B, device=dev))[:, None].expand(B, C1)[in_seg]])
-    parent = torch.cat([block[:int(in_prefix.sum())], s.group[:, None].expand(B, C1)[in_seg]])
-    is_prefix = block < U
-    N = ids.shape[0]
-    order = torch.arange(N, device=dev)
-    allowed = (order[None] <= order[:, None]) & ((block[None] == block[:, None])
-                                                 | (is_prefix[None] & (block[None] == parent[:, None])))
-    seg_start = int(in_prefix.sum()) + (s.n + 1).cumsum(0) - (s.n + 1)
+    in_seg = torch.arange(C1, device=dev)[None] <= s.n[:, None]
     k = torch.arange(C, device=dev)[None] - (C - s.n)[:, None]  # [B, C] completion token index, < 0 before it
     m = packed.response_mask
     if bool((k[m] < 0).any()):
         return None
-    predictor = (seg_start[:, None] + k)[m]
-    mask = allowed if attn == "sdpa" else torch.zeros(N, N, dtype=dtype, device=dev).masked_fill_(
-        ~allowed, torch.finfo(dtype).min)
-    return _Row(ids, pos, mask[None, None], predictor, ids[predictor + 1]), N
+    n_pre = int(in_prefix.sum())
+    prefix_of = torch.arange(U, device=dev)[:, None].expand(U, P)[in_prefix]
+    seg_start = n_pre + (s.n + 1).cumsum(0) - (s.n + 1)
+    return _Tokens(ids=torch.cat([s.prefix_ids[in_prefix], s.seg_ids[in_seg]]),
+                   pos=torch.cat([torch.arange(P, device=dev).expand(U, P)[in_prefix], s.seg_pos[in_seg]]),
+                   item=torch.cat([prefix_of, s.group[:, None].expand(B, C1)[in_seg]]),
+                   predictor=(seg_start[:, None] + k)[m],
+                   block=torch.cat([prefix_of, (U + torch.arange(B, device=dev))[:, None].expand(B, C1)[in_seg]]),
+                   parent=torch.cat([prefix_of, s.group[:, None].expand(B, C1)[in_seg]]), n_prefix_blocks=U)
+
+
+def _bins(sizes: list[int]) -> list[int]:
+    """First-fit decreasing into rows as long as the longest item: each item's row. Attention over a packed row
+    costs its length squared (sdpa and eager take a dense mask), so no row is longer than the padded layout's."""
+    cap, fill, row = max(sizes), [], [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r, f in enumerate(fill) if f + sizes[i] <= cap), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        row[i], fill[r] = r, fill[r] + sizes[i]
+    return row
+
+
+def _rows(t: _Tokens, mask_dtype: torch.dtype | None) -> _Rows:
+    """Lay the items of ``t`` into rows (``_bins``), each item's tokens contiguous and in order. The tail of a
+    row is filler: positions restarting at 0 (a sequence of its own), and under the tree mask a block of its own."""
+    dev, N = t.ids.device, t.ids.shape[0]
+    n_items = int(t.item.max()) + 1
+    sizes = torch.bincount(t.item, minlength=n_items)
+    row_of = torch.tensor(_bins(sizes.tolist()), device=dev)
+    offset = torch.zeros(n_items, dtype=torch.long, device=dev)  # an item's first column in its row
+    for r in range(int(row_of.max()) + 1):
+        on = (row_of == r).nonzero().flatten()
+        offset[on] = sizes[on].cumsum(0) - sizes[on]
+    perm = torch.sort(t.item, stable=True).indices  # rank of each token within its item, in packing order
+    first = sizes.cumsum(0) - sizes
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(N, device=dev) - first[t.item[perm]]
+    r_tok, c_tok = row_of[t.item], offset[t.item] + rank
+    R = int(row_of.max()) + 1
+    W = int(sizes.max())
+    used = torch.zeros(R, dtype=torch.long, device=dev).index_add_(0, row_of, sizes)
+    col = torch.arange(W, device=dev)[None].expand(R, W)
+    ids = torch.zeros(R, W, dtype=t.ids.dtype, device=dev)
+    pos = (col - used[:, None]).clone()  # filler: 0, 1, ... after the row's last item
+    ids[r_tok, c_tok], pos[r_tok, c_tok] = t.ids, t.pos
+    flat = r_tok * W + c_tok
+    predictor = flat[t.predictor]
+    targets = t.ids[t.predictor + 1]
+    if t.block is None:
+        return _Rows(ids, pos, None, predictor, targets)
+    block = (-1 - col).clone()  # filler: a block per token, seeing itself only
+    parent = block.clone()
+    block[r_tok, c_tok], parent[r_tok, c_tok] = t.block, t.parent
+    is_prefix = (block >= 0) & (block < t.n_prefix_blocks)
+    causal = col[:, None, :] <= col[:, :, None]  # [R, q, k]
+    allowed = causal & ((block[:, None, :] == block[:, :, None])
+                        | (is_prefix[:, None, :] & (block[:, None, :] == parent[:, :, None])))
+    if mask_dtype is not None:  # eager adds the mask to its scores
+        allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=dev).masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+    return _Rows(ids, pos, allowed[:, None], predictor, targets)
 
 
 def _spread(t: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor | None:
@@ -138,32 +197,33 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
     if with_full and kl_reference is not None:
         raise ValueError("pass with_full or kl_reference, not both")
     m = packed.response_mask
-    row = _plain(packed) if bool(m.any()) else None
-    if row is None:
+    tokens = _plain(packed) if bool(m.any()) else None
+    if tokens is None:
         return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature,
                                  with_full=with_full, chunk_size=chunk_size, kl_reference=kl_reference)
     inner = unwrap(model)
     attn = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     if share_prompts and attn in _TREE_MASK_ATTN:
-        tree = _tree(packed, next(inner.parameters()).dtype, attn)
-        if tree is not None and tree[1] <= (1 - min_saving) * row.ids.shape[0]:
-            row = tree[0]
+        tree = _tree(packed)
+        if tree is not None and tree.ids.shape[0] <= (1 - min_saving) * tokens.ids.shape[0]:
+            tokens = tree
+    rows = _rows(tokens, next(inner.parameters()).dtype if attn == "eager" else None)
     B, C = m.shape
-    inputs = dict(input_ids=row.ids[None], position_ids=row.pos[None], attention_mask=row.mask, use_cache=False)
+    inputs = dict(input_ids=rows.ids, position_ids=rows.pos, attention_mask=rows.mask, use_cache=False)
     ref = None if kl_reference is None else KLReference(
         tuple(t[m][None] for t in kl_reference.logprobs), kl_reference.mask[m][None], kl_reference.log_weights,
         kl_reference.log_norm)
-    parts = None
-    if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
-        parts = head_parts(model)
-    if parts is None:
-        logits = model(**inputs, logits_to_keep=row.predictor).logits
-        out = full_logprobs(logits, row.targets[None], with_entropy=with_entropy, temperature=temperature,
-                            with_full=with_full, kl_reference=ref)
+    kw = dict(with_entropy=with_entropy, temperature=temperature, with_full=with_full, kl_reference=ref)
+    parts = head_parts(model)
+    if parts is None:  # a head the chunked path cannot take: the model's own logits at every packed position
+        logits = model(**inputs).logits
+        out = full_logprobs(logits.reshape(1, -1, logits.shape[-1])[:, rows.predictor], rows.targets[None], **kw)
     else:
         decoder, head = parts
         _, hidden = decoder_hidden(model, decoder, **inputs)
-        out = head_logprobs(hidden[:, row.predictor], head, row.targets[None], chunk_size=chunk_size * B,
-                            with_entropy=with_entropy, temperature=temperature, with_full=with_full,
-                            kl_reference=ref)
+        hidden = hidden.reshape(1, -1, hidden.shape[-1])[:, rows.predictor]
+        if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
+            out = head_logprobs(hidden, head, rows.targets[None], chunk_size=chunk_size * B, **kw)
+        else:
+            out = full_logprobs(head(hidden), rows.targets[None], **kw)
     return tuple(_spread(t, m) for t in out)
