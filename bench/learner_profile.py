@@ -136,12 +136,9 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --device cpu (and --layers/--vocab/--rows to shrink the step)")
     precision = a.precision or ("bf16-mixed" if a.device.startswith("cuda") else "float32")
     gpu_check.DEVICE = "cuda" if a.device.startswith("cuda") else "cpu"
-    from scale_rehearsal import QWEN25_05B
     from trustbatch.trainer import Learner
 
-    if a.vocab:
-        QWEN25_05B["vocab_size"] = a.vocab
-    vocab = QWEN25_05B["vocab_size"]
+    vocab = gpu_check.VOCAB = a.vocab or gpu_check.VOCAB
     mark_lm_head_and_clip()
     model = gpu_check.qwen_05b(layers=a.layers)
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,22 +1,24 @@
-"""Padding-free (packed) learner forwards: a micro-batch's real tokens in one row, no padding computed.
+"""Padding-free (packed) learner forwards: a micro-batch's real tokens in rows, no padding computed.
 
 ``forward.pack`` left-pads every ``prompt + completion`` to the micro-batch's longest, so a batch of
 mixed completion lengths spends decoder work on padding. ``packed_response_logprobs`` drops it: the
-attended tokens of every row are laid end to end in one row ``[1, N]`` whose ``position_ids`` restart
-at 0 for each sequence. Attention must not cross sequences:
+attended tokens of every row are laid end to end, their ``position_ids`` restarting at 0 for each
+sequence, in rows ``[R, W]`` no longer than the longest sequence (first-fit decreasing; sdpa and eager
+attend through a dense mask, so one long row would cost its length squared). Attention must not cross
+sequences:
 
 - plain packing: no attention mask, only the restarting ``position_ids``. This is transformers'
   own padding-free path (TRL's ``padding_free``, ``DataCollatorWithFlattening``):
   ``masking_utils.find_packed_sequence_indices`` turns the restarts into a block-diagonal causal mask
   for sdpa, eager and flex attention, and flash-attention takes them as ``cu_seqlens`` (varlen).
-- shared prompts (``share_prompts``): each distinct prompt once, then every row's completion segment
-  (last prompt token + completion, ``shared_prompt.split_prompts``), with a 4-D mask in which a
-  segment sees its own prompt and its own earlier tokens: the prefix-tree mask. Only the sdpa and
-  eager implementations take an arbitrary 4-D mask; others pack plainly.
+- shared prompts (``share_prompts``): each distinct prompt once, followed in its row by every completion
+  segment that reads it (last prompt token + completion, ``shared_prompt.split_prompts``), with a 4-D
+  mask in which a segment sees its own prompt and its own earlier tokens: the prefix-tree mask. Only the
+  sdpa and eager implementations take an arbitrary 4-D mask; others pack plainly.
 
-The LM head runs only on the Σ n_i positions that predict a completion token (``logits_to_keep`` as
-indices, or ``chunked_logprobs`` on those hidden states), and the results are spread back to the
-``[B, C]`` right-aligned layout of ``forward.response_logprobs``: a drop-in replacement for it and for
+The LM head runs only on the Σ n_i positions that predict a completion token (the full head, or
+``chunked_logprobs``, on those hidden states), and the results are spread back to the ``[B, C]``
+right-aligned layout of ``forward.response_logprobs``: a drop-in replacement for it and for
 ``grouped_response_logprobs``, with the same values up to float summation order
 (``tests/unit/test_packed.py``: float64, 1e-10).
 """
