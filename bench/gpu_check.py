@@ -184,7 +184,7 @@ def engine(out: Path, a) -> None:
     sync()
     s = time.perf_counter() - t
     new = sum(len(r.completion_ids) for r in rollouts)
-    emit(out, "engine", rows=len(rollouts), prompt=128, max_new_tokens=a.engine_tokens, new_tokens=new,
+    emit(out, "engine", rows=len(rollouts), prompt=len(prompts[0]), max_new_tokens=a.engine_tokens, new_tokens=new,
          seconds=round(s, 2), new_tokens_per_s=round(new / s), autocast="bf16")
 
 
@@ -228,7 +228,7 @@ def fsdp2_ws1(out: Path, a) -> None:
 def logprob_memory(out: Path, a) -> None:
     script = ROOT / "bench" / "logprob_memory.py"
     shape = ["--shape", "default"] if a.dry else []
-    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2", "--no-save", *shape],
+    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2", *shape],
                        capture_output=True, text=True,
                        timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]

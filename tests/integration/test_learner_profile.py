@@ -1,4 +1,5 @@
-"""``bench/learner_profile.py --device cpu`` runs from the checkout and accounts for the whole step (issue 44).
+"""``bench/learner_profile.py --device cpu`` runs from the checkout and accounts for the whole step, and (slow)
+``bench/gpu_check.py --device cpu`` dry-runs every section (issue 44).
 
 The script runs in a fresh interpreter on a toy 0.5B-shaped step (one layer, V = 1,024). Independent checks: the
 classes cover the profiled wall time exactly once (shares sum to 1), and the parts the step certainly has — the
@@ -9,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,3 +28,15 @@ def test_learner_profile_runs_on_the_cpu_and_its_shares_cover_the_step():
     assert abs(sum(shares.values()) - 1.0) < 1e-3
     assert min(shares["matmul"], shares["lm_head"], shares["optimizer"]) > 0
     assert line["params"] > 10_000_000  # Qwen2.5-0.5B's layer shape (hidden 896, intermediate 4,864), one layer
+
+
+@pytest.mark.slow  # ~2.5 min on 2 shared cores: every section of the GPU check at toy sizes
+def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out",
+                        str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
+    sections = {x["section"] for x in lines}
+    assert sections == {"env", "learner", "padding_free", "profile", "engine", "fsdp2_ws1", "logprob_memory", "train"}
+    assert [x for x in lines if "error" in x or x.get("returncode", 0) != 0] == []
