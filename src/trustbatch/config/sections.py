@@ -278,9 +278,9 @@ class TrainConfig(_Strict):
                                 "hold [B, C, V] logits (recomputed per chunk in backward); completions no wider than "
                                 "this, or null: the full path")
     padding_free: bool = Field(
-        False, description="pack each micro-batch's real tokens into one row (restarting position_ids; each distinct "
-                           "prompt once under a prefix-tree mask with sdpa/eager attention): no padding computed, the "
-                           "same log-probs and gradients")
+        False, description="pack each micro-batch's real tokens into rows no longer than its longest sequence "
+                           "(restarting position_ids; each distinct prompt once under a prefix-tree mask with sdpa/eager "
+                           "attention): no padding computed, the same log-probs and gradients")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
     diagnostics: bool = Field(

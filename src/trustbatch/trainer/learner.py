@@ -96,10 +96,10 @@ class Learner(ForwardPasses):
         trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
             than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
             a saving only when micro-batches split a batch of unequal lengths).
-        padding_free: run each micro-batch as one packed row of its real tokens (``policy.packed``: restarting
-            ``position_ids``, and with ``shared_prompt`` each distinct prompt once under a prefix-tree mask);
-            no padding is computed; the same log-probs and gradient up to float summation order. Replaces
-            ``trim_micro_batches`` (nothing is left to trim).
+        padding_free: run each micro-batch as packed rows of its real tokens (``policy.packed``: restarting
+            ``position_ids``, and with ``shared_prompt`` each distinct prompt once under a prefix-tree mask), rows
+            no longer than its longest sequence; the same log-probs and gradient up to float summation order.
+            Replaces ``trim_micro_batches`` (nothing is left to trim).
         logprob_chunk_size: completion columns (of every row of a micro-batch) per LM-head chunk
             (``policy.chunked_logprobs``): a micro-batch of width C > logprob_chunk_size never holds
             its [B, C, V] logits; C ≤ logprob_chunk_size, or None: the full path, op for op as before.
