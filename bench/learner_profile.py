@@ -38,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
@@ -79,10 +80,14 @@ def _range_class(evt) -> str | None:
 
 
 def shares(events, wall_us: float, device: str) -> dict[str, float]:
-    """Each class's share of ``wall_us`` from the profiler's events (self times, so nothing is counted twice)."""
+    """Each class's share of ``wall_us`` from the profiler's events: the ops' self times (on CUDA their kernels' time,
+    which the profiler adds to the launching op as well as listing each kernel as an event of its own; the kernel
+    events are skipped), so nothing is counted twice."""
     total: dict[str, float] = defaultdict(float)
     for evt in events:
         if evt.name.startswith("trustbatch::") or evt.name.startswith("Optimizer.") or evt.name.startswith("ProfilerStep"):
+            continue
+        if evt.device_type != DeviceType.CPU:  # a kernel: its time is counted in the op that launched it
             continue
         t = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
         if t:
