@@ -5,10 +5,8 @@ own tensors and peft's ``merge_and_unload``; the padded learner's gradient.
 """
 
 import copy
-import os
 import socket
 
-import pytest
 import torch
 
 from trustbatch.pipeline.batch import TrainBatch
