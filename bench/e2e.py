@@ -12,8 +12,9 @@ starts at the next one), so machine noise and the policy's drift hit all alike. 
 ``all`` (every optimization on, the default code), ``-shared`` (the learner's plain forward instead of
 the shared-prompt forward), ``-prefill`` (the engine prefills every row's prompt), ``-chunks`` (the
 reward pool sends one message per completion), ``-trim`` (learner micro-batches at the batch's
-widths; the default job has one micro-batch, so this arm measures nothing there) and ``none`` (all
-off: the code before issue 13). Each round is timed as generation (engine.generate), scoring
+widths; the default job has one micro-batch, so this arm measures nothing there), ``none`` (all
+off: the code before issue 13) and ``+packed`` (everything on, and the learner's padding-free forward,
+``train.padding_free``). Each round is timed as generation (engine.generate), scoring
 (reward pool), learner (``train_on``) and the rest (batching, advantages, weight sync). Medians over
 ``--repeats`` rounds per arm; the 1-minute load average is printed next to each figure (other
 processes on the machine distort timings), and process CPU time beside wall time. Rounds are run by
@@ -34,6 +35,7 @@ backward of Σ log-probs per repeat, off and on interleaved.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 
 from trustbatch.policy.forward import pack, response_logprobs, trimmed
+from trustbatch.policy.packed import packed_response_logprobs
 from trustbatch.policy.shared_prompt import grouped_response_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -118,6 +121,7 @@ ARMS = {
     "-chunks": ("chunks",),  # reward pool: one message per completion
     "-trim": ("trim",),  # learner: micro-batches at the batch's widths
     "none": OPTIMIZATIONS,
+    "+packed": ("+packed",),  # learner: padding-free micro-batches (train.padding_free), every other optimization on
 }
 
 
@@ -126,6 +130,8 @@ def apply_arm(arm: str, source, learner, chunk_size: int) -> None:
     off = set(ARMS[arm])
     fn = response_logprobs if "shared" in off else grouped_response_logprobs
     learner.forward_fn = fn if "trim" in off else trimmed(fn)
+    if "+packed" in off:
+        learner.forward_fn = functools.partial(packed_response_logprobs, chunk_size=learner.logprob_chunk_size)
     source.engine.prefill_once = "prefill" not in off
     source.pool.chunk_size = 1 if "chunks" in off else chunk_size
 
@@ -253,15 +259,19 @@ def same_batch(model, batch, a) -> dict[str, tuple[float, float, float]]:
     return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in res.items()}
 
 
-def scale_job(a) -> None:
+def scale_model():
+    """The ``--scale`` shape: a random Llama, hidden 640, 8 layers, 10 heads, vocabulary 8192 (~48M), in train mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8192, hidden_size=640, intermediate_size=1920, num_hidden_layers=8,
                       num_attention_heads=10, num_key_value_heads=10, max_position_embeddings=1024,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.train()
+    return LlamaForCausalLM(cfg).train()
+
+
+def scale_job(a) -> None:
+    model = scale_model()
     g = torch.Generator().manual_seed(1)
     P, C, G = a.prompt, a.completion, a.group
     prompt = torch.randint(3, 8192, (P,), generator=g).tolist()

@@ -1,9 +1,8 @@
 """The GPU check: one script, one call, at most ~8 minutes on one H100/H200, with only what that machine has.
 
     make gpu-wheels                       # here: what trustbatch needs beyond the GPU image, into .whl/
-    # there (the device tool carries .whl; the working tree travels):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-      PYTHONPATH=/tmp/site:src python3 bench/gpu_check.py --out $OUT
+    make gpu-check                        # there: installs .whl, runs `make test-gpu`, then this script (~8 min)
+    python bench/gpu_check.py --device cpu   # a dry run on a CPU: every section at toy sizes
 
 Sections (each one JSON line, also appended to OUT/gpu_check.jsonl; a section that fails prints its error and the
 rest go on):
@@ -18,6 +17,12 @@ rest go on):
    unsharded learner (float32: the same update to round-off) and its time.
 5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time).
 6. ``train``: ``trustbatch train train.device=cuda train.steps=3`` of the default job, float32 and bf16-mixed.
+7. ``padding_free``: the ``learner`` section's step with mixed completion lengths, padded against padding-free
+   (``train.padding_free``), tokens/s counting real tokens.
+8. ``profile``: ``bench/learner_profile.py`` (the learner step's time per op class).
+
+``--device cpu`` is a dry run: every size not given on the command line takes a toy value (``DRY``: one layer,
+V = 1,024, a few rows, the tiny job of tests/support/tiny.py for ``train``), so the sections' code runs in minutes.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ def section(fn):
 
 DEVICE = "cuda"  # --device cpu runs the sections' code on the CPU (a dry run before the GPU call)
 LAYERS = 24
+VOCAB = 151936
+# sizes: on a GPU, and for --device cpu (a dry run) when not given
+SIZES = dict(rows=16, prompt=256, completion=768, micro_batch=8, chunk=2048, layers=24, vocab=151936, steps=5,
+             engine_prompts=16, engine_samples=8, engine_tokens=256, train_steps=3)
+DRY = dict(rows=4, prompt=8, completion=24, micro_batch=2, chunk=8, layers=1, vocab=1024, steps=1,
+           engine_prompts=2, engine_samples=2, engine_tokens=8, train_steps=1)
 
 
 def sync() -> None:
@@ -72,25 +83,29 @@ def qwen_05b(seed: int = 0, layers: int | None = None):
 
     from scale_rehearsal import QWEN25_05B
 
-    cfg = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers or LAYERS}, bos_token_id=1, eos_token_id=2,
+    cfg = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers or LAYERS, "vocab_size": VOCAB}, bos_token_id=1,
+                      eos_token_id=2,
                       pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(DEVICE):
         return Qwen2ForCausalLM(cfg)
 
 
-def rl_batch(rows: int, prompt: int, completion: int, vocab: int, seed: int = 0):
-    """Distinct random prompts (no prompt sharing: every token is computed) with full-length completions."""
+def rl_batch(rows: int, prompt: int, completion: int, vocab: int, seed: int = 0, min_completion: int | None = None):
+    """Distinct random prompts (no prompt sharing: every token is computed) with full-length completions, or with
+    lengths spread evenly over [min_completion, completion]."""
     import torch
 
     from trustbatch.pipeline.batch import TrainBatch
     from trustbatch.policy.forward import pack
 
     g = torch.Generator().manual_seed(seed)
+    lo = completion if min_completion is None else min_completion
     prompts = [[1] + torch.randint(3, vocab, (prompt - 1,), generator=g).tolist() for _ in range(rows)]
-    comps = [torch.randint(3, vocab, (completion,), generator=g).tolist() for _ in range(rows)]
+    comps = [torch.randint(3, vocab, (lo + (completion - lo) * i // max(rows - 1, 1),), generator=g).tolist()
+             for i in range(rows)]
     packed = pack(prompts, comps, 0)
-    blp = torch.where(packed.response_mask, -torch.rand(rows, completion, generator=g) * 2 - 8, 0.0)
+    blp = torch.where(packed.response_mask, -torch.rand(rows, completion, generator=g) * 2 - 8, 0.0)  # C = completion
     return TrainBatch(packed, blp, torch.randn(rows, generator=g))
 
 
@@ -128,7 +143,7 @@ def learner(out: Path, a) -> None:
     from trustbatch.trainer import Learner
 
     rows, prompt, completion = a.rows, a.prompt, a.completion
-    batch = rl_batch(rows, prompt, completion, 151936)
+    batch = rl_batch(rows, prompt, completion, VOCAB)
     tokens = rows * (prompt + completion)
     for ckpt in (False, True):
         model = qwen_05b()
@@ -160,7 +175,7 @@ def engine(out: Path, a) -> None:
     model = qwen_05b()
     eng = TransformersEngine(model, eos_id=2, pad_id=0, autocast=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    prompts = [[1] + torch.randint(3, 151936, (127,), generator=g).tolist() for _ in range(a.engine_prompts)]
+    prompts = [[1] + torch.randint(3, VOCAB, (min(127, a.prompt),), generator=g).tolist() for _ in range(a.engine_prompts)]
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=a.engine_tokens)
     eng.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8))  # warm-up
     sync()
@@ -169,7 +184,7 @@ def engine(out: Path, a) -> None:
     sync()
     s = time.perf_counter() - t
     new = sum(len(r.completion_ids) for r in rollouts)
-    emit(out, "engine", rows=len(rollouts), prompt=128, max_new_tokens=a.engine_tokens, new_tokens=new,
+    emit(out, "engine", rows=len(rollouts), prompt=len(prompts[0]), max_new_tokens=a.engine_tokens, new_tokens=new,
          seconds=round(s, 2), new_tokens_per_s=round(new / s), autocast="bf16")
 
 
@@ -187,7 +202,7 @@ def fsdp2_ws1(out: Path, a) -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     try:
-        batch = rl_batch(8, 128, 384, 151936, seed=1)
+        batch = rl_batch(min(8, a.rows), min(128, a.prompt), min(384, a.completion), VOCAB, seed=1)
         base = qwen_05b(seed=1)
         plain = copy.deepcopy(base)
         sharded = _fully_shard(copy.deepcopy(base), 1, None)
@@ -212,7 +227,9 @@ def fsdp2_ws1(out: Path, a) -> None:
 @section
 def logprob_memory(out: Path, a) -> None:
     script = ROOT / "bench" / "logprob_memory.py"
-    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2"], capture_output=True, text=True,
+    shape = ["--shape", "default"] if a.dry else []
+    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2", *shape],
+                       capture_output=True, text=True,
                        timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     emit(out, "logprob_memory", returncode=p.returncode, lines=lines, stderr_tail=p.stderr[-600:] if p.returncode else "")
@@ -220,10 +237,14 @@ def logprob_memory(out: Path, a) -> None:
 
 @section
 def train(out: Path, a) -> None:
+    tiny = []
+    if a.dry:
+        sys.path.insert(0, str(ROOT / "tests" / "support"))
+        from tiny import TINY as tiny
     for extra in ([], ["train.precision=bf16-mixed", "train.activation_checkpointing=true"]):
         run_dir = Path(a.work) / f"train-{'bf16' if extra else 'f32'}"
         cmd = [sys.executable, "-m", "trustbatch", "train", f"train.device={DEVICE}", f"train.steps={a.train_steps}",
-               f"run_dir={run_dir}", "eval.every=1000"] + extra
+               f"run_dir={run_dir}", "eval.every=1000"] + list(tiny) + extra
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.section_timeout,
                            env={**os.environ, "TRUSTBATCH_CACHE": str(Path(a.work) / "cache")})
@@ -238,28 +259,62 @@ def train(out: Path, a) -> None:
              rounds=rounds, stderr_tail=p.stderr[-800:] if p.returncode else "")
 
 
+@section
+def padding_free(out: Path, a) -> None:
+    import statistics
+
+    import torch
+
+    from trustbatch.trainer import Learner
+
+    batch = rl_batch(a.rows, a.prompt, a.completion, VOCAB, seed=2, min_completion=max(1, a.completion // 12))
+    tokens = float(batch.packed.attention_mask.sum())
+    res = {}
+    for packed in (False, True):
+        model = qwen_05b()
+        lr = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision="bf16-mixed", logprob_chunk_size=a.chunk,
+                     warmup_steps=0, padding_free=packed)
+        times = _time_steps(lr, batch, 1 + a.steps)[1:]
+        res["packed" if packed else "padded"] = statistics.median(times)
+        del lr, model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    emit(out, "padding_free", rows=a.rows, prompt=a.prompt, completions=[max(1, a.completion // 12), a.completion],
+         real_tokens=tokens, padded_positions=batch.packed.input_ids.numel(), micro_batch=a.micro_batch,
+         step_s={k: round(v, 4) for k, v in res.items()},
+         real_tokens_per_s={k: round(tokens / v) for k, v in res.items()},
+         packed_speedup=round(res["padded"] / res["packed"], 3))
+
+
+@section
+def profile(out: Path, a) -> None:
+    script = ROOT / "bench" / "learner_profile.py"
+    sizes = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("layers", "vocab", "rows", "prompt", "completion",
+                                                                    "micro_batch", "chunk")]
+    p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--steps", "2", *sizes], capture_output=True,
+                       text=True, timeout=a.section_timeout)
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    emit(out, "profile", returncode=p.returncode, lines=lines, stderr_tail=p.stderr[-600:] if p.returncode else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    ap.add_argument("--sections", default="env,learner,engine,fsdp2_ws1,logprob_memory,train")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--completion", type=int, default=768)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=2048,
-                    help="tokens (rows x columns) per LM-head chunk; 2,048: 8 rows (--micro-batch) x 256 columns")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--engine-prompts", type=int, default=16)
-    ap.add_argument("--engine-samples", type=int, default=8)
-    ap.add_argument("--engine-tokens", type=int, default=256)
-    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--sections", default="env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run at toy sizes")
+    for k in SIZES:
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
+                        help=f"default {SIZES[k]} (--device cpu: {DRY[k]})" + (
+                            "; tokens (rows x columns) per LM-head chunk (2,048: 8 rows x 256 columns)" if k == "chunk" else ""))
     ap.add_argument("--section-timeout", type=int, default=240)
     ap.add_argument("--work", default="/tmp/gpu_check_work", help="run directories and the base cache (not under --out)")
     a = ap.parse_args()
-    global DEVICE, LAYERS
-    DEVICE, LAYERS = a.device, a.layers
+    a.dry = a.device == "cpu"
+    for k, v in (DRY if a.dry else SIZES).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    global DEVICE, LAYERS, VOCAB
+    DEVICE, LAYERS, VOCAB = a.device, a.layers, a.vocab
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()

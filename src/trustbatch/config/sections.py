@@ -297,6 +297,10 @@ class TrainConfig(_Strict):
                             "hold at most this many positions' [tokens, V] logits (recomputed per chunk in "
                             "backward); auto: 256 MiB of float32 logits, floor(2^28 / (4 V)) tokens (441 at "
                             "V = 151,936); a micro-batch whose B x (C + 1) logits fit, or null: the full path")
+    padding_free: bool = Field(
+        False, description="pack each micro-batch's real tokens into rows no longer than its longest sequence "
+                           "(restarting position_ids; each distinct prompt once under a prefix-tree mask with sdpa/eager "
+                           "attention): no padding computed, the same log-probs and gradients")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
     diagnostics: bool = Field(

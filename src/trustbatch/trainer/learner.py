@@ -50,6 +50,7 @@ from ..pipeline.batch import TrainBatch
 from ..policy.budget import logit_tokens, vocab_size
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
+from ..policy.packed import packed_response_logprobs
 from ..policy.shared_prompt import grouped_response_logprobs
 from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
 from .schedule import lr_multiplier
@@ -97,6 +98,10 @@ class Learner(ForwardPasses):
         trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
             than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
             a saving only when micro-batches split a batch of unequal lengths).
+        padding_free: run each micro-batch as packed rows of its real tokens (``policy.packed``: restarting
+            ``position_ids``, and with ``shared_prompt`` each distinct prompt once under a prefix-tree mask), rows
+            no longer than its longest sequence; the same log-probs and gradient up to float summation order.
+            Replaces ``trim_micro_batches`` (nothing is left to trim).
         logprob_chunk_size: tokens (rows × completion columns) per LM-head chunk
             (``policy.chunked_logprobs``): no chunk holds more than this many positions' [tokens, V]
             logits; "auto": ``policy.budget.logit_tokens(V)``, 256 MiB of float32 logits (441 tokens
@@ -133,7 +138,8 @@ class Learner(ForwardPasses):
                  trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
                  logprob_chunk_size: int | str | None = "auto", strategy: str = "ddp", param_dtype: torch.dtype | None = None,
                  diagnostics: bool = False, lr_schedule: str = "constant", total_steps: int = 0,
-                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
+                 padding_free: bool = False):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -174,7 +180,10 @@ class Learner(ForwardPasses):
         # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
         base = grouped_response_logprobs if shared_prompt else response_logprobs
         self.forward_fn = functools.partial(base, chunk_size=logprob_chunk_size)
-        if trim_micro_batches:
+        if padding_free:
+            self.forward_fn = functools.partial(packed_response_logprobs, chunk_size=logprob_chunk_size,
+                                                share_prompts=shared_prompt)
+        elif trim_micro_batches:
             self.forward_fn = trimmed(self.forward_fn)
         self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)

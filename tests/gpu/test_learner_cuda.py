@@ -1,0 +1,106 @@
+"""On CUDA: FSDP2 at world size 1 against the unsharded learner, LoRA's merged weights, and padding-free learning.
+
+References: an unsharded learner's step on a copy of the same model; ``W + (α/r)·B·A`` written out from the layer's
+own tensors and peft's ``merge_and_unload``; the padded learner's gradient.
+"""
+
+import copy
+import socket
+
+import torch
+
+from trustbatch.pipeline.batch import TrainBatch
+from trustbatch.pipeline.weight_sync import named_weights
+from trustbatch.policy import Policy
+from trustbatch.policy.forward import pack
+from trustbatch.policy.lora import apply_lora
+from trustbatch.policy.model import build_small_llama
+from trustbatch.policy.tokenizer import train_tokenizer
+from trustbatch.trainer import Learner
+
+from grad_probe import sgd_recording_grads
+from llama_rows import _close, _llama, _rows
+from test_heads_and_packing import _qwen
+
+
+def _rl_batch(rows=8, prompt=24, completion=40, vocab=4096, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)]
+    comps = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, completion, (rows,), generator=g)]
+    packed = pack(prompts, comps, 0)
+    blp = torch.where(packed.response_mask, -torch.rand(packed.response_mask.shape, generator=g) * 2 - 8, 0.0)
+    return TrainBatch(packed, blp, torch.randn(rows, generator=g))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_at_world_size_one_equals_the_unsharded_learner(monkeypatch):
+    import torch.distributed as dist
+
+    from trustbatch.parallel import _fully_shard, full_model_state
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        base = _qwen()
+        plain, sharded = copy.deepcopy(base), _fully_shard(copy.deepcopy(base), 1, None)
+        batch = _rl_batch()
+        for m in (plain, sharded):
+            Learner(m, "grpo", micro_batch_size=4, logprob_chunk_size=16, warmup_steps=0).step(batch)
+        full, ref = full_model_state(sharded), plain.state_dict()
+        moved = max(float((ref[k].cpu() - base.state_dict()[k].cpu()).abs().max()) for k in ref)
+        assert moved > 0  # the step changed the weights: the comparison below is not vacuous
+        for k in ref:  # one rank: FSDP2's all-gathers and reductions are copies; float32 round-off at most
+            _close(full[k].float(), ref[k].cpu().float(), f"weight {k}", 1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lora_merged_weights_on_cuda(tmp_path):
+    tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3", "State the answer"], vocab_size=300)
+    model = build_small_llama(len(tok), hidden=32, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok)
+    policy = Policy(model.to("cuda"), tok, tok.eos_token_id, tok.pad_token_id)
+    base = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    apply_lora(policy, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base=str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.02)
+    params = dict(policy.model.named_parameters())
+    sent = dict(named_weights(policy.model))
+    assert sorted(sent) == sorted(base)
+    adapted = 0
+    for k, w in base.items():
+        stem = k.removesuffix(".weight")
+        if f"{stem}.lora_A.default.weight" in params:
+            A, B = params[f"{stem}.lora_A.default.weight"], params[f"{stem}.lora_B.default.weight"]
+            torch.testing.assert_close(sent[k], w + 2.0 * (B @ A), rtol=0, atol=1e-6)
+            adapted += 1
+        else:
+            assert torch.equal(sent[k], w), k
+    assert adapted == 7
+    peft_merged = copy.deepcopy(policy.adapter).merge_and_unload().state_dict()
+    for k in sent:
+        torch.testing.assert_close(sent[k], peft_merged[k], rtol=0, atol=1e-6)
+
+
+def test_padding_free_learner_step_equals_padded_in_float64():
+    prompts, comps = _rows(seed=4)
+    packed = pack(prompts, comps, pad_id=0)
+    B, C = packed.response_mask.shape
+    grads = []
+    for padding_free in (False, True):
+        model = _llama(torch.float64).to("cuda")
+        learner = Learner(model, "p3o", {}, lr=1e-2, grad_clip=1e9, micro_batch_size=5, padding_free=padding_free)
+        grads.append(sgd_recording_grads(learner, model))
+        g = torch.Generator().manual_seed(11)
+        blp = -3.0 + 0.8 * torch.randn(B, C, generator=g, dtype=torch.float64)
+        learner.step(TrainBatch(packed, blp, torch.randn(B, generator=g, dtype=torch.float64)))
+    for n in grads[0]:
+        _close(grads[1][n], grads[0][n], f"grad {n}", 1e-10)
