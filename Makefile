@@ -25,10 +25,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/trustbatch train
 
-# unit first (no processes spawned, under a minute): a broken unit stops before the integration tests start
+# unit first (no processes spawned, under a minute): a broken unit stops before the integration tests start.
+# Both cores (pytest-xdist): a test file stays on one worker (--dist loadfile), so a file's module fixtures are
+# built once; every test's processes, caches and ports are its own (tmp_path, --standalone torchrun).
+XDIST := -n 2 --dist loadfile
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q tests/unit
-	$(BIN)/python -m pytest -q tests/integration
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit
+	$(BIN)/python -m pytest -q $(XDIST) tests/integration
 
 test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m slow
