@@ -36,19 +36,19 @@ __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "che
 
 
 def engine_spec(cfg: Config) -> EngineSpec:
-    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``; full behaviour log-probs
-    where the objective needs them)."""
+    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``)."""
     ro = cfg.rollout
     return EngineSpec(name=ro.engine, precision=ro.precision, quantization=ro.quantization,
-                      full_logprobs=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
                       seed=cfg.train.seed, threads=cfg.threads or None)
 
 
 def source_spec(cfg: Config) -> SourceSpec:
-    """How each round's batch is sampled, filtered, shaped and given advantages (``rollout``, ``objective``)."""
+    """How each round's batch is sampled, filtered, shaped and given advantages (``rollout``, ``objective``); with
+    the behaviour models where the objective needs whole distributions."""
     ro = cfg.rollout
     return SourceSpec(SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
                       group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=cfg.train.seed,
+                      behaviour_models=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
                       dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
                       overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std)
 
@@ -190,7 +190,7 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
             raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
         other = foreign_policy.model
     other = other.to(next(policy.model.parameters()).device)
-    return make_engine(EngineSpec(full_logprobs=engine_spec(cfg).full_logprobs), policy, model=other,
+    return make_engine(EngineSpec(), policy, model=other,
                        version=NOT_THE_POLICY)
 
 

@@ -53,11 +53,8 @@ class Rollout:
     completion_ids ends with EOS unless ``truncated``; ``behavior_logprobs`` has one float32 entry
     per completion token: the log-prob under the distribution it was actually sampled from
     (temperature and top-p applied). ``policy_version`` is the learner's optimizer-step count of the
-    weights that sampled it (``NOT_THE_POLICY`` for a foreign model).
-
-    ``behavior_logprobs_full`` ([len(completion_ids), V] float32, or None): the whole log-distribution
-    sampled from at each completion position, returned only by an engine asked for it (it is V
-    times the size of ``behavior_logprobs``); objectives with an exact behaviour KL need it.
+    weights that sampled it (``NOT_THE_POLICY`` for a foreign model). The whole distribution is never
+    recorded: an engine that declares ``full`` hands the learner its ``teacher`` instead (``rollout.spec``).
     """
 
     prompt_index: int
@@ -66,7 +63,6 @@ class Rollout:
     behavior_logprobs: list[float]
     truncated: bool
     policy_version: int
-    behavior_logprobs_full: torch.Tensor | None = None
 
 
 class Engine(Protocol):

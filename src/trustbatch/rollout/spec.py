@@ -24,17 +24,21 @@ class EngineSpec:
     """How an engine samples, as plain values (picklable: a rollout worker builds its own engine from it).
 
     name: a registered engine (``transformers``, ``vllm``). precision: the behaviour copy's dtype or quantization
-    (``rollout.shifts``; vLLM: its ``dtype``). quantization: vLLM's online quantization, or None. full_logprobs:
-    record each rollout's whole behaviour log-distribution (``Rollout.behavior_logprobs_full``). seed: the vLLM
+    (``rollout.shifts``; vLLM: its ``dtype``). quantization: vLLM's online quantization, or None. seed: the vLLM
     engine's sampling seed. threads: intra-op threads the vLLM engine sets (None: leave them).
     """
 
     name: str = "transformers"
     precision: str = "float32"
     quantization: str | None = None
-    full_logprobs: bool = False
     seed: int = 0
     threads: int | None = None
+
+
+# What an engine can hand the learner of the distribution it sampled from, beyond the sampled tokens' log-probs:
+# "full": the whole distribution (the learner rebuilds it from the engine's ``teacher``); "top_k": its top-k
+# log-probs (``objectives.kl.top_k_kl_lower_bound``); "none": nothing more.
+BEHAVIOUR_DISTRIBUTIONS = ("full", "top_k", "none")
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,22 @@ class _Registered:
     build: Callable[..., Engine]
     check: Callable[[EngineSpec], None]
     shares_module: bool  # can sample from the learner's own float32 module (no copy, no weight transfer)
+    behaviour: str  # one of BEHAVIOUR_DISTRIBUTIONS
 
 
 _ENGINES: dict[str, _Registered] = {}
 
 
 def register_engine(name: str, *, check: Callable[[EngineSpec], None] = lambda spec: None,
-                    shares_module: bool = False):
+                    shares_module: bool = False, behaviour: str = "none"):
     """Register ``build(spec, policy, *, model, model_dir, version, share, autocast, max_model_len, device)``
-    as engine ``name``; ``check(spec)`` refuses, before any model loads, a spec it cannot run (``UserError``)."""
+    as engine ``name``; ``check(spec)`` refuses, before any model loads, a spec it cannot run (``UserError``);
+    ``behaviour`` declares what it returns of the sampled distribution (``BEHAVIOUR_DISTRIBUTIONS``)."""
+    if behaviour not in BEHAVIOUR_DISTRIBUTIONS:
+        raise ValueError(f"behaviour={behaviour!r} is not one of {BEHAVIOUR_DISTRIBUTIONS}")
 
     def deco(build):
-        _ENGINES[name] = _Registered(build, check, shares_module)
+        _ENGINES[name] = _Registered(build, check, shares_module, behaviour)
         return build
 
     return deco
@@ -79,6 +87,11 @@ def check_engine(spec: EngineSpec) -> None:
         UserError: one line naming the cause and the fix.
     """
     _entry(spec).check(spec)
+
+
+def behaviour_distribution(spec: EngineSpec) -> str:
+    """What an engine of ``spec`` declares it returns of its sampling distribution: "full", "top_k" or "none"."""
+    return _entry(spec).behaviour
 
 
 def shares_module(spec: EngineSpec) -> bool:
@@ -107,7 +120,7 @@ def make_engine(spec: EngineSpec, policy, *, model: torch.nn.Module | None = Non
                        autocast=autocast, max_model_len=max_model_len, device=device)
 
 
-@register_engine("transformers", shares_module=True)
+@register_engine("transformers", shares_module=True, behaviour="full")
 def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
     from .transformers_engine import TransformersEngine
 
@@ -115,7 +128,7 @@ def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share,
     if device is not None:
         model = model.to(device)
     return TransformersEngine(model, policy.eos_id, policy.pad_id, precision=spec.precision, share=share,
-                              version=version, full_logprobs=spec.full_logprobs, autocast=autocast)
+                              version=version, autocast=autocast)
 
 
 def _check_vllm(spec: EngineSpec) -> None:
@@ -128,7 +141,9 @@ def _check_vllm(spec: EngineSpec) -> None:
                         "rollout.quantization=fp8_per_channel")
 
 
-@register_engine("vllm", check=_check_vllm)
+# vLLM returns top-k log-probs per step (SamplingParams.logprobs); the learner cannot rebuild its model's
+# distribution (another implementation, its own kernels and quantization)
+@register_engine("vllm", check=_check_vllm, behaviour="top_k")
 def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
     if model_dir is None:
         import atexit

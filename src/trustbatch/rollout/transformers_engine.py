@@ -38,6 +38,7 @@ import copy
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..policy.forward import Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
@@ -52,18 +53,27 @@ PLAIN_ONLY = ("int8",)
 
 
 class _GumbelPerRow(LogitsProcessor):
-    """Adds per-row Gumbel noise after the warpers, keeping the clean processed scores for log-probs."""
+    """Adds per-row Gumbel noise after the warpers, and records the log-prob of the token each row samples.
+
+    ``generate`` (``do_sample=False``) takes the argmax of the scores this returns, so the token is known here:
+    ``logprobs`` gets, per step, log_softmax(clean processed scores) at that token ([N], float32), and no step's
+    [N, V] scores outlive the step.
+    """
 
     def __init__(self, seeds: list[int] | None):
         self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-        self.clean: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores):
-        self.clean.append(scores)
-        if self.gens is None:  # greedy
-            return scores
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
-        return scores - torch.log(-torch.log(u.clamp_min(1e-20)))
+        noisy = scores
+        if self.gens is not None:  # else greedy
+            u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
+            noisy = scores - torch.log(-torch.log(u.clamp_min(1e-20)))
+        token = noisy.argmax(-1, keepdim=True)
+        # generate's scores are float32 whatever the model (it casts each step's logits); promote in case it changes
+        lsm = torch.log_softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+        self.logprobs.append(lsm.gather(-1, token).squeeze(-1))
+        return noisy
 
 
 class TransformersEngine:
@@ -77,9 +87,9 @@ class TransformersEngine:
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
     that precision (int8 and FP8: re-quantized from a float copy).
 
-    ``full_logprobs=True`` also records each rollout's whole behaviour log-distribution
-    (``Rollout.behavior_logprobs_full``, [n_tokens, V]: the log-softmax of the processed scores,
-    whose values at the sampled tokens are the recorded ``behavior_logprobs``).
+    It keeps no step's scores: the whole behaviour distribution, which an exact KL needs, is rebuilt by the learner
+    from ``teacher`` (the module and settings it samples with), so the engine declares ``full``
+    (``rollout.spec.behaviour_distribution``).
 
     ``prefill_once`` prefills each distinct prompt of a chunk once and copies its key/value cache
     to its samples (module docstring); False runs every row's prompt, as ``generate`` alone does.
@@ -93,7 +103,6 @@ class TransformersEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
-                 full_logprobs: bool = False,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
                  prefill_once: bool | None = None, autocast: torch.dtype | None = None):
         self.precision = precision
@@ -107,7 +116,6 @@ class TransformersEngine:
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
         self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
-        self.full_logprobs = full_logprobs
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size = batch_size
@@ -191,13 +199,8 @@ class TransformersEngine:
         finally:
             for m in scaled:  # a scale left pending (generate failed before its first forward) must not leak
                 m.reuse_scale(False)
-        new = gen.sequences[:, P:]
-        scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
-        # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        logp_all = torch.log_softmax(scores, dim=-1)
-        logp = logp_all.gather(-1, new[..., None]).squeeze(-1).cpu()
-        new = new.cpu()
+        new = gen.sequences[:, P:].cpu()
+        logp = torch.stack(noise.logprobs, dim=1).cpu()  # [N, steps], processed (T, top-p), no noise
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -206,9 +209,27 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
-                behavior_logprobs_full=logp_all[j, :end].cpu().clone() if self.full_logprobs else None,
             ))
         return rows
+
+    def teacher(self, sampling: SamplingParams) -> Teacher:
+        """What the learner rebuilds this engine's sampling distribution from (``policy.forward.Teacher``): the
+        module it samples with (valid until the next ``load_weights``), the temperature (1 when greedy: the
+        untempered scores) and its autocast.
+
+        For per-tensor quantization (``BATCH_SCALED``: int8, fp8_e4m3) the rebuilt distribution takes its
+        activation scales over the learner's teacher-forced micro-batch (and, for the LM head, its chunk),
+        not over each decoding step's rows: the same quantized model, another batch composition
+        (log-probs apart by about 1e-2, not round-off; class docstring).
+
+        Raises:
+            ValueError: top-p < 1 (π_b is 0 outside the nucleus, where KL(π_θ‖π_b) is infinite).
+        """
+        if sampling.top_p < 1.0 and not sampling.greedy:
+            raise ValueError(f"top_p={sampling.top_p:g} truncates the behaviour distribution (π_b = 0 outside the "
+                             "nucleus, KL(π_θ‖π_b) infinite); sample with top_p=1 for an exact KL")
+        name = "the behaviour policy" if self.version >= 0 else "the foreign model"
+        return Teacher(self.model, 1.0 if sampling.greedy else sampling.temperature, self.autocast, name=name)
 
     def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int, scaled=()):
         """A key/value cache of ``ids[:, :P-1]`` [N, P-1] computed once per distinct prompt, or None.
