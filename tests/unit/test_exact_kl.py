@@ -338,3 +338,42 @@ def test_p3o_exact_replayed_over_mini_batches_equals_float64_per_mini_batch(tiny
             torch.testing.assert_close(got[k].double(), g, rtol=0, atol=1e-6 * scale)
     # the second step ran on weights the first one moved, so the check saw a replayed (off-policy) step
     assert any(not torch.equal(p, q) for p, q in zip(steps[0][0].parameters(), steps[1][0].parameters()))
+
+
+# ---- the top-k lower bound (engines that return top-k behaviour log-probs) ---------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 6, 7])
+def test_top_k_bound_is_the_coarse_grained_kl_below_the_exact_one(k):
+    """Against a double loop: KL of (π_θ, π_b) coarse-grained to π_b's top k plus one "other" bucket; ≤ the exact
+    KL on random distributions, equal at k = V; the gap is P_o·KL of the tails (the chain rule)."""
+    from trustbatch.objectives.kl import top_k_kl_lower_bound
+
+    B, T, V = 3, 4, 7
+    z = _logits(20 + k, B, T, V).requires_grad_(True)
+    lp, lq = torch.log_softmax(z, -1), torch.log_softmax(_logits(40 + k, B, T, V), -1)
+    top_lq, top_ids = lq.topk(k, -1)
+    got = top_k_kl_lower_bound(lp, top_lq, top_ids)
+    exact = exact_kl(lp, lq)
+    for i in range(B):
+        for t in range(T):
+            P, Q = lp[i, t].detach().exp().tolist(), lq[i, t].exp().tolist()
+            S = set(top_ids[i, t].tolist())
+            want = sum(P[v] * math.log(P[v] / Q[v]) for v in S)
+            p_o, q_o = sum(P[v] for v in range(V) if v not in S), sum(Q[v] for v in range(V) if v not in S)
+            if p_o > 0:
+                want += p_o * math.log(p_o / q_o)
+                tail = sum(P[v] / p_o * math.log((P[v] / p_o) / (Q[v] / q_o)) for v in range(V) if v not in S)
+            else:
+                tail = 0.0
+            assert got[i, t].item() == pytest.approx(want, rel=1e-10, abs=1e-13)
+            assert exact[i, t].item() - got[i, t].item() == pytest.approx(p_o * tail, rel=1e-8, abs=1e-10)
+    assert bool((got <= exact + 1e-10).all())
+    if k >= V - 1:  # no tail, or a one-token tail, whose conditional KL is 0
+        torch.testing.assert_close(got, exact, rtol=1e-11, atol=1e-12)
+    else:
+        assert float((exact - got).max()) > 1e-3  # a real gap on random distributions
+    got.sum().backward()
+    assert bool(torch.isfinite(z.grad).all())
+    gz = z.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: top_k_kl_lower_bound(torch.log_softmax(x, -1), top_lq, top_ids), (gz,))
