@@ -167,7 +167,9 @@ class KLReference:
         if len(parts) == 1:
             return m3, parts[0]
         lw0, lw1 = self.log_weights
-        return m3, torch.logaddexp(lw0 + parts[0], lw1 + parts[1]) - self.log_norm
+        a, b = parts[0].add_(lw0), parts[1].add_(lw1)  # fresh tensors: in place, one [B, k, V] less each step
+        del parts
+        return m3, torch.logaddexp(a, b, out=a).sub_(self.log_norm)
 
 
 def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None)) -> torch.Tensor:
