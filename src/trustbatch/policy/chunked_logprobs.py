@@ -77,10 +77,13 @@ class HeadInput:
     def log_probs(self, cols: slice) -> torch.Tensor:
         """log π [b, k, V] at columns ``cols`` (no gradient), in ``logits_dtype`` of the head's output."""
         z = self.states[:, cols]
-        if self.head is not None:
-            with autocast_state(z.device.type, self.autocast):
-                z = self.head(z)
-        return _log_softmax(z, self.temperature)
+        if self.head is None:
+            return _log_softmax(z, self.temperature)
+        with autocast_state(z.device.type, self.autocast):
+            z = self.head(z)
+        z = z.to(logits_dtype(z.dtype))
+        # the head's fresh output: divided in place (the same op as _log_softmax's), one [b, k, V] buffer less
+        return torch.log_softmax(z if self.temperature == 1.0 else z.div_(self.temperature), dim=-1)
 
 
 @dataclass(frozen=True)
