@@ -183,13 +183,20 @@ def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None))
     return torch.where(m3[..., 0], exact_kl(torch.where(m3, lsm, zero), mix), zero)
 
 
+def _difference(lsm: torch.Tensor, ref: KLReference, cols: slice):
+    """(mask [B, k, 1], d = lsm − log π_ref written over π_ref's fresh buffer, p = exp(lsm)), d 0 where p is
+    (0·log 0 = 0, as ``exact_kl``): two [B, k, V] buffers beside ``lsm``."""
+    m3, d = ref.log_probs(cols, lsm.dtype)
+    d.neg_().add_(lsm)  # a + (−b) is a − b exactly
+    p = lsm.exp()
+    d.masked_fill_(p == 0, 0.0)
+    return m3, d, p
+
+
 def _chunk_kl(lsm: torch.Tensor, ref: KLReference, cols: slice) -> torch.Tensor:
     """``reference_kl``'s value, bit for bit, without gradient and with two [B, k, V] buffers beside ``lsm``
-    (the difference written over π_ref's, the product over the probabilities)."""
-    m3, d = ref.log_probs(cols, lsm.dtype)
-    d.neg_().add_(lsm)  # lsm − log π_ref: a + (−b) is a − b exactly
-    p = lsm.exp()
-    d.masked_fill_(p == 0, 0.0)  # 0·log 0 = 0, as exact_kl
+    (the product written over the probabilities)."""
+    m3, d, p = _difference(lsm, ref, cols)
     return torch.where(m3[..., 0], p.mul_(d).sum(-1), torch.zeros((), dtype=lsm.dtype))
 
 
@@ -306,10 +313,7 @@ def _kl_chunk_grad(lsm: torch.Tensor, ref: KLReference, cols: slice, kl: torch.T
 
     the softmax Jacobian of ``objectives.kl.exact_kl``'s docstring; then ·1/T and cast to the head's dtype.
     ``kl`` [B, k] is the forward's value; ``g_logp`` [B, k, 1] or None, ``g_kl`` [B, k, 1]."""
-    m3, d = ref.log_probs(cols, lsm.dtype)
-    d.neg_().add_(lsm)
-    p = lsm.exp()
-    d.masked_fill_(p == 0, 0.0)
+    m3, d, p = _difference(lsm, ref, cols)
     zero = torch.zeros((), dtype=lsm.dtype)
     d.sub_(kl[..., None].to(lsm.dtype)).mul_(torch.where(m3, g_kl.to(lsm.dtype), zero))
     if g_logp is not None:
@@ -369,7 +373,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def chunked_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, chunk_size: int,
                         temperature: float = 1.0) -> torch.Tensor:
     """The whole log-softmax ``[B, C, V]`` (no gradient), computed chunk by chunk: the stored output is the
-    only [B, C, V] tensor alive (e.g. the proximal snapshot of ``kl="exact"``). Shapes as ``chunked_logprobs``."""
+    only [B, C, V] tensor alive (for an objective that takes whole distributions). Shapes as ``chunked_logprobs``."""
     out = None
     for cols in _spans(hidden.shape[1], chunk_size):
         lsm = _log_softmax(_head(hidden[:, cols], weight, bias), temperature)
