@@ -10,6 +10,7 @@ chunks that do not divide the width (C = 7 in chunks of 2 or 3), and checks that
 
 import copy
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
 from grad_probe import sgd_recording_grads
+from llama_rows import _f64_rmsnorm
 
 V = 40
 TOL = 1e-10
@@ -42,7 +44,13 @@ def _llama(tied=False, seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied)
-    return LlamaForCausalLM(cfg).double()
+    model = LlamaForCausalLM(cfg).double()
+    # RMSNorm in float64 (tests/support/llama_rows.py): with float64 log-probs, the float32 rounding inside
+    # transformers' norm would tell apart forwards over other row layouts (shared prompt, DDP shards)
+    for mod in model.modules():
+        if type(mod).__name__ == "LlamaRMSNorm":
+            mod.forward = types.MethodType(_f64_rmsnorm, mod)
+    return model
 
 
 def _rows(seed=1):
