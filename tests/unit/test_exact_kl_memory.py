@@ -6,7 +6,8 @@ float32 [B, C, V] tensor is 102 MB, then caps its own data segment (``RLIMIT_DAT
 since Linux 4.7) at what it uses plus 70 MB and takes a P3O and a two-anchor P3O step with kl="exact" at
 ``logprob_chunk_size=8`` (6.4 MB per [B, k, V] buffer). malloc returns every large block to the system
 (``MALLOC_MMAP_THRESHOLD_``), so the limit counts what is alive. The control is the same step on the full LM-head path
-(``logprob_chunk_size=None``: [B, C + 1, V] logits), which must hit the limit: the limit bites.
+(``logprob_chunk_size=None``: [B, C + 1, V] logits), which must hit the limit: the limit bites. The same holds for
+the transformers engine generating those 128 tokens for 2 rows: it keeps no [N, steps, V] stack of scores.
 """
 
 import json
@@ -51,7 +52,12 @@ CHILD = textwrap.dedent(f"""
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     out = {{}}
     try:
-        for name, learner in learners.items():
+        if sys.argv[1] == "engine":
+            from trustbatch.rollout import SamplingParams, TransformersEngine
+            eng = TransformersEngine(model, eos_id=1, pad_id=0)
+            ro = eng.generate(prompts[:1], {B}, SamplingParams(max_new_tokens={C}), seeds=[0])
+            out["tokens"] = sum(len(r.behavior_logprobs) for r in ro)
+        for name, learner in ({{}} if sys.argv[1] == "engine" else learners).items():
             out[name] = learner.train_on(batch)["kl_behavior"]
     except (MemoryError, RuntimeError) as e:
         out["error"] = str(e).splitlines()[0]
@@ -73,3 +79,8 @@ def test_exact_kl_steps_fit_where_one_b_c_v_tensor_does_not():
     assert chunked["p3o"] > 0.1 and chunked["p3o_two_anchor"] > 0  # the KL was computed, and is not negligible
     full = _run("full")
     assert "error" in full and "alloc" in full["error"].lower(), full
+
+
+def test_the_engine_keeps_no_step_by_vocabulary_stack():
+    got = _run("engine")
+    assert got == {"tokens": B * C}, got  # no EOS in a random model's 128 tokens: each row ran every step
