@@ -8,7 +8,8 @@ behaviour (and proximal) models. Under FSDP2 every no-grad pass runs as many for
 all-gathers weights).
 
 They read the learner's settings: ``model``, ``wrapped``, ``world``, ``sharded``, ``device``, ``precision``,
-``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``spec``, ``full`` and ``_pad``.
+``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``epochs``, ``minibatches``, ``spec``, ``full``,
+``kl_in_head``, ``version``, ``_pad`` and ``_snapshot``.
 """
 
 from __future__ import annotations
