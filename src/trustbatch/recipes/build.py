@@ -176,7 +176,8 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
     It runs on the policy's device.
 
     Raises:
-        UserError: the foreign model's tokenizer differs from the policy's.
+        UserError: the foreign model's tokenizer differs from the policy's; for an objective that needs the whole
+            behaviour distribution (kl="exact"), its output vocabulary differs from the policy's.
     """
     spec = cfg.rollout.foreign_model
     if spec == "initial":
@@ -189,6 +190,11 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
         if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
             raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
         other = foreign_policy.model
+        sizes = (other.get_output_embeddings().weight.shape[0], policy.model.get_output_embeddings().weight.shape[0])
+        if sizes[0] != sizes[1] and source_spec(cfg).behaviour_models:
+            raise UserError(f"rollout.foreign_model {spec!r} has {sizes[0]} output logits, the policy {sizes[1]}; the "
+                            "exact KL compares whole distributions: use a foreign model of the policy's vocabulary "
+                            "size or kl='k3'")
     other = other.to(next(policy.model.parameters()).device)
     return make_engine(EngineSpec(), policy, model=other,
                        version=NOT_THE_POLICY)
