@@ -246,7 +246,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=768)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=256, help="completion columns per LM-head chunk (below C: chunked)")
+    ap.add_argument("--chunk", type=int, default=2048,
+                    help="tokens (rows x columns) per LM-head chunk; 2,048: 8 rows (--micro-batch) x 256 columns")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=5)

@@ -10,11 +10,11 @@ is the same in both arms. Shapes:
 
 * ``qwen``: one row of C = 4,096 completion positions, V = 151,936, H = 896 (Qwen2.5-0.5B's head);
 * ``default``: the default job's micro-batch, 512 rows × C = 8, V = 384, H = 128. There the learner
-  itself takes the full path (C ≤ train.logprob_chunk_size), op for op; the chunked arm shows what the
-  chunked head would cost at ``--default-chunk`` columns.
+  itself takes the full path (its B · (C + 1) logits fit ``train.logprob_chunk_size=auto``), op for op; the
+  chunked arm shows what the chunked head would cost at ``--default-chunk`` tokens (1,024: 512 rows × 2 columns).
 
 ``full`` is the full path (``chunked_logprobs.full_logprobs`` on [B, C, V] logits, autograd); ``chunked``
-is ``chunked_logprobs`` at ``--chunk`` columns. Memory on CPU: each arm runs in a fresh subprocess,
+is ``chunked_logprobs`` at ``--chunk`` tokens per chunk (rows × columns; one row here, so columns). Memory on CPU: each arm runs in a fresh subprocess,
 and its peak is ``ru_maxrss`` minus the resident set after its inputs were allocated (so the
 interpreter, torch and the inputs are not counted; page-cache noise is a few MB): the peak is VmHWM
 after resetting it (``/proc/self/clear_refs``), or ``ru_maxrss`` where that cannot be reset. On CUDA:
@@ -128,8 +128,9 @@ def _summary(xs):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
-    ap.add_argument("--chunk", type=int, default=1024, help="completion columns per chunk at the qwen shape")
-    ap.add_argument("--default-chunk", type=int, default=2, help="columns per chunk at the default shape")
+    ap.add_argument("--chunk", type=int, default=1024, help="tokens per chunk at the qwen shape (one row: columns)")
+    ap.add_argument("--default-chunk", type=int, default=1024,
+                    help="tokens per chunk at the default shape (512 rows x 2 columns)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

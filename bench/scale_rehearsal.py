@@ -1,6 +1,6 @@
 """Scale rehearsal: real `trustbatch train` rounds on a Qwen2.5-0.5B-shaped model, memory and time per arm.
 
-    python bench/scale_rehearsal.py [--arms scaled,float32_full,lora] [--rounds 2] [--new-tokens 128]
+    python bench/scale_rehearsal.py [--arms defaults,scaled,float32_full,lora] [--rounds 2] [--new-tokens 128]
                                     [--device cpu] [--workdir /tmp/tb-scale]
 
 The model is random-initialised from a local ``Qwen2Config`` shaped like Qwen2.5-0.5B (hidden 896, 24 layers,
@@ -11,9 +11,12 @@ directory and loaded by ``model.path`` like any user's model. Each arm is one fr
 completion), whose peak RSS it reports with the seconds per phase (rollout, learner step) and tokens/s from the
 run's own metrics. Arms:
 
-- ``scaled``: bf16-mixed, activation checkpointing, chunked log-probs at 64 completion columns (the configuration
-  for a real model; a chunk of 1024 columns would leave C = 128 on the full path);
-- ``float32_full``: float32, no checkpointing, the full-vocabulary logits path (what trustbatch did before);
+- ``defaults``: nothing but the model and the round's shape set: float32, no checkpointing, the default micro-batch
+  (512 rows) and LM-head chunk (``auto``: 441 tokens at this V), the default evaluation and checkpoints
+  (``tests/integration/test_scale_rehearsal.py`` runs this arm's command for one round);
+- ``scaled``: bf16-mixed, activation checkpointing, micro-batches of 8, the default chunk (results before the chunk
+  counted tokens set 64 completion columns);
+- ``float32_full``: float32, no checkpointing, micro-batches of 8, the full-vocabulary logits path;
 - ``lora``: ``scaled`` plus LoRA r = 16 on every linear layer.
 
 Each process gets an address-space limit (``--mem-limit-gib``, default 22) so an arm that does not fit ends with an
@@ -38,12 +41,26 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=2048,
                   rope_theta=1000000.0, rms_norm_eps=1e-6)
 
+_SMALL_RUN = ["eval.every=1000", "eval.samples_per_prompt=1", "checkpoint_every=1000", "train.micro_batch_size=8",
+              "train.warmup_steps=0"]
 ARMS = {
-    "scaled": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=64"],
-    "float32_full": ["train.precision=float32", "train.activation_checkpointing=false", "train.logprob_chunk_size=null"],
-    "lora": ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "train.logprob_chunk_size=64",
-             "model.lora.r=16", "model.lora.alpha=32", "train.lr=1e-4"],
+    "defaults": [],
+    "scaled": _SMALL_RUN + ["train.precision=bf16-mixed", "train.activation_checkpointing=true"],
+    "float32_full": _SMALL_RUN + ["train.precision=float32", "train.activation_checkpointing=false",
+                                  "train.logprob_chunk_size=null"],
+    "lora": _SMALL_RUN + ["train.precision=bf16-mixed", "train.activation_checkpointing=true", "model.lora.r=16",
+                          "model.lora.alpha=32", "train.lr=1e-4"],
 }
+
+
+def overrides(arm: str, model_dir: Path, run_dir: Path, *, new_tokens: int, rounds: int, threads: int = 0,
+              device: str = "cpu") -> list[str]:
+    """The ``trustbatch train`` overrides of one arm: the model, 2 prompts × 4 samples × ``new_tokens`` per round
+    for ``rounds`` rounds, two held-out prompts, an in-process reward with spread, then the arm's own settings."""
+    return [f"model.path={model_dir}", "task.name=chain_sum", "task.train_size=64", "task.heldout_size=2",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", f"rollout.max_new_tokens={new_tokens}",
+            f"train.steps={rounds}", "reward.name=scale_rehearsal:score", "reward.workers=0",
+            f"train.device={device}", f"threads={threads}", f"run_dir={run_dir}"] + ARMS[arm]
 
 
 def score(completion: str, reference: str) -> float:
@@ -100,18 +117,14 @@ main()
 
 def run_arm(name: str, model_dir: Path, workdir: Path, a) -> dict:
     run_dir = workdir / f"run-{name}-{int(time.time())}"
-    overrides = [f"model.path={model_dir}", "task.name=chain_sum", "task.train_size=64", "task.heldout_size=2",
-                 "rollout.prompts_per_step=2", "rollout.group_size=4", f"rollout.max_new_tokens={a.new_tokens}",
-                 f"train.steps={a.rounds}", "eval.every=1000", "eval.samples_per_prompt=1", "checkpoint_every=1000",
-                 "reward.name=scale_rehearsal:score", "reward.workers=0", "train.micro_batch_size=8",
-                 "train.warmup_steps=0", f"train.device={a.device}", f"threads={a.threads}", f"run_dir={run_dir}"]
-    overrides += ARMS[name]
+    args = overrides(name, model_dir, run_dir, new_tokens=a.new_tokens, rounds=a.rounds, threads=a.threads,
+                     device=a.device)
     rss_file = workdir / f"rss-{name}.json"
     rss_file.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     limit = int(a.mem_limit_gib * 2**30) if a.device == "cpu" else 0  # CUDA reserves huge virtual ranges
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(limit), str(rss_file)] + overrides, env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(limit), str(rss_file)] + args, env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t
     out: dict = {"overrides": ARMS[name], "returncode": proc.returncode, "wall_s": round(wall, 1)}
@@ -132,7 +145,7 @@ def run_arm(name: str, model_dir: Path, workdir: Path, a) -> dict:
 
 def main() -> None:
     ap = options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    ap.add_argument("--arms", default="scaled,float32_full,lora")
+    ap.add_argument("--arms", default="defaults,scaled,float32_full,lora")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=24)

@@ -4,8 +4,9 @@ tensor would exceed.
 A fresh interpreter builds a tiny Llama with V = 100,000 and a batch of 2 rows × 128 completion tokens, so one
 float32 [B, C, V] tensor is 102 MB, then caps its own data segment (``RLIMIT_DATA``, which covers malloc's mmaps
 since Linux 4.7) at what it uses plus 70 MB and takes a P3O and a two-anchor P3O step with kl="exact" at
-``logprob_chunk_size=8`` (6.4 MB per [B, k, V] buffer). malloc returns every large block to the system
-(``MALLOC_MMAP_THRESHOLD_``), so the limit counts what is alive. The control is the same step on the full LM-head path
+``logprob_chunk_size=8`` (6.4 MB per [B, k, V] buffer). malloc returns every block of 256 KiB or more to the system
+(``MALLOC_MMAP_THRESHOLD_``: below one decoding step's [2, V] scores, 800 KB, which the heap would otherwise keep
+fragmented), so the limit counts what is alive. The control is the same step on the full LM-head path
 (``logprob_chunk_size=None``: [B, C + 1, V] logits), which must hit the limit: the limit bites. The same holds for
 the transformers engine generating those 128 tokens for 2 rows: it keeps no [N, steps, V] stack of scores.
 """
@@ -66,7 +67,7 @@ CHILD = textwrap.dedent(f"""
 
 
 def _run(arm: str) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2 ** 20), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2 ** 18), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", CHILD, arm], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

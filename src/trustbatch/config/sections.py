@@ -272,16 +272,23 @@ class TrainConfig(_Strict):
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (transformers' "
                            "gradient_checkpointing_enable, non-reentrant)")
-    logprob_chunk_size: Int | None = Field(
-        1024, ge=1, description="completion columns per LM-head chunk, for all rows of a micro-batch at once "
-                                "(micro_batch_size x chunk x V logits at most): log-probs, entropy and exact KL never "
-                                "hold [B, C, V] logits (recomputed per chunk in backward); completions no wider than "
-                                "this, or null: the full path")
+    logprob_chunk_size: Int | Literal["auto"] | None = Field(
+        "auto", description="tokens (rows x completion columns) per LM-head chunk: log-probs, entropy and exact KL "
+                            "hold at most this many positions' [tokens, V] logits (recomputed per chunk in "
+                            "backward); auto: 256 MiB of float32 logits, floor(2^28 / (4 V)) tokens (441 at "
+                            "V = 151,936); a micro-batch whose B x (C + 1) logits fit, or null: the full path")
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="data parallelism under torchrun: DDP (replicated) or FSDP2 (fully_shard per layer)")
     diagnostics: bool = Field(
         False, description="also log the share of tokens GRPO's clip would zero (grpo_zeroed_0.2/0.4) at every "
                            "optimizer step, whatever the objective (the lab sets it)")
+
+    @field_validator("logprob_chunk_size")
+    @classmethod
+    def _chunk(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1, auto or null")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -1,18 +1,19 @@
 """The LM head applied in chunks of response positions: log-probs, entropy and exact KL without [B, C, V] logits.
 
-A chunk is ``chunk_size`` response columns of every row of the micro-batch: hidden states
-``[B, k, H]`` → logits ``[B, k, V]`` with k ≤ chunk_size. Memory per chunk is therefore
-B · k · V floats; a micro-batch whose completion width C is at most ``chunk_size`` is one chunk,
-and the forwards (``forward.response_logprobs``, ``shared_prompt.grouped_response_logprobs``) then
-keep today's full path, op for op, so that short-completion jobs (the lab's C = 8) give the same
-numbers bit for bit. Set ``chunk_size`` with the micro-batch size in mind (e.g. 4 rows × 256
-columns = 1,024 positions of logits per chunk).
+A chunk holds at most ``chunk_size`` tokens (rows × columns) of the micro-batch: hidden states
+``[r, k, H]`` → logits ``[r, k, V]`` with r = min(B, chunk_size) rows and k = ⌊chunk_size / r⌋ columns
+(``chunk_plan``), so one chunk's logits are at most chunk_size · V floats whatever B and C are. The
+learner's default chunk is ``budget.logit_tokens(V)``: 256 MiB of float32 logits (441 tokens at
+V = 151,936). A micro-batch whose full path fits in one chunk (B · (C + 1) ≤ chunk_size: the full path
+computes C + 1 positions per row) keeps today's full path in the forwards (``forward.response_logprobs``,
+``shared_prompt.grouped_response_logprobs``), op for op, so that short-completion jobs (the lab's C = 8)
+give the same numbers bit for bit.
 
-``chunked_logprobs`` is one ``torch.autograd.Function``: its forward computes each chunk's logits,
-log-softmax, log-prob at the sampled token, entropy and exact KL, and frees them before the next
+``chunked_logprobs`` is one ``torch.autograd.Function`` per block of rows: its forward computes each chunk's
+logits, log-softmax, log-prob at the sampled token, entropy and exact KL, and frees them before the next
 chunk; it saves only the hidden states, the head's weight (and bias) and the targets. Its backward
 recomputes each chunk's logits and applies the log-softmax gradient analytically, accumulating the
-weight's gradient over chunks. At most one chunk of [B, k, V] tensors (a few of them: logits,
+weight's gradient over chunks. At most one chunk of [r, k, V] tensors (a few of them: logits,
 log-softmax, probabilities, their gradient) is alive at any time. Values equal the full path's up to
 float summation order (the weight's gradient sums chunk by chunk); the idea is torchtune's
 ``LinearCrossEntropyLoss`` and Liger Kernel's fused linear cross-entropy (chunked head + loss, the
@@ -108,6 +109,24 @@ class TeacherForced:
     def columns(self, start: int) -> "TeacherForced":
         return replace(self, parts=tuple(replace(p, states=p.states[:, start:]) for p in self.parts))
 
+    def row_block(self, block: slice) -> "TeacherForced":
+        """The rows ``block`` (a step-1 slice, as ``chunk_plan``'s row blocks) renumbered from 0: each part keeps its
+        states at those rows; a part with none of them is dropped (its rows read 0, as rows no part covers)."""
+        start, stop, _ = block.indices(self.n_rows)
+        parts = []
+        for p in self.parts:
+            if p.rows is None:
+                parts.append(replace(p, states=p.states[start:stop]))
+                continue
+            keep = ((p.rows >= start) & (p.rows < stop)).nonzero().squeeze(-1)
+            if keep.numel():
+                parts.append(replace(p, states=p.states[keep], rows=p.rows[keep] - start))
+        if not parts:  # no model sampled these rows (e.g. every one is padding): one empty part reads 0 everywhere
+            p = self.parts[0]
+            parts = [replace(p, states=p.states[:0], rows=p.rows[:0] if p.rows is not None else
+                             torch.zeros(0, dtype=torch.long, device=p.states.device))]
+        return TeacherForced(tuple(parts), stop - start)
+
     def log_probs(self, cols: slice, dtype: torch.dtype) -> torch.Tensor:
         """log π [B, k, V] in ``dtype`` at columns ``cols`` (0 at rows no part covers)."""
         out = None
@@ -124,6 +143,10 @@ class TeacherForced:
 
 def _narrow(t, start: int):
     return t[:, start:] if isinstance(t, torch.Tensor) else t.columns(start)
+
+
+def _row_block(t, block: slice):
+    return t[block] if isinstance(t, torch.Tensor) else t.row_block(block)
 
 
 def _read(t, cols: slice, dtype: torch.dtype) -> torch.Tensor:
@@ -158,6 +181,11 @@ class KLReference:
     def columns(self, start: int) -> "KLReference":
         """The reference for response columns ``start:`` (as ``forward.trim`` narrows a micro-batch)."""
         return replace(self, logprobs=tuple(_narrow(t, start) for t in self.logprobs), mask=self.mask[:, start:])
+
+    def rows(self, block: slice) -> "KLReference":
+        """The reference for the rows ``block`` (a step-1 slice: ``chunked_logprobs``'s row blocks)."""
+        # log_weights and log_norm are 0-dim (``objectives.p3o.anchor_log_weights``): shared by every row
+        return replace(self, logprobs=tuple(_row_block(t, block) for t in self.logprobs), mask=self.mask[block])
 
     def log_probs(self, cols: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask [B, k, 1], log π_ref [B, k, V] in ``dtype``, zero outside the mask) at columns ``cols``: a new
@@ -207,6 +235,27 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
 
 def _spans(C: int, chunk: int) -> list[slice]:
     return [slice(s, min(C, s + chunk)) for s in range(0, C, chunk)]
+
+
+def chunk_plan(B: int, C: int, chunk_tokens: int) -> tuple[int, int]:
+    """(rows, columns) of one chunk of at most ``chunk_tokens`` positions of a ``[B, C]`` micro-batch: every row
+    and ⌊chunk_tokens / B⌋ columns when B ≤ chunk_tokens, else blocks of ``chunk_tokens`` rows, one column
+    at a time. rows · columns ≤ chunk_tokens. Raises ValueError for chunk_tokens < 1."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_tokens}")
+    rows = max(1, min(B, chunk_tokens))
+    return rows, max(1, min(C, chunk_tokens // rows))
+
+
+def token_spans(B: int, C: int, chunk_tokens: int) -> list[tuple[slice, slice]]:
+    """The (rows, columns) slices of ``chunk_plan``'s chunks, row block by row block, tiling [B, C] once."""
+    rows, cols = chunk_plan(B, C, chunk_tokens)
+    return [(r, c) for r in _spans(B, rows) for c in _spans(C, cols)]
+
+
+def fits_one_chunk(B: int, C: int, chunk_tokens: int | None) -> bool:
+    """Whether the full path's ``[B, C + 1, V]`` logits fit in one chunk (or chunking is off: None)."""
+    return chunk_tokens is None or B * (C + 1) <= chunk_tokens
 
 
 def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -338,7 +387,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         weight: ``[V, H]`` LM-head weight (tied or not); gradient flows to it, summed over chunks.
         bias: ``[V]`` or None.
         targets: ``[B, C]`` (or ``[N]``) long, the sampled tokens.
-        chunk_size: response columns per chunk (all B rows at once): at most B·chunk_size·V logits
+        chunk_size: tokens (rows × columns) per chunk (``chunk_plan``): at most chunk_size·V logits
             are alive at a time, in the forward and in the backward.
         temperature: divides the logits (to score a policy at T ≠ 1).
         with_entropy: also return the entropy −Σ_v p log p in nats (no gradient).
@@ -363,8 +412,14 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                          "do not match: want [B, C, H], [B, C] and [V, H]")
     if kl_reference is not None and tuple(kl_reference.mask.shape) != tuple(targets.shape):
         raise ValueError(f"kl_reference covers {tuple(kl_reference.mask.shape)} positions, targets {tuple(targets.shape)}")
-    logp, ent, kl = _ChunkedHead.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
-                                       bool(with_entropy), kl_reference)
+    B, C = targets.shape
+    rows, cols = chunk_plan(B, C, int(chunk_size))
+    blocks = []  # one Function per block of rows; autograd sums the weight's gradient over blocks
+    for r in _spans(B, rows):
+        ref = kl_reference if rows == B or kl_reference is None else kl_reference.rows(r)
+        blocks.append(_ChunkedHead.apply(hidden[r], weight, bias, targets[r], float(temperature), cols,
+                                         bool(with_entropy), ref))
+    logp, ent, kl = blocks[0] if len(blocks) == 1 else (torch.cat(ts) for ts in zip(*blocks))
     out = (logp, ent if with_entropy else None, kl if kl_reference is not None else None)
     return tuple(None if t is None else (t[0] if flat else t) for t in out)
 
@@ -372,14 +427,15 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 @torch.no_grad()
 def chunked_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, chunk_size: int,
                         temperature: float = 1.0) -> torch.Tensor:
-    """The whole log-softmax ``[B, C, V]`` (no gradient), computed chunk by chunk: the stored output is the
-    only [B, C, V] tensor alive (for an objective that takes whole distributions). Shapes as ``chunked_logprobs``."""
+    """The whole log-softmax ``[B, C, V]`` (no gradient), computed chunk by chunk (``token_spans``): the stored
+    output is the only [B, C, V] tensor alive (e.g. the proximal snapshot of ``kl="exact"``). Shapes as
+    ``chunked_logprobs``."""
     out = None
-    for cols in _spans(hidden.shape[1], chunk_size):
-        lsm = _log_softmax(_head(hidden[:, cols], weight, bias), temperature)
+    for rows, cols in token_spans(hidden.shape[0], hidden.shape[1], chunk_size):
+        lsm = _log_softmax(_head(hidden[rows, cols], weight, bias), temperature)
         if out is None:
             out = lsm.new_empty((hidden.shape[0], hidden.shape[1], lsm.shape[-1]))
-        out[:, cols] = lsm
+        out[rows, cols] = lsm
     return out
 
 
@@ -421,7 +477,10 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Te
         logp = full.gather(-1, targets[..., None]).squeeze(-1)
         ent = None
         if with_entropy:
-            ent = torch.cat([-(f.exp() * f).sum(-1) for f in full.split(chunk_size, dim=1)], dim=1)
+            ent = full.new_empty(full.shape[:2])
+            for rows, cols in token_spans(full.shape[0], full.shape[1], chunk_size):
+                f = full[rows, cols]
+                ent[rows, cols] = -(f.exp() * f).sum(-1)
         return logp, ent, full
     logp, ent, kl = chunked_logprobs(hidden, head.weight, head.bias, targets, chunk_size=chunk_size,
                                      temperature=temperature, with_entropy=with_entropy, kl_reference=kl_reference)

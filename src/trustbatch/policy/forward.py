@@ -4,7 +4,8 @@ Layout: every sequence is ``prompt + completion`` left-padded to a common length
 completions are right-aligned and occupy the last C = max completion length positions. Tensors
 over the response are therefore ``[B, C]``, the ``[B, T]`` of the objectives.
 
-With ``chunk_size`` (the learner's ``logprob_chunk_size``) and C > chunk_size, the model is called
+With ``chunk_size`` (the learner's ``logprob_chunk_size``, in tokens) below the full path's B · (C + 1)
+logit positions (``chunked_logprobs.fits_one_chunk``), the model is called
 with its LM head on no position and the decoder's hidden states go through ``chunked_logprobs``:
 no [B, C, V] logits are kept for backward. The call goes through the module it is given (a DDP
 wrapper included: one wrapper forward per backward, as before); the head's own weight Parameter
@@ -18,7 +19,8 @@ from typing import Sequence
 
 import torch
 
-from .chunked_logprobs import HeadInput, KLReference, TeacherForced, autocast_state, full_logprobs, head_logprobs
+from .chunked_logprobs import (HeadInput, KLReference, TeacherForced, autocast_state, fits_one_chunk, full_logprobs,
+                               head_logprobs)
 
 
 @dataclass
@@ -171,10 +173,11 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
     ``temperature`` divides the logits first (to score a policy at T ≠ 1).
 
     Args:
-        chunk_size: None, or C ≤ chunk_size, or a model ``head_parts`` does not serve: the full path,
-            which computes the last C + 1 positions' logits (``logits_to_keep``). Otherwise the LM head
-            runs on the decoder's hidden states ``chunk_size`` completion columns at a time
-            (``chunked_logprobs``): no [B, C, V] logits are kept, the same values up to round-off.
+        chunk_size: tokens (rows × columns) per LM-head chunk. None, or B · (C + 1) ≤ chunk_size, or a
+            model ``head_parts`` does not serve: the full path, which computes the last C + 1 positions'
+            logits (``logits_to_keep``). Otherwise the LM head runs on the decoder's hidden states at
+            most ``chunk_size`` positions at a time (``chunked_logprobs``): no [B, C, V] logits are kept,
+            the same values up to round-off.
         with_full: also return the whole log-softmax ``[B, C, V]`` at the completion positions (for an
             exact KL): with gradient on the full path; without gradient enabled the chunked path
             builds it chunk by chunk, with gradient it takes the full path.
@@ -194,7 +197,7 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
     inputs = dict(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids,
                   use_cache=False)
     parts = None
-    if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
+    if not fits_one_chunk(targets.shape[0], C, chunk_size) and not (with_full and torch.is_grad_enabled()):
         parts = head_parts(model)
     if parts is None:
         logits = model(**inputs, logits_to_keep=C + 1).logits[:, :-1]

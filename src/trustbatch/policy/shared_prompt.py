@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunked_logprobs import KLReference, head_logprobs, logits_dtype, reference_kl
+from .chunked_logprobs import KLReference, fits_one_chunk, head_logprobs, logits_dtype, reference_kl
 from .forward import Packed, decoder_hidden, head_parts, response_logprobs, unwrap
 from .kv_cache import cache_kwarg, cache_name, output_cache
 
@@ -186,9 +186,9 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
             cost more than one on a micro-batch without repeated prompts. 0 or below: always.
         with_full: also return the whole log-softmax ``[B, C, V]`` at the completion positions,
             right-aligned like ``logp`` (for an exact KL), as a third item; as ``response_logprobs``.
-        chunk_size: as ``response_logprobs``: above C ≤ chunk_size, the completion pass's hidden states
-            go through ``chunked_logprobs`` (right-aligned first, so outputs and ``kl_reference`` share
-            the ``pack`` layout); None or C ≤ chunk_size: the full path.
+        chunk_size: as ``response_logprobs``, in tokens: above B · (C + 1) ≤ chunk_size, the completion
+            pass's hidden states go through ``chunked_logprobs`` (right-aligned first, so outputs and
+            ``kl_reference`` share the ``pack`` layout); None or B · (C + 1) ≤ chunk_size: the full path.
         kl_reference: also return the exact KL ``[B, C]`` to it, as ``response_logprobs``.
 
     Returns:
@@ -274,7 +274,9 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
         p_pos, p_att = src.clamp_min(0), valid.long()
     # The prompt pass goes to the bare module: under DDP the completion pass below is the one
     # wrapper call per backward, whose graph reaches every parameter through the cache.
-    out = m(input_ids=p_ids, attention_mask=p_att, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    # no logits: the prompt pass is for its cache, and U rows of [U, 1, V] would escape the chunk budget
+    out = m(input_ids=p_ids, attention_mask=p_att, position_ids=p_pos, use_cache=True,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=dev))
     cache = output_cache(out)
     del out
     if not _is_plain_dynamic_cache(cache) or any(layer.keys.shape[0] != U or layer.keys.shape[-2] != P
@@ -294,7 +296,7 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     # right-align: output column j holds raw column j - (C - n_i); the columns before wrap onto filler
     src = (torch.arange(C, device=dev)[None] - (C - s.n)[:, None]) % C
     parts = None
-    if chunk_size is not None and C > chunk_size and not (with_full and torch.is_grad_enabled()):
+    if not fits_one_chunk(B, C, chunk_size) and not (with_full and torch.is_grad_enabled()):
         parts = head_parts(m)
     if parts is not None:
         decoder, head = parts

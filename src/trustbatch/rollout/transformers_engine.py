@@ -38,6 +38,7 @@ import copy
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
 from ..policy.forward import Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
@@ -91,6 +92,13 @@ class TransformersEngine:
     from ``teacher`` (the module and settings it samples with), so the engine declares ``full``
     (``rollout.spec.behaviour_distribution``).
 
+    Sequences per ``generate`` call: at most ``batch_size``, and fewer where one decoding step's ``[rows, V]``
+    scores would pass ``logits_bytes`` or the rows' key/value cache ``kv_bytes`` (``policy.budget.generate_rows``;
+    at V = 151,936: 441 rows). Where every row fits in one call (small V), the calls are those of a plain
+    ``batch_size`` split; where the bound splits a batch, each completion keeps its own random stream, so only
+    float round-off between batch shapes changes (the batch-scaled int8/FP8 precisions excepted: there the rows
+    sharing a forward set the scales, as ``batch_size`` already does).
+
     ``prefill_once`` prefills each distinct prompt of a chunk once and copies its key/value cache
     to its samples (module docstring); False runs every row's prompt, as ``generate`` alone does.
     None (the default) means True except at int8 (``PLAIN_ONLY``), which scales activations per
@@ -103,6 +111,7 @@ class TransformersEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
+                 logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
                  prefill_once: bool | None = None, autocast: torch.dtype | None = None):
         self.precision = precision
@@ -118,7 +127,7 @@ class TransformersEngine:
         self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
         self.eos_id = eos_id
         self.pad_id = pad_id
-        self.batch_size = batch_size
+        self.batch_size, self.logits_bytes, self.kv_bytes = batch_size, logits_bytes, kv_bytes
         self.version = version
         self.prefill_once = precision not in PLAIN_ONLY if prefill_once is None else prefill_once
         # decided once: load_weights may replace self.model, but only by a copy of the same architecture
@@ -161,10 +170,12 @@ class TransformersEngine:
         self.model.eval()
         device = next(self.model.parameters()).device
         ctx = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+        rows = generate_rows(self.model, max(map(len, prompts), default=0) + sampling.max_new_tokens,
+                             max_rows=self.batch_size, logits_bytes=self.logits_bytes, kv_bytes=self.kv_bytes)
         try:
             with ctx:
-                for s in range(0, len(flat), self.batch_size):
-                    out.extend(self._generate_chunk(flat[s:s + self.batch_size], sampling, device))
+                for s in range(0, len(flat), rows):
+                    out.extend(self._generate_chunk(flat[s:s + rows], sampling, device))
         finally:
             self.model.train(was_training)
         return out

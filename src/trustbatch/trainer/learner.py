@@ -21,7 +21,7 @@ the mixture with the proximal snapshot rebuilt the same way, weighted by the bat
 no-grad pass first). An objective that does not take ``kl_exact`` gets the learner's [B, C, V] log-softmax and
 the rebuilt ones, per micro-batch.
 
-Log-probs come from the LM head applied ``logprob_chunk_size`` completion columns at a time
+Log-probs come from the LM head applied ``logprob_chunk_size`` tokens (rows × columns) at a time
 (``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward, and none of the
 behaviour's or the proximal snapshot's exist (each chunk's are recomputed from hidden states and freed).
 
@@ -49,6 +49,7 @@ from ..objectives import MetricReducer
 from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
 from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
+from ..policy.budget import logit_tokens, vocab_size
 from ..policy.forward import response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.shared_prompt import grouped_response_logprobs
@@ -97,9 +98,11 @@ class Learner(ForwardPasses):
         trim_micro_batches: run each micro-batch at its own longest sequence and completion rather
             than the batch's (``forward.trimmed``: the same log-probs up to float summation order;
             a saving only when micro-batches split a batch of unequal lengths).
-        logprob_chunk_size: completion columns (of every row of a micro-batch) per LM-head chunk
-            (``policy.chunked_logprobs``): a micro-batch of width C > logprob_chunk_size never holds
-            its [B, C, V] logits; C ≤ logprob_chunk_size, or None: the full path, op for op as before.
+        logprob_chunk_size: tokens (rows × completion columns) per LM-head chunk
+            (``policy.chunked_logprobs``): no chunk holds more than this many positions' [tokens, V]
+            logits; "auto": ``policy.budget.logit_tokens(V)``, 256 MiB of float32 logits (441 tokens
+            at V = 151,936). A micro-batch of B rows and width C with B · (C + 1) ≤ logprob_chunk_size,
+            or None: the full path, op for op as before.
         precision: "float32", or "bf16-mixed": every forward of the learner runs under bf16 autocast
             (matrix products in bf16) while the weights, gradients and AdamW state stay float32
             (Lightning's ``bf16-mixed``). The log-probs that feed ratios, ESS and KL are still float32
@@ -126,7 +129,7 @@ class Learner(ForwardPasses):
                  ess_scope: str = "batch", warmup_steps: int = 0, epochs: int = 1, minibatches: int = 1,
                  world: World | None = None, version: int = 0, max_bad_steps: int = 3, shared_prompt: bool = True,
                  trim_micro_batches: bool = True, precision: str = "float32", activation_checkpointing: bool = False,
-                 logprob_chunk_size: int | None = 1024, strategy: str = "ddp", param_dtype: torch.dtype | None = None,
+                 logprob_chunk_size: int | str | None = "auto", strategy: str = "ddp", param_dtype: torch.dtype | None = None,
                  diagnostics: bool = False):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
@@ -145,8 +148,10 @@ class Learner(ForwardPasses):
         self.kl_needs_ess = self.kl_in_head and self.spec.needs_proximal
         self.diagnostics = diagnostics
         self.reductions = merged(self.spec.metrics, _LEARNER_METRICS, GRPO_ZEROED_METRICS if diagnostics else {})
-        if logprob_chunk_size is not None and logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        if logprob_chunk_size == "auto":
+            logprob_chunk_size = logit_tokens(vocab_size(model))
+        elif logprob_chunk_size is not None and (not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1):
+            raise ValueError(f"logprob_chunk_size must be >= 1, 'auto' or None, got {logprob_chunk_size!r}")
         self.logprob_chunk_size = logprob_chunk_size
         if self.spec.batch_stats and ess_scope not in self.spec.ess_scopes:
             raise ValueError(f"objective {objective!r} supports ess_scope {self.spec.ess_scopes}, not {ess_scope!r}")
