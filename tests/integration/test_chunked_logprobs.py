@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 
 from trustbatch import objectives
 from trustbatch.pipeline.batch import TrainBatch
-from trustbatch.policy.chunked_logprobs import KLReference, chunked_logprobs, full_logprobs
+from trustbatch.policy.chunked_logprobs import (HeadInput, KLReference, RecordedInput, TeacherForced, chunked_logprobs,
+                                               full_logprobs)
 from trustbatch.policy.forward import Teacher, pack, response_logprobs, teacher_forced
 from trustbatch.policy.shared_prompt import grouped_response_logprobs
 from trustbatch.trainer.learner import Learner
@@ -164,6 +165,31 @@ def test_chunked_head_equals_the_full_path_values_and_gradients(chunk, two):
     assert got[0].requires_grad and got[2].requires_grad and not got[1].requires_grad
     assert not chunked_logprobs(h, w, b, y, chunk_size=chunk, with_entropy=True)[1].requires_grad
 
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 9])
+def test_row_blocks_slice_rebuilt_and_recorded_parts(chunk):
+    """A reference of two parts, rows 0 and 2 rebuilt from a head (``HeadInput``) and row 1 recorded
+    (``RecordedInput``), read by row blocks (chunk 1, 2: ``KLReference.rows``) or whole (3, 9): the same values and
+    gradients as the stored [B, C, V] tensor they make up, to float64 round-off."""
+    h, w, b, y, m, _, cot = _head_inputs()
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(h.shape[-1], w.shape[0], dtype=torch.float64)
+    states = torch.randn(2, h.shape[1], h.shape[-1], generator=g, dtype=torch.float64)
+    recorded = torch.log_softmax(torch.randn(1, h.shape[1], w.shape[0], generator=g, dtype=torch.float64), -1)
+    with torch.no_grad():
+        rebuilt = torch.log_softmax(head(states) / 0.9, -1)
+    stored = torch.stack([rebuilt[0], recorded[0], rebuilt[1]])
+    parts = TeacherForced((HeadInput(states, head, torch.tensor([0, 2]), 0.9),
+                           RecordedInput(recorded, torch.tensor([1]))), 3)
+    got, g_got = _grads(lambda: chunked_logprobs(h, w, b, y, chunk_size=chunk, kl_reference=KLReference((parts,), m)),
+                        h, w, b, cot)
+    want, g_want = _grads(lambda: chunked_logprobs(h, w, b, y, chunk_size=chunk,
+                                                   kl_reference=KLReference((stored,), m)), h, w, b, cot)
+    _close(got[2], want[2], "kl")
+    for name, a, c in zip(("hidden", "weight", "bias"), g_got, g_want):
+        _close(a, c, f"grad {name}")
+    assert torch.equal(recorded, parts.parts[1].states)  # read, never written over
 
 def test_chunked_head_against_float64_math():
     """Independent of both paths: log-softmax, entropy and KL written out in float64, to float64 round-off (the

@@ -377,3 +377,21 @@ def test_top_k_bound_is_the_coarse_grained_kl_below_the_exact_one(k):
     assert bool(torch.isfinite(z.grad).all())
     gz = z.detach().clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: top_k_kl_lower_bound(torch.log_softmax(x, -1), top_lq, top_ids), (gz,))
+
+
+def test_engine_precisions_declare_rebuilt_or_recorded_and_preflight_accepts_both():
+    """The transformers engine declares, as data, where teacher forcing rebuilds its distribution (float32: "full")
+    and where it records it instead (every other precision: "recorded"); both give the exact KL a whole
+    distribution, so preflight accepts kl="exact" at each, and an engine asked to record at float32 refuses."""
+    from trustbatch.config import load_config
+    from trustbatch.recipes.build import check_objective, engine_spec
+    from trustbatch.rollout import EngineSpec, TransformersEngine, behaviour_distribution
+    from trustbatch.rollout.shifts import PRECISIONS
+
+    for p in PRECISIONS:
+        assert behaviour_distribution(EngineSpec(precision=p)) == ("full" if p == "float32" else "recorded"), p
+        cfg = load_config(None, ["objective.options={kl: exact}", f"rollout.precision={p}"])
+        check_objective(cfg)
+        assert engine_spec(cfg).record and not engine_spec(load_config(None, [f"rollout.precision={p}"])).record
+    with pytest.raises(ValueError, match="rebuilt by the learner"):
+        TransformersEngine(torch.nn.Linear(2, 2), eos_id=1, pad_id=0, record=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy.forward import Packed, Teacher, pack
+from ..policy.forward import Packed, Recorded, Teacher, pack
 
 
 @dataclass
@@ -20,7 +20,10 @@ class TrainBatch:
     ``behaviour`` maps a policy version to the ``Teacher`` that sampled the rows of that version (the engine's
     model, ``NOT_THE_POLICY`` the foreign one's), and ``proximal`` is the proximal snapshot's: the models the
     learner rebuilds the whole distributions from, chunk by chunk, for objectives whose options need them
-    (``ObjectiveSpec.needs_full_logprobs``). No ``[B, C, V]`` tensor is stored with the batch.
+    (``ObjectiveSpec.needs_full_logprobs``). A version mapped to ``Recorded`` (an engine whose distribution teacher
+    forcing does not rebuild: a precision other than float32) has its rows' distributions recorded at sampling
+    in ``behavior_logprobs_full`` [B, C, V] float32 (right-aligned; 0 at padding and at rows of other versions);
+    otherwise no ``[B, C, V]`` tensor is stored with the batch.
     """
 
     packed: Packed
@@ -31,6 +34,7 @@ class TrainBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     behaviour: dict[int, Teacher] = field(default_factory=dict)
     proximal: Teacher | None = None
+    behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -42,17 +46,20 @@ class TrainBatch:
     def select(self, idx) -> "TrainBatch":
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
         prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
+        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full[idx]
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal)
+                          self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal,
+                          behavior_logprobs_full=full)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
         if self.advantages.device == torch.device(device):
             return self
         prox = None if self.proximal_logprobs is None else self.proximal_logprobs.to(device)
+        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full.to(device)
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
                           self.policy_version.to(device), prox, metrics=self.metrics, behaviour=self.behaviour,
-                          proximal=self.proximal)
+                          proximal=self.proximal, behavior_logprobs_full=full)
 
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
@@ -60,14 +67,15 @@ class TrainBatch:
 
 
 def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
-                behaviour: dict[int, Teacher] | None = None) -> TrainBatch:
+                behaviour: dict[int, Teacher | Recorded] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
-    advantages: [B], one per rollout. behaviour: the ``Teacher`` of each policy version among the rollouts (see
-    ``TrainBatch``), or None.
+    advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``) of each policy version among the
+    rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give ``behavior_logprobs_full``.
 
     Raises:
-        ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout.
+        ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
+            of a ``Recorded`` version without its recorded distribution, or recorded vocabularies that differ.
     """
     packed = pack([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     C = packed.response_mask.shape[1]
@@ -79,5 +87,25 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
     if missing:
         raise ValueError(f"no behaviour model for policy version(s) {missing} of the rollouts; every engine of the "
                          "round must hand its teacher")
+    recorded = {v for v, t in (behaviour or {}).items() if isinstance(t, Recorded)}
     return TrainBatch(packed=packed, behavior_logprobs=blp, advantages=advantages.float(), policy_version=versions,
-                      metrics=dict(metrics or {}), behaviour=dict(behaviour or {}))
+                      metrics=dict(metrics or {}), behaviour=dict(behaviour or {}),
+                      behavior_logprobs_full=_recorded(rollouts, recorded, C) if recorded else None)
+
+
+def _recorded(rollouts, versions: set, C: int) -> torch.Tensor:
+    """The recorded [n_i, V] distributions of the rollouts of ``versions``, right-aligned into [B, C, V] float32
+    (0 elsewhere). Raises ValueError: such a rollout without one, or vocabulary sizes that differ."""
+    rows = [i for i, r in enumerate(rollouts) if r.policy_version in versions]
+    lacking = [i for i in rows if rollouts[i].behavior_logprobs_full is None]
+    if lacking:
+        raise ValueError(f"{len(lacking)} rollouts of a recording engine carry no recorded distribution "
+                         "(behavior_logprobs_full); build the engine with record=True")
+    vocab = {rollouts[i].behavior_logprobs_full.shape[-1] for i in rows}
+    if len(vocab) > 1:
+        raise ValueError(f"the recorded distributions have vocabulary sizes {sorted(vocab)}; they must share one")
+    out = torch.zeros(len(rollouts), C, vocab.pop(), dtype=torch.float32)
+    for i in rows:
+        full = rollouts[i].behavior_logprobs_full
+        out[i, C - full.shape[0]:] = full
+    return out

@@ -88,14 +88,30 @@ class HeadInput:
 
 
 @dataclass(frozen=True)
+class RecordedInput:
+    """Rows whose distribution was recorded when they were sampled, in place of a ``HeadInput``: ``states`` [b, C, V]
+    float32 log-softmax (right-aligned like the response mask; named as ``HeadInput``'s so that the row and column
+    slicing is shared), ``rows`` long [b] or None as there. For an engine whose distribution teacher forcing does
+    not rebuild (``rollout.spec.behaviour_distribution`` "recorded")."""
+
+    states: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def log_probs(self, cols: slice) -> torch.Tensor:
+        """The recorded log π [b, k, V] at columns ``cols``: a copy (the caller writes over it)."""
+        return self.states[:, cols].clone()
+
+
+@dataclass(frozen=True)
 class TeacherForced:
     """A distribution over B rows that is never stored as ``[B, C, V]``: ``HeadInput`` parts (one per model that
-    sampled some of the rows), whose log-softmax is computed for the columns asked and freed by the caller.
+    sampled some of the rows), whose log-softmax is computed for the columns asked and freed by the caller, and
+    ``RecordedInput`` parts (rows whose distribution was recorded at sampling: read, not computed).
 
     Raises ValueError (constructor): no part, or a part for every row (``rows`` None) beside others.
     """
 
-    parts: tuple[HeadInput, ...]
+    parts: tuple[HeadInput | RecordedInput, ...]
     n_rows: int
 
     def __post_init__(self):

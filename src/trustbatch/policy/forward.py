@@ -108,6 +108,15 @@ class Teacher:
     name: str = "the behaviour policy"
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """In place of a ``Teacher``: the rows of this policy version carry the distribution they were sampled from,
+    recorded at each decoding step (``TrainBatch.behavior_logprobs_full``), because teacher forcing their model
+    does not rebuild it (an engine in a precision other than float32, ``rollout.spec.behaviour_distribution``)."""
+
+    name: str = "the behaviour policy"
+
+
 @torch.no_grad()
 def teacher_forced(packed: Packed, teachers: Sequence[tuple[torch.Tensor | None, Teacher]]) -> TeacherForced:
     """Each teacher's distribution at the response positions of its rows of ``packed``, as ``TeacherForced``.

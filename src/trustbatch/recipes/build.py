@@ -21,6 +21,7 @@ from ..pipeline.source import SourceSpec
 from ..pipeline.weight_sync import CopySync
 from ..policy import load_policy
 from ..policy.base import default_base
+from ..policy.budget import vocab_size
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
@@ -28,7 +29,7 @@ from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
-from .checks import check_objective, check_orchestrator
+from .checks import check_objective, check_orchestrator, check_recorded_behaviour
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
            "engine_spec", "foreign_engine", "preflight", "prepare_run", "restore_checkpoint_policy", "reward_spec",
@@ -38,8 +39,11 @@ __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "che
 def engine_spec(cfg: Config) -> EngineSpec:
     """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``)."""
     ro = cfg.rollout
+    # record where the exact KL needs the whole distribution and teacher forcing would not rebuild it
+    # (the engine declares "recorded" at this precision); check_recorded_behaviour bounds its size
     return EngineSpec(name=ro.engine, precision=ro.precision, quantization=ro.quantization,
-                      seed=cfg.train.seed, threads=cfg.threads or None)
+                      seed=cfg.train.seed, threads=cfg.threads or None,
+                      record=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options))
 
 
 def source_spec(cfg: Config) -> SourceSpec:
@@ -219,11 +223,13 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     gathered tensors: a sharded module's forward waits on every rank, and ranks generate different lengths.
 
     Raises:
-        UserError: what the pair, the learner or the source refuses (``backends``).
+        UserError: what the pair, the learner or the source refuses (``backends``); a recorded behaviour
+            distribution over its budget (``checks.check_recorded_behaviour``).
     """
     world = world or World()
     backend = backend_for(cfg)
     backend.check(cfg)
+    check_recorded_behaviour(cfg, vocab_size(policy.model))
     sharded = cfg.train.strategy == "fsdp2" and world.size > 1
     whole = policy.model  # before the learner shards policy.model
     if sharded:

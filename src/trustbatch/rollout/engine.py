@@ -53,8 +53,11 @@ class Rollout:
     completion_ids ends with EOS unless ``truncated``; ``behavior_logprobs`` has one float32 entry
     per completion token: the log-prob under the distribution it was actually sampled from
     (temperature and top-p applied). ``policy_version`` is the learner's optimizer-step count of the
-    weights that sampled it (``NOT_THE_POLICY`` for a foreign model). The whole distribution is never
-    recorded: an engine that declares ``full`` hands the learner its ``teacher`` instead (``rollout.spec``).
+    weights that sampled it (``NOT_THE_POLICY`` for a foreign model). An engine that declares ``full``
+    (``rollout.spec``) records no whole distribution and hands the learner its ``teacher`` instead; one that
+    declares ``recorded``, asked to record, fills ``behavior_logprobs_full`` ([len(completion_ids), V] float32:
+    the log-softmax of the processed scores of each step, whose values at the sampled tokens are
+    ``behavior_logprobs``). None otherwise.
     """
 
     prompt_index: int
@@ -63,6 +66,7 @@ class Rollout:
     behavior_logprobs: list[float]
     truncated: bool
     policy_version: int
+    behavior_logprobs_full: torch.Tensor | None = None
 
 
 class Engine(Protocol):

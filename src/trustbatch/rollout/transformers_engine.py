@@ -39,7 +39,7 @@ import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
-from ..policy.forward import Teacher
+from ..policy.forward import Recorded, Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
@@ -58,12 +58,14 @@ class _GumbelPerRow(LogitsProcessor):
 
     ``generate`` (``do_sample=False``) takes the argmax of the scores this returns, so the token is known here:
     ``logprobs`` gets, per step, log_softmax(clean processed scores) at that token ([N], float32), and no step's
-    [N, V] scores outlive the step.
+    [N, V] scores outlive the step, unless ``record``: then ``full`` keeps each step's whole log_softmax [N, V]
+    (the distribution sampled from, whose values at the tokens are ``logprobs``).
     """
 
-    def __init__(self, seeds: list[int] | None):
+    def __init__(self, seeds: list[int] | None, record: bool = False):
         self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
         self.logprobs: list[torch.Tensor] = []
+        self.full: list[torch.Tensor] | None = [] if record else None
 
     def __call__(self, input_ids, scores):
         noisy = scores
@@ -74,6 +76,8 @@ class _GumbelPerRow(LogitsProcessor):
         # generate's scores are float32 whatever the model (it casts each step's logits); promote in case it changes
         lsm = torch.log_softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
         self.logprobs.append(lsm.gather(-1, token).squeeze(-1))
+        if self.full is not None:
+            self.full.append(lsm)
         return noisy
 
 
@@ -88,9 +92,13 @@ class TransformersEngine:
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
     that precision (int8 and FP8: re-quantized from a float copy).
 
-    It keeps no step's scores: the whole behaviour distribution, which an exact KL needs, is rebuilt by the learner
-    from ``teacher`` (the module and settings it samples with), so the engine declares ``full``
-    (``rollout.spec.behaviour_distribution``).
+    At float32 it keeps no step's scores: the whole behaviour distribution, which an exact KL needs, is rebuilt by
+    the learner from ``teacher`` (the module and settings it samples with), so the engine declares ``full``
+    (``rollout.spec.behaviour_distribution``). At any other precision teacher forcing does not rebuild what
+    decoding sampled from (``rollout.spec``'s measurements), so it declares ``recorded``: with ``record`` it keeps
+    each step's whole log-softmax and returns it with each rollout (``Rollout.behavior_logprobs_full``
+    [len(completion_ids), V] float32; [rows, steps, V] on the device during a generate call), and ``teacher``
+    says so (``policy.forward.Recorded``). ``record`` at float32 is refused (ValueError): there it rebuilds.
 
     Sequences per ``generate`` call: at most ``batch_size``, and fewer where one decoding step's ``[rows, V]``
     scores would pass ``logits_bytes`` or the rows' key/value cache ``kv_bytes`` (``policy.budget.generate_rows``;
@@ -113,8 +121,11 @@ class TransformersEngine:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
                  logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
-                 prefill_once: bool | None = None, autocast: torch.dtype | None = None):
+                 prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False):
+        if record and precision == "float32":
+            raise ValueError("a float32 engine's distribution is rebuilt by the learner (teacher); record=False")
         self.precision = precision
+        self.record = record
         # the learner's bf16-mixed autocast, for an engine that samples from the learner's own module: the
         # engine then computes what the learner computes (scale-up.md invariant 1); None: plain forwards
         self.autocast = autocast
@@ -190,7 +201,7 @@ class TransformersEngine:
         ids, att = ids.to(device), att.to(device)
         # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
         # HF's own sampler would draw every row from one global stream.
-        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
+        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items], record=self.record)
         procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
             [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
         # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
@@ -212,6 +223,10 @@ class TransformersEngine:
                 m.reuse_scale(False)
         new = gen.sequences[:, P:].cpu()
         logp = torch.stack(noise.logprobs, dim=1).cpu()  # [N, steps], processed (T, top-p), no noise
+        full = None
+        if noise.full is not None:
+            full = torch.stack(noise.full, dim=1).cpu()  # [N, steps, V]: the distributions sampled from
+            noise.full.clear()
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -220,18 +235,19 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
+                behavior_logprobs_full=None if full is None else full[j, :end].clone(),
             ))
         return rows
 
-    def teacher(self, sampling: SamplingParams) -> Teacher:
-        """What the learner rebuilds this engine's sampling distribution from (``policy.forward.Teacher``): the
-        module it samples with (valid until the next ``load_weights``), the temperature (1 when greedy: the
-        untempered scores) and its autocast.
+    def teacher(self, sampling: SamplingParams) -> Teacher | Recorded:
+        """What the learner takes this engine's sampling distribution from: ``Recorded`` when the engine records
+        it (``record``: its rollouts carry ``behavior_logprobs_full``), else the ``policy.forward.Teacher`` it
+        rebuilds it from: the module it samples with (valid until the next ``load_weights``), the temperature
+        (1 when greedy: the untempered scores) and its autocast.
 
-        For per-tensor quantization (``BATCH_SCALED``: int8, fp8_e4m3) the rebuilt distribution takes its
-        activation scales over the learner's teacher-forced micro-batch (and, for the LM head, its chunk),
-        not over each decoding step's rows: the same quantized model, another batch composition
-        (log-probs apart by about 1e-2, not round-off; class docstring).
+        A Teacher of a precision other than float32 rebuilds another distribution than the one sampled (for
+        per-tensor quantization, int8 and fp8_e4m3, the activation scales come from the learner's teacher-forced
+        micro-batch, not each decoding step's rows; ``rollout.spec``'s measurements): runs record there.
 
         Raises:
             ValueError: top-p < 1 (π_b is 0 outside the nucleus, where KL(π_θ‖π_b) is infinite).
@@ -240,6 +256,8 @@ class TransformersEngine:
             raise ValueError(f"top_p={sampling.top_p:g} truncates the behaviour distribution (π_b = 0 outside the "
                              "nucleus, KL(π_θ‖π_b) infinite); sample with top_p=1 for an exact KL")
         name = "the behaviour policy" if self.version >= 0 else "the foreign model"
+        if self.record:
+            return Recorded(name)
         return Teacher(self.model, 1.0 if sampling.greedy else sampling.temperature, self.autocast, name=name)
 
     def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int, scaled=()):

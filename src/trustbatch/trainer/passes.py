@@ -22,8 +22,8 @@ import torch
 from ..objectives import RatioStats
 from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
-from ..policy.chunked_logprobs import KLReference, logits_dtype
-from ..policy.forward import Teacher, response_logprobs, teacher_forced
+from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, logits_dtype
+from ..policy.forward import Recorded, Teacher, response_logprobs, teacher_forced
 
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
@@ -113,7 +113,7 @@ class ForwardPasses:
             ValueError: rows of another version than the learner's claim the learner's own module.
         """
         for v, t in list(local.behaviour.items()):
-            if t.model is self.model:
+            if isinstance(t, Teacher) and t.model is self.model:
                 if bool((local.policy_version == v).any()) and v != self.version:
                     raise ValueError(f"rows of policy version {v} name the learner's own module (version "
                                      f"{self.version}) as their behaviour model; it cannot be rebuilt")
@@ -143,10 +143,13 @@ class ForwardPasses:
 
     def _kl_reference(self, mb: TrainBatch, kw: dict) -> KLReference:
         """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's
-        weights; each rebuilt from its models' hidden states (``teacher_forced``), never stored as [B, C, V].
+        weights; each rebuilt from its models' hidden states (``teacher_forced``), never stored as [B, C, V],
+        except π_b at the rows of a version mapped to ``Recorded``: read from ``mb.behavior_logprobs_full``
+        (the distribution those rows were sampled from, which teacher forcing would not rebuild).
 
         Raises:
-            ValueError: rows whose policy version has no behaviour model; no proximal model for two anchors.
+            ValueError: rows whose policy version has no behaviour model; a ``Recorded`` version in a batch without
+                ``behavior_logprobs_full``; no proximal model for two anchors.
         """
         m = mb.packed.response_mask
         versions = mb.policy_version.unique().tolist()
@@ -157,7 +160,15 @@ class ForwardPasses:
                              "batch with behaviour= (the engines' teacher)")
         groups = [(None if len(versions) == 1 else (mb.policy_version == v).nonzero()[:, 0], mb.behaviour[v])
                   for v in versions]
-        behaviour = teacher_forced(mb.packed, groups)
+        recorded = [(rows, t) for rows, t in groups if isinstance(t, Recorded)]
+        if recorded and mb.behavior_logprobs_full is None:
+            raise ValueError(f"{recorded[0][1].name} recorded its distribution, but the batch carries none "
+                             "(behavior_logprobs_full); build it with build_batch from the engine's rollouts")
+        forced = [(rows, t) for rows, t in groups if not isinstance(t, Recorded)]
+        parts = () if not forced else teacher_forced(mb.packed, forced).parts
+        parts += tuple(RecordedInput(mb.behavior_logprobs_full if rows is None else mb.behavior_logprobs_full[rows],
+                                     rows) for rows, _ in recorded)
+        behaviour = TeacherForced(parts, len(mb))
         if not self.spec.needs_proximal:
             return KLReference((behaviour,), m)
         if mb.proximal is None:
