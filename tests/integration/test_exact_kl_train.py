@@ -50,7 +50,8 @@ def test_exact_kl_run_rebuilds_each_rows_behaviour(tmp_path, cache):
 
 def _kl_float64(model, batch) -> float:
     """Token mean over the batch of Σ_v p_θ(v)·(log p_θ(v) − log π_recorded(v)), in float64 from a float64 copy
-    of the policy the learner starts the step with (the learner stays at T = 1)."""
+    of the policy the learner starts the step with (the learner stays at T = 1). Foreign rows (version < 0) add 0:
+    their behaviour is the initial model, which is the policy in round 1."""
     pk, C = batch.packed, batch.packed.response_mask.shape[1]
     m64 = copy.deepcopy(model).double().eval()
     with torch.no_grad():
@@ -58,11 +59,16 @@ def _kl_float64(model, batch) -> float:
     lsm = torch.log_softmax(logits[:, -C - 1:-1].double(), -1)
     kl = (lsm.exp() * (lsm - batch.behavior_logprobs_full.double())).sum(-1)
     mask = pk.response_mask.bool()
-    return float(kl[mask].sum() / mask.sum())
+    return float(kl[mask & (batch.policy_version >= 0)[:, None]].sum() / mask.sum())
 
 
-@pytest.mark.parametrize("precision", ["fp8_e4m3", "bfloat16"])
-def test_exact_kl_run_takes_the_recorded_distribution_off_float32(tmp_path, cache, monkeypatch, precision):
+@pytest.mark.parametrize("precision, extra", [
+    ("fp8_e4m3", []), ("bfloat16", []),
+    # half of each group from the float32 initial model (rebuilt, KL 0), the rest recorded; row blocks of 2 rows
+    ("fp8_e4m3", ["rollout.foreign_fraction=0.5", "rollout.foreign_model=initial", "train.micro_batch_size=3",
+                  "train.logprob_chunk_size=2"]),
+], ids=["fp8", "bf16", "fp8-foreign-row-blocks"])
+def test_exact_kl_run_takes_the_recorded_distribution_off_float32(tmp_path, cache, monkeypatch, precision, extra):
     seen = []
     original = Learner.train_on
 
@@ -74,14 +80,16 @@ def test_exact_kl_run_takes_the_recorded_distribution_off_float32(tmp_path, cach
     monkeypatch.setattr(Learner, "train_on", spy)
     run = tmp_path / precision
     train(load_config(None, TINY + ["train.steps=1", f"run_dir={run}", "objective.options={kl: exact}",
-                                    f"rollout.precision={precision}", "eval.every=100", "checkpoint_every=100"]))
+                                    f"rollout.precision={precision}", "eval.every=100", "checkpoint_every=100",
+                                    *extra]))
     got = json.loads((run / "metrics.jsonl").read_text().splitlines()[1])["kl_behavior"]
     model, batch = seen[0]
     full, m = batch.behavior_logprobs_full, batch.packed.response_mask.bool()
     assert full is not None and full.dtype == torch.float32
     tokens = batch.packed.input_ids[:, -m.shape[1]:]
     at_tokens = full.gather(-1, tokens[..., None]).squeeze(-1)
-    assert torch.equal(at_tokens[m], batch.behavior_logprobs[m])  # the record is what the tokens were sampled from
+    own = m & (batch.policy_version >= 0)[:, None]
+    assert own.any() and torch.equal(at_tokens[own], batch.behavior_logprobs[own])  # what the tokens were sampled from
     want = _kl_float64(model, batch)
     # float32 learner against float64: ~1e-7 per token; the teacher-forced rebuild at fp8_e4m3 reports 2.7e-5 where
     # the record gives 2.2e-5 (a 5e-6 gap), so the tolerance tells them apart
