@@ -1,15 +1,16 @@
 """The chunked LM head (``policy.chunked_logprobs``) gives the full path's log-probs, entropy, exact KL and gradients.
 
 References: the full path (the whole [B, C, V] logits through autograd, which the learner ran before
-chunking existed) on float64 models, where everything but the float32 log-softmax contract is float64,
+chunking existed) on float64 models, where everything is float64 (the log-prob contract: at least float32),
 so the two may differ only by float64 summation order (the LM-head weight's gradient sums chunk by
 chunk): 1e-10 of each tensor's scale. The pure function is also checked against float64 math written
-out here (float32 tolerance: log-probs are float32 by contract). Every chunked case uses several
+out here. Every chunked case uses several
 chunks that do not divide the width (C = 7 in chunks of 2 or 3), and checks that the chunked path ran.
 """
 
 import copy
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,15 @@ import torch.multiprocessing as mp
 
 from trustbatch import objectives
 from trustbatch.pipeline.batch import TrainBatch
-from trustbatch.policy.chunked_logprobs import KLReference, chunked_logprobs, full_logprobs
-from trustbatch.policy.forward import pack, response_logprobs
+from trustbatch.policy.chunked_logprobs import (HeadInput, KLReference, RecordedInput, TeacherForced, chunked_logprobs,
+                                               full_logprobs)
+from trustbatch.policy.forward import Teacher, pack, response_logprobs, teacher_forced
 from trustbatch.policy.shared_prompt import grouped_response_logprobs
 from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
 from grad_probe import sgd_recording_grads
+from llama_rows import _f64_rmsnorm
 
 V = 40
 TOL = 1e-10
@@ -42,7 +45,13 @@ def _llama(tied=False, seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied)
-    return LlamaForCausalLM(cfg).double()
+    model = LlamaForCausalLM(cfg).double()
+    # RMSNorm in float64 (tests/support/llama_rows.py): with float64 log-probs, the float32 rounding inside
+    # transformers' norm would tell apart forwards over other row layouts (shared prompt, DDP shards)
+    for mod in model.modules():
+        if type(mod).__name__ == "LlamaRMSNorm":
+            mod.forward = types.MethodType(_f64_rmsnorm, mod)
+    return model
 
 
 def _rows(seed=1):
@@ -61,18 +70,39 @@ def _dist(g, *shape):
     return torch.log_softmax(2.0 * torch.randn(*shape, V, generator=g), -1)  # float32, as the engine stores them
 
 
+def _stored(seed=1):
+    """(packed, two [B, C, V] float32 log-prob tensors): stored reference distributions."""
+    g = torch.Generator().manual_seed(seed + 100)
+    packed = pack(*_rows(seed), pad_id=0)
+    B, C = packed.response_mask.shape
+    return packed, _dist(g, B, C), _dist(g, B, C)
+
+
+def _sharp_llama(seed):
+    """A float64 llama whose logits spread over ~±10 (the LM head scaled up): far from ``_llama``'s policy."""
+    model = _llama(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)
+    return model
+
+
+B_TEMPERATURE = 0.8
+
+
 def _batch(seed=1) -> TrainBatch:
+    """The rows of ``_rows``, sampled (as far as the objectives can tell) by ``_sharp_llama`` at T = 0.8: its
+    log-probs at the tokens and its ``Teacher``."""
     g = torch.Generator().manual_seed(seed + 100)
     packed = pack(*_rows(seed), pad_id=0)
     B, C = packed.response_mask.shape
     m = packed.response_mask
-    full_b, full_p = _dist(g, B, C), _dist(g, B, C)
-    targets = packed.input_ids[:, -C:, None]
-    blp = full_b.gather(-1, targets).squeeze(-1)
-    return TrainBatch(packed, torch.where(m, blp, 0.0), torch.randn(B, generator=g),
-                      proximal_logprobs=torch.where(m, full_p.gather(-1, targets).squeeze(-1), 0.0),
-                      behavior_logprobs_full=torch.where(m[..., None], full_b, 0.0),
-                      proximal_logprobs_full=torch.where(m[..., None], full_p, 0.0))
+    behaviour = _sharp_llama(seed + 7)
+    with torch.no_grad():
+        logits = behaviour(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                           position_ids=packed.position_ids).logits[:, -C - 1:-1]
+    blp = torch.log_softmax(logits / B_TEMPERATURE, -1).gather(-1, packed.input_ids[:, -C:, None]).squeeze(-1)
+    return TrainBatch(packed, torch.where(m, blp, 0.0).float(), torch.randn(B, generator=g),
+                      behaviour={0: Teacher(behaviour, B_TEMPERATURE)})
 
 
 class _HeadPositions:
@@ -116,11 +146,10 @@ def _grads(fn, h, w, b, cot):
 @pytest.mark.parametrize("two", [False, True], ids=["behaviour", "mixture"])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 6, 9])
 def test_chunked_head_equals_the_full_path_values_and_gradients(chunk, two):
-    """Chunks of ``chunk`` tokens over B = 3 rows: 3, 6, 9 take every row and 1, 2, 3 columns (the full path's
-    ops on fewer columns: 1e-10); 1 and 2 split the rows too, where float32 elementwise kernels (the log-softmax
-    is float32 by contract) round some values in their vectorised body and others in their scalar tail, so the
-    tolerance is float32 round-off."""
-    tol = TOL if chunk >= 3 else 1e-7
+    """Chunks of ``chunk`` tokens over B = 3 rows: 3, 6, 9 take every row and 1, 2, 3 columns; 1 and 2 split the
+    rows too. A float64 head computes its log-softmax in float64 (the log-prob contract), so every split agrees with
+    the full path to float64 round-off (1e-10)."""
+    tol = TOL
     h, w, b, y, m, refs, cot = _head_inputs()
     ref = _ref(refs, m, two)
     T = 0.7
@@ -132,13 +161,39 @@ def test_chunked_head_equals_the_full_path_values_and_gradients(chunk, two):
         _close(a, c, name, tol)
     for name, a, c in zip(("hidden", "weight", "bias"), g_got, g_want):
         _close(a, c, f"grad {name}", tol)
-    assert got[0].dtype == torch.float32 and got[2][~m].abs().max() == 0  # the contract; no KL off the mask
+    assert got[0].dtype == torch.float64 and got[2][~m].abs().max() == 0  # the contract; no KL off the mask
     assert got[0].requires_grad and got[2].requires_grad and not got[1].requires_grad
     assert not chunked_logprobs(h, w, b, y, chunk_size=chunk, with_entropy=True)[1].requires_grad
 
 
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 9])
+def test_row_blocks_slice_rebuilt_and_recorded_parts(chunk):
+    """A reference of two parts, rows 0 and 2 rebuilt from a head (``HeadInput``) and row 1 recorded
+    (``RecordedInput``), read by row blocks (chunk 1, 2: ``KLReference.rows``) or whole (3, 9): the same values and
+    gradients as the stored [B, C, V] tensor they make up, to float64 round-off."""
+    h, w, b, y, m, _, cot = _head_inputs()
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(h.shape[-1], w.shape[0], dtype=torch.float64)
+    states = torch.randn(2, h.shape[1], h.shape[-1], generator=g, dtype=torch.float64)
+    recorded = torch.log_softmax(torch.randn(1, h.shape[1], w.shape[0], generator=g, dtype=torch.float64), -1)
+    with torch.no_grad():
+        rebuilt = torch.log_softmax(head(states) / 0.9, -1)
+    stored = torch.stack([rebuilt[0], recorded[0], rebuilt[1]])
+    parts = TeacherForced((HeadInput(states, head, torch.tensor([0, 2]), 0.9),
+                           RecordedInput(recorded, torch.tensor([1]))), 3)
+    got, g_got = _grads(lambda: chunked_logprobs(h, w, b, y, chunk_size=chunk, kl_reference=KLReference((parts,), m)),
+                        h, w, b, cot)
+    want, g_want = _grads(lambda: chunked_logprobs(h, w, b, y, chunk_size=chunk,
+                                                   kl_reference=KLReference((stored,), m)), h, w, b, cot)
+    _close(got[2], want[2], "kl")
+    for name, a, c in zip(("hidden", "weight", "bias"), g_got, g_want):
+        _close(a, c, f"grad {name}")
+    assert torch.equal(recorded, parts.parts[1].states)  # read, never written over
+
 def test_chunked_head_against_float64_math():
-    """Independent of both paths: log-softmax, entropy and KL written out in float64 (float32 tolerance)."""
+    """Independent of both paths: log-softmax, entropy and KL written out in float64, to float64 round-off (the
+    contract: float64 hidden states and head give float64 log-probs)."""
     h, w, b, y, m, refs, cot = _head_inputs(seed=3)
     T = 1.3
     logp, ent, kl = chunked_logprobs(h, w, b, y, chunk_size=2, temperature=T, with_entropy=True,
@@ -151,11 +206,11 @@ def test_chunked_head_against_float64_math():
     want_lp = lsm.gather(-1, y[..., None]).squeeze(-1)
     want_kl = torch.where(m, (p * (lsm - refs[0].double())).sum(-1), 0.0)
     (want_lp * cot[0] + want_kl * cot[1]).sum().backward()
-    _close(logp, want_lp, "logp", 1e-6)
-    _close(ent, -(p * lsm).sum(-1), "entropy", 1e-6)
-    _close(kl, want_kl, "kl", 1e-5)
+    _close(logp, want_lp, "logp", 1e-12)
+    _close(ent, -(p * lsm).sum(-1), "entropy", 1e-12)
+    _close(kl, want_kl, "kl", 1e-12)
     for name, a, c in (("hidden", h.grad, h2.grad), ("weight", w.grad, w2.grad), ("bias", b.grad, b2.grad)):
-        _close(a, c, f"grad {name}", 1e-5)
+        _close(a, c, f"grad {name}", 1e-12)
 
 
 def test_flat_hidden_states_are_one_row():
@@ -178,18 +233,27 @@ def _forward_grads(model, fn, packed, cot, **kw):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _rebuilt_anchors(packed):
+    """Two ``TeacherForced`` distributions: one model for every row, and two models over alternate rows."""
+    B = packed.response_mask.shape[0]
+    even, odd = torch.arange(0, B, 2), torch.arange(1, B, 2)
+    return (teacher_forced(packed, [(None, Teacher(_sharp_llama(11), 0.7))]),
+            teacher_forced(packed, [(even, Teacher(_sharp_llama(12))), (odd, Teacher(_sharp_llama(13), 1.3))]))
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("fn", [response_logprobs, grouped_response_logprobs], ids=["plain", "shared"])
-@pytest.mark.parametrize("with_kl", [False, True], ids=["logp", "kl"])
+@pytest.mark.parametrize("with_kl", [None, "stored", "rebuilt"], ids=["logp", "kl-stored", "kl-rebuilt"])
 def test_forward_chunked_equals_full(fn, tied, with_kl):
     model = _llama(tied)
-    batch = _batch()
-    packed, m = batch.packed, batch.packed.response_mask
+    packed, full_b, full_p = _stored()
+    m = packed.response_mask
     cot = torch.randn(m.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * m
     kw = dict(temperature=0.8)
     if with_kl:
-        kw["kl_reference"] = KLReference((batch.behavior_logprobs_full, batch.proximal_logprobs_full), m,
-                                         (torch.tensor(0.2).log(), torch.tensor(0.6).log()), torch.tensor(0.8).log())
+        anchors = (full_b, full_p) if with_kl == "stored" else _rebuilt_anchors(packed)
+        kw["kl_reference"] = KLReference(anchors, m, (torch.tensor(0.2).log(), torch.tensor(0.6).log()),
+                                         torch.tensor(0.8).log())
     want, g_want = _forward_grads(model, fn, packed, cot, **kw)
     head = _HeadPositions(model)
     got, g_got = _forward_grads(model, fn, packed, cot, chunk_size=2, **kw)
@@ -199,6 +263,8 @@ def test_forward_chunked_equals_full(fn, tied, with_kl):
     for n, g in g_want.items():
         _close(g_got[n], g, f"grad {n}")
     assert max(float(g.abs().max()) for g in g_want.values()) > 1e-3
+    if with_kl:
+        assert float(got[2][m].mean()) > 0.1  # the KL term is not negligible
 
 
 @pytest.mark.parametrize("fn", [response_logprobs, grouped_response_logprobs], ids=["plain", "shared"])

@@ -36,7 +36,8 @@ def _reference(model, prompts, comps, weights):
     model.zero_grad(set_to_none=True)
     lps, total = [], 0.0
     for p, c, w in zip(prompts, comps, weights):
-        logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()  # the log-prob contract
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the log-prob contract
         lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
         lps.append(lp.detach())
         total = total + (lp * w[-len(c):]).sum()

@@ -4,8 +4,7 @@ Float64 models here compute RMSNorm in float64: transformers' LlamaRMSNorm casts
 inside (``hidden_states.to(torch.float32)``), so a float64 Llama's gradients carry float32
 rounding, and summing a prompt's gradient over its completions before that cast (shared) or after
 it (plain) differs by ~1e-8 relative. With the norm in float64 both agree to ~1e-15. Log-probs
-are float32 in every path (``response_logprobs`` takes the log-softmax of float32 logits); float64
-logits that agree to ~1e-15 round to the same float32 values, so the float64 tolerance still holds.
+of a float64 model are float64 in every path (the log-prob contract, ``chunked_logprobs.logits_dtype``).
 """
 
 import types

@@ -16,7 +16,7 @@ from trustbatch.errors import UserError
 from trustbatch.objectives.kl import exact_kl, k3
 from trustbatch.pipeline.batch import build_batch
 from trustbatch.policy import load_policy
-from trustbatch.policy.forward import pack
+from trustbatch.policy.forward import Teacher, pack
 from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.rollout import SamplingParams, TransformersEngine
@@ -102,7 +102,8 @@ def _full_logprobs64(model, packed, temperature=1.0):
 
 
 def _batch(tok, model, seed=0, temperature=0.6):
-    """3 prompts × 2 completions; the behaviour is a perturbed copy of ``model`` sampled at ``temperature``."""
+    """3 prompts × 2 completions; the behaviour is a perturbed copy of ``model`` sampled at ``temperature``, handed
+    to the learner as its ``Teacher`` (the batch stores no [B, C, V] tensor)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [[1] + torch.randint(3, len(tok), (int(n),), generator=g).tolist() for n in (2, 4, 3)]
     comps = [torch.randint(3, len(tok), (int(n),), generator=g).tolist() + [2] for n in (0, 3, 2, 1, 3, 2)]
@@ -112,12 +113,18 @@ def _batch(tok, model, seed=0, temperature=0.6):
         for p in behaviour.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=g))
     with torch.no_grad():
-        blp_full = _full_logprobs64(behaviour, packed, temperature).float()
+        blp_full = _full_logprobs64(behaviour, packed, temperature)
     C = packed.response_mask.shape[1]
-    blp = blp_full.gather(-1, packed.input_ids[:, -C:, None]).squeeze(-1)
+    blp = blp_full.gather(-1, packed.input_ids[:, -C:, None]).squeeze(-1).to(model.dtype)
     m = packed.response_mask
-    return TrainBatch(packed, torch.where(m, blp, 0.0), torch.randn(6, generator=g),
-                      behavior_logprobs_full=torch.where(m[..., None], blp_full, 0.0))
+    return TrainBatch(packed, torch.where(m, blp, 0.0), torch.randn(6, generator=g, dtype=model.dtype),
+                      behaviour={0: Teacher(behaviour, temperature)})
+
+
+def _behaviour_full64(batch):
+    """[B, C, V] float64 log π_b of the batch's behaviour model (its only teacher), from a plain forward."""
+    (t,) = batch.behaviour.values()
+    return _full_logprobs64(t.model, batch.packed, t.temperature)
 
 
 def _p3o_exact_grads64(model, batch):
@@ -129,7 +136,7 @@ def _p3o_exact_grads64(model, batch):
     C = mask.shape[1]
     lp_full = torch.log_softmax(logits[:, -C - 1:-1], -1)
     lp = lp_full.gather(-1, batch.packed.input_ids[:, -C:, None]).squeeze(-1)
-    blp, blp_full = batch.behavior_logprobs.double(), batch.behavior_logprobs_full.double()
+    blp, blp_full = batch.behavior_logprobs.double(), _behaviour_full64(batch)
     rho = torch.where(mask, (lp.detach() - blp).exp(), 0.0)
     n = mask.sum()
     e = rho.sum() ** 2 / (n * (rho * rho).sum())
@@ -204,33 +211,34 @@ def test_p3o_two_anchor_exact_equals_a_brute_force_mixture_kl():
     assert out.metrics["loss"] == pytest.approx(total / n, rel=1e-10)
 
 
-# ---- the engine's full behaviour log-probs -----------------------------------------------------
+# ---- the engine keeps the sampled tokens' log-probs and hands its teacher ----------------------------
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
-def test_engine_full_logprobs_hold_the_recorded_per_token_logprobs(shared_dir, temperature):
+def test_engine_logprobs_and_teacher_rebuild_the_sampled_distribution(shared_dir, temperature):
+    """The recorded log-probs are the tempered distribution's at the sampled tokens (an independent forward over
+    prompt + completion), and the batch's teacher, teacher-forced, rebuilds that whole distribution."""
+    from trustbatch.policy.forward import teacher_forced
+
     policy = load_policy(shared_dir / "models" / "stories260K-hf")
-    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, full_logprobs=True)
+    engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
     prompts = [policy.encode_prompt(t) for t in ("Once upon a time", "The cat sat")]
-    ro = engine.generate(prompts, 3, SamplingParams(temperature=temperature, max_new_tokens=8), seeds=[1, 2])
-    for r in ro:
-        full = r.behavior_logprobs_full
-        assert full.shape == (len(r.completion_ids), policy.model.config.vocab_size)
-        at_token = full.gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
-        torch.testing.assert_close(at_token, torch.tensor(r.behavior_logprobs), rtol=0, atol=1e-6)
-        # and it is the whole tempered distribution: an independent forward over prompt + completion
+    sp = SamplingParams(temperature=temperature, max_new_tokens=8)
+    ro = engine.generate(prompts, 3, sp, seeds=[1, 2])
+    batch = build_batch(ro, torch.zeros(len(ro)), policy.pad_id, behaviour={engine.version: engine.teacher(sp)})
+    C = batch.packed.response_mask.shape[1]
+    rebuilt = teacher_forced(batch.packed, [(None, batch.behaviour[engine.version])]).log_probs(slice(None), torch.float64)
+    for i, r in enumerate(ro):
         ids = torch.tensor([r.prompt_ids + r.completion_ids])
         with torch.no_grad():
             logits = policy.model(input_ids=ids).logits[0, len(r.prompt_ids) - 1:-1].double()
-        torch.testing.assert_close(full.double(), torch.log_softmax(logits / temperature, -1), rtol=0, atol=1e-4)
-    batch = build_batch(ro, torch.zeros(len(ro)), policy.pad_id)
-    C = batch.packed.response_mask.shape[1]
-    at = batch.behavior_logprobs_full.gather(-1, batch.packed.input_ids[:, -C:, None]).squeeze(-1)
-    m = batch.packed.response_mask
-    torch.testing.assert_close(at[m], batch.behavior_logprobs[m], rtol=0, atol=1e-6)
-    assert engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=2), seeds=[0])[0].behavior_logprobs_full is not None
-    plain = TransformersEngine(policy.model, policy.eos_id, policy.pad_id)
-    assert plain.generate(prompts[:1], 1, SamplingParams(max_new_tokens=2), seeds=[0])[0].behavior_logprobs_full is None
+        want = torch.log_softmax(logits / temperature, -1)
+        n = len(r.completion_ids)
+        at = want.gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(r.behavior_logprobs, dtype=torch.float64), at, rtol=0, atol=1e-4)
+        torch.testing.assert_close(rebuilt[i, C - n:], want, rtol=0, atol=1e-4)  # float32 at |log p| up to ~20
+    with pytest.raises(ValueError, match=r"top_p=0.9 truncates the behaviour distribution"):
+        engine.teacher(SamplingParams(top_p=0.9))
 
 
 # ---- refusals ----------------------------------------------------------------------------------
@@ -249,9 +257,10 @@ def test_validate_options_refuses_exact_without_full_behaviour_logprobs():
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["rollout.engine=vllm"], r"vllm engine returns top-k log-probs only"),
+    (["rollout.engine=vllm"], r"rollout.engine=vllm returns top_k behaviour log-probs, not the whole distribution"),
     (["rollout.top_p=0.9"], r"top-p sampling \(rollout.top_p=0.9\) gives π_b = 0 outside the nucleus"),
-    (["rollout.mode=async"], r"async rollout workers do not send full log-probs"),
+    (["rollout.mode=async"], r"rollout.mode=async cannot hand the learner the behaviour model \(none\)"),
+    (["objective.name=p3o_two_anchor", "train.strategy=fsdp2"], r"proximal model would be the FSDP2-sharded"),
 ])
 def test_preflight_refuses_exact_kl_where_the_rollout_cannot_supply_it(extra, match):
     from trustbatch.config import load_config
@@ -291,17 +300,19 @@ def test_p3o_exact_refuses_missing_truncated_or_unnormalised_inputs():
     assert math.isfinite(out.metrics["loss"])
 
 
-def test_learner_and_batch_refuse_missing_full_logprobs(tiny):
+def test_learner_and_batch_refuse_missing_behaviour_models(tiny):
     tok, model = tiny
     batch = _batch(tok, model)
-    batch.behavior_logprobs_full = None
+    no_model = TrainBatch(batch.packed, batch.behavior_logprobs, batch.advantages)
     learner = Learner(copy.deepcopy(model), "p3o", {"kl": "exact"})
-    with pytest.raises(ValueError, match=r"kl='exact' needs the behaviour's full log-probs, but the batch has none"):
-        learner.step(batch)
-    ro = [Rollout(0, [1, 5], [6, 2], [-1.0, -1.0], False, 0, torch.log_softmax(torch.zeros(2, 9), -1)),
-          Rollout(0, [1, 5], [7, 2], [-1.0, -1.0], False, 0, None)]
-    with pytest.raises(ValueError, match=r"1 of 2 rollouts carry no full behaviour log-probs"):
-        build_batch(ro, torch.zeros(2), 0)
+    with pytest.raises(ValueError, match=r"kl='exact' needs the behaviour model, but the batch has none"):
+        learner.step(no_model)
+    other = TrainBatch(batch.packed, batch.behavior_logprobs, batch.advantages, behaviour={3: batch.behaviour[0]})
+    with pytest.raises(ValueError, match=r"policy version\(s\) \[0\] have none"):
+        learner.step(other)
+    ro = [Rollout(0, [1, 5], [6, 2], [-1.0, -1.0], False, 0), Rollout(0, [1, 5], [7, 2], [-1.0, -1.0], False, -1)]
+    with pytest.raises(ValueError, match=r"no behaviour model for policy version\(s\) \[-1\]"):
+        build_batch(ro, torch.zeros(2), 0, behaviour={0: batch.behaviour[0]})
 
 
 def test_p3o_exact_replayed_over_mini_batches_equals_float64_per_mini_batch(tiny):
@@ -327,3 +338,60 @@ def test_p3o_exact_replayed_over_mini_batches_equals_float64_per_mini_batch(tiny
             torch.testing.assert_close(got[k].double(), g, rtol=0, atol=1e-6 * scale)
     # the second step ran on weights the first one moved, so the check saw a replayed (off-policy) step
     assert any(not torch.equal(p, q) for p, q in zip(steps[0][0].parameters(), steps[1][0].parameters()))
+
+
+# ---- the top-k lower bound (engines that return top-k behaviour log-probs) ---------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 6, 7])
+def test_top_k_bound_is_the_coarse_grained_kl_below_the_exact_one(k):
+    """Against a double loop: KL of (π_θ, π_b) coarse-grained to π_b's top k plus one "other" bucket; ≤ the exact
+    KL on random distributions, equal at k = V; the gap is P_o·KL of the tails (the chain rule)."""
+    from trustbatch.objectives.kl import top_k_kl_lower_bound
+
+    B, T, V = 3, 4, 7
+    z = _logits(20 + k, B, T, V).requires_grad_(True)
+    lp, lq = torch.log_softmax(z, -1), torch.log_softmax(_logits(40 + k, B, T, V), -1)
+    top_lq, top_ids = lq.topk(k, -1)
+    got = top_k_kl_lower_bound(lp, top_lq, top_ids)
+    exact = exact_kl(lp, lq)
+    for i in range(B):
+        for t in range(T):
+            P, Q = lp[i, t].detach().exp().tolist(), lq[i, t].exp().tolist()
+            S = set(top_ids[i, t].tolist())
+            want = sum(P[v] * math.log(P[v] / Q[v]) for v in S)
+            p_o, q_o = sum(P[v] for v in range(V) if v not in S), sum(Q[v] for v in range(V) if v not in S)
+            if p_o > 0:
+                want += p_o * math.log(p_o / q_o)
+                tail = sum(P[v] / p_o * math.log((P[v] / p_o) / (Q[v] / q_o)) for v in range(V) if v not in S)
+            else:
+                tail = 0.0
+            assert got[i, t].item() == pytest.approx(want, rel=1e-10, abs=1e-13)
+            assert exact[i, t].item() - got[i, t].item() == pytest.approx(p_o * tail, rel=1e-8, abs=1e-10)
+    assert bool((got <= exact + 1e-10).all())
+    if k >= V - 1:  # no tail, or a one-token tail, whose conditional KL is 0
+        torch.testing.assert_close(got, exact, rtol=1e-11, atol=1e-12)
+    else:
+        assert float((exact - got).max()) > 1e-3  # a real gap on random distributions
+    got.sum().backward()
+    assert bool(torch.isfinite(z.grad).all())
+    gz = z.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: top_k_kl_lower_bound(torch.log_softmax(x, -1), top_lq, top_ids), (gz,))
+
+
+def test_engine_precisions_declare_rebuilt_or_recorded_and_preflight_accepts_both():
+    """The transformers engine declares, as data, where teacher forcing rebuilds its distribution (float32: "full")
+    and where it records it instead (every other precision: "recorded"); both give the exact KL a whole
+    distribution, so preflight accepts kl="exact" at each, and an engine asked to record at float32 refuses."""
+    from trustbatch.config import load_config
+    from trustbatch.recipes.build import check_objective, engine_spec
+    from trustbatch.rollout import EngineSpec, TransformersEngine, behaviour_distribution
+    from trustbatch.rollout.shifts import PRECISIONS
+
+    for p in PRECISIONS:
+        assert behaviour_distribution(EngineSpec(precision=p)) == ("full" if p == "float32" else "recorded"), p
+        cfg = load_config(None, ["objective.options={kl: exact}", f"rollout.precision={p}"])
+        check_objective(cfg)
+        assert engine_spec(cfg).record and not engine_spec(load_config(None, [f"rollout.precision={p}"])).record
+    with pytest.raises(ValueError, match="rebuilt by the learner"):
+        TransformersEngine(torch.nn.Linear(2, 2), eos_id=1, pad_id=0, record=True)

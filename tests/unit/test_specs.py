@@ -48,9 +48,9 @@ def test_the_specs_carry_every_configured_value():
     assert (s.group_size, s.prompts_per_step, s.seed, s.dynamic_sampling, s.max_sampling_rounds, s.overlong_cache,
             s.advantage, s.std) == (3, 5, 11, True, 2, 4, "rloo", "sample")
     e = engine_spec(cfg)
-    assert (e.name, e.precision, e.quantization, e.full_logprobs, e.seed, e.threads) == (
-        "transformers", "bfloat16", None, False, 11, 3)
-    assert engine_spec(load_config(None, ["objective.options={kl: exact}"])).full_logprobs  # P3O's exact KL needs them
+    assert (e.name, e.precision, e.quantization, e.seed, e.threads) == ("transformers", "bfloat16", None, 11, 3)
+    assert not s.behaviour_models
+    assert source_spec(load_config(None, ["objective.options={kl: exact}"])).behaviour_models  # P3O's exact KL
 
     class Task:
         reward = "rg:chain_sum"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ._common import AGGREGATIONS, ESS_SCOPES, ObjectiveOutput, aggregate
 from .clipped import cispo, dapo, decoupled_ppo, grpo, gspo, ppo_clip_per_token, reinforce  # registers them
 from .corrections import CORRECTIONS, correction_weights
-from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate
+from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate, top_k_kl_lower_bound
 from .metrics import MAX, SUM, TOKEN_MEAN, MetricReducer, RatioOf
 from .p3o import CAP_RTOL, p3o, p3o_two_anchor  # registers them
 from .ratio_stats import RatioStats
@@ -31,5 +31,6 @@ __all__ = [
     "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "MAX",
     "SUM", "TENSOR_INPUTS", "TOKEN_MEAN", "TRAINER_SUPPLIED", "MetricReducer", "Objective", "ObjectiveOutput",
     "ObjectiveSpec", "Opt", "RatioOf", "RatioStats", "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
-    "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "validate_options",
+    "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "top_k_kl_lower_bound",
+    "validate_options",
 ]

@@ -16,7 +16,9 @@ Callers clamp ``log_ratio`` first (see ``log_ratio_clip``), which makes the k3 g
 reversed, beyond the bound (the reference's ±10 exponent clamp reverses it; docs/design/objectives.md §1.3 item 3).
 
 ``exact_kl`` sums over the vocabulary instead: KL(π_θ‖π_b) at each position, the term P3O's paper
-writes (arXiv 2605.12380, Eq. 12). It needs both policies' full log-probs ``[B, T, V]``.
+writes (arXiv 2605.12380, Eq. 12). It needs both policies' full log-probs ``[B, T, V]`` (the learner passes them a
+chunk of positions at a time, ``policy.chunked_logprobs``). ``top_k_kl_lower_bound`` needs only π_b's top-k
+log-probs (what an engine such as vLLM returns) and is a lower bound on it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,41 @@ def exact_kl(logprobs_full: torch.Tensor, behavior_logprobs_full: torch.Tensor) 
     # forward and 0·inf in the backward.
     diff = torch.where(p > 0, logprobs_full - behavior_logprobs_full, torch.zeros((), dtype=p.dtype))
     return (p * diff).sum(-1)
+
+
+def top_k_kl_lower_bound(logprobs_full: torch.Tensor, behavior_top_logprobs: torch.Tensor,
+                         behavior_top_ids: torch.Tensor) -> torch.Tensor:
+    """A lower bound on KL(π_θ‖π_b) per position from π_b's top-k log-probs, the rest of its mass as one bucket.
+
+    With S the k tokens given, p = π_θ, q = π_b, P_o = 1 − Σ_{v∈S} p(v) and Q_o = 1 − Σ_{v∈S} q(v):
+
+        KL_k = Σ_{v∈S} p(v)·(log p(v) − log q(v)) + P_o·log(P_o / Q_o)
+
+    the exact KL of the two distributions coarse-grained to S plus an "other" bucket. Its bias is exactly
+    KL_k − KL = −P_o·KL(p(·|not S) ‖ q(·|not S)) ≤ 0 (the chain rule of KL over the partition; Cover & Thomas,
+    Elements of Information Theory, Thm 2.5.3 and the log-sum inequality): a lower bound, equal to the KL when
+    k = V (no "other") or when p/q is constant outside S. It is tight when π_θ puts little mass outside S (P_o
+    small) or has the same shape as π_b there; it misses what π_θ does inside π_b's tail.
+
+    Args:
+        logprobs_full: [..., V] log π_θ (a log-softmax), with gradient.
+        behavior_top_logprobs: [..., k] log π_b of k distinct tokens (the engine's top-k, temperature applied).
+        behavior_top_ids: [..., k] long, those tokens' ids.
+
+    Returns:
+        [...] in nats, ≥ 0 up to rounding; gradient through π_θ only. Where Q_o rounds to 0 while P_o > 0 the
+        value is large (π_θ puts mass where π_b, as far as its log-probs tell, has none).
+    """
+    lp_s = logprobs_full.gather(-1, behavior_top_ids)
+    p_s = lp_s.exp()
+    head = (p_s * (lp_s - behavior_top_logprobs)).sum(-1)
+    outside = torch.ones_like(logprobs_full, dtype=torch.bool).scatter_(-1, behavior_top_ids, False)
+    log_p_o = torch.logsumexp(logprobs_full.masked_fill(~outside, float("-inf")), -1)  # −inf when k = V
+    q_o = (1.0 - behavior_top_logprobs.exp().sum(-1)).clamp_min(torch.finfo(logprobs_full.dtype).tiny)
+    p_o = log_p_o.exp()
+    # 0·log 0 = 0: the "other" bucket is empty or π_θ has no mass in it
+    tail = torch.where(p_o > 0, p_o * (torch.where(p_o > 0, log_p_o, 0.0) - q_o.log()), 0.0)
+    return head + tail
 
 
 def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:

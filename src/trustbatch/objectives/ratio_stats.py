@@ -41,7 +41,8 @@ class RatioStats:
         """Statistics of ρ = exp(clamp(logprobs − behavior_logprobs, ±log_ratio_clip)).
 
         logprobs, behavior_logprobs: [B, T] (any float dtype; detached here); mask: [B, T] bool or 0/1.
-        Masked positions are zeroed before exp, so padding may hold inf or NaN.
+        Masked positions are zeroed before exp, so padding may hold inf or NaN. ρ is computed in the objectives'
+        compute dtype (float32, float64 for float64 ``logprobs``), so that both give the same ESS.
         """
         if logprobs.shape != behavior_logprobs.shape or logprobs.shape != mask.shape:
             raise ValueError(
@@ -49,7 +50,8 @@ class RatioStats:
                 f"behavior_logprobs {tuple(behavior_logprobs.shape)}, mask {tuple(mask.shape)}"
             )
         m = mask.bool()
-        lr = torch.where(m, logprobs.detach().float() - behavior_logprobs.detach().float(), 0.0)
+        dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+        lr = torch.where(m, logprobs.detach().to(dt) - behavior_logprobs.detach().to(dt), 0.0)
         ratio = lr.clamp(-log_ratio_clip, log_ratio_clip).exp()
         return cls.from_ratio(ratio, m)
 

@@ -20,7 +20,7 @@ An objective may also need **full next-token distributions** for some option val
 (``full_logprobs_when``, e.g. P3O's ``kl="exact"``): the learner's log-softmax ``[B, T, V]`` and the
 behaviour policy's (and the proximal snapshot's, for ``needs_proximal``). ``spec(name).needs_full_logprobs(options)``
 tells the learner and the recipe; ``validate_options`` refuses such options unless the caller says
-it supplies ``behavior_logprobs_full`` (a rollout engine that returns the behaviour's full log-probs).
+it supplies ``behavior_logprobs_full`` (a learner that can rebuild the behaviour's whole distribution).
 An objective that also takes ``kl_exact`` (``ObjectiveSpec.takes_kl_exact``) accepts instead the exact KL
 per token ``[B, T]``, which the learner computes chunk by chunk without a [B, T, V] log-softmax of π_θ.
 """
@@ -50,7 +50,7 @@ TRAINER_SUPPLIED = {
     "proximal_logprobs": "the π_θ snapshot taken at the start of train_on",
     # only when the options need full distributions (ObjectiveSpec.needs_full_logprobs)
     "logprobs_full": "the learner's [B, T, V] log-softmax at the response positions",
-    "behavior_logprobs_full": "the behaviour policy's [B, T, V] log-probs, recorded by the rollout engine",
+    "behavior_logprobs_full": "the behaviour policy's [B, T, V] log-probs, rebuilt by the learner from its model",
     "proximal_logprobs_full": "the [B, T, V] π_θ snapshot taken at the start of train_on",
     # instead of logprobs_full & co., when the objective takes it (ObjectiveSpec.takes_kl_exact)
     "kl_exact": "the [B, T] exact KL per position, computed by the learner's chunked LM head",
@@ -271,8 +271,8 @@ def validate_options(name: str, options: dict, *, supplied: Iterable[str] = ()) 
         options: the user's keyword options (e.g. a config's ``objective.options``).
         supplied: per-token tensors the caller passes with each batch ("old_logprobs",
             "ref_logprobs", "entropy", "behavior_logprobs_full"). The trainer passes
-            "behavior_logprobs_full" when its rollout engine records the full distributions
-            (recipes.build.check_objective decides), none of the others.
+            "behavior_logprobs_full" (its learner rebuilds the behaviour's whole distribution; where the
+            run cannot hand it the behaviour model, recipes.checks.check_objective refuses), none of the others.
 
     Raises:
         ValueError: one line naming the objective, the option, the cause and the fix.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy.forward import Packed, pack
+from ..policy.forward import Packed, Recorded, Teacher, pack
 
 
 @dataclass
@@ -17,9 +17,13 @@ class TrainBatch:
     (``rollout.NOT_THE_POLICY`` for a foreign model); staleness is computed from it, never from an
     engine. ``metrics`` are the round's rollout statistics (reward, lengths, scorer failures).
 
-    ``behavior_logprobs_full`` / ``proximal_logprobs_full`` [B, C, V] float32: the behaviour policy's
-    and the proximal snapshot's whole log-distributions at the response positions (0 elsewhere),
-    only for objectives whose options need them (``ObjectiveSpec.needs_full_logprobs``).
+    ``behaviour`` maps a policy version to the ``Teacher`` that sampled the rows of that version (the engine's
+    model, ``NOT_THE_POLICY`` the foreign one's), and ``proximal`` is the proximal snapshot's: the models the
+    learner rebuilds the whole distributions from, chunk by chunk, for objectives whose options need them
+    (``ObjectiveSpec.needs_full_logprobs``). A version mapped to ``Recorded`` (an engine whose distribution teacher
+    forcing does not rebuild: a precision other than float32) has its rows' distributions recorded at sampling
+    in ``behavior_logprobs_full`` [B, C, V] float32 (right-aligned; 0 at padding and at rows of other versions);
+    otherwise no ``[B, C, V]`` tensor is stored with the batch.
     """
 
     packed: Packed
@@ -28,8 +32,9 @@ class TrainBatch:
     policy_version: torch.Tensor | None = None  # [B] long; None: all rows from version 0
     proximal_logprobs: torch.Tensor | None = None  # [B, C], for objectives that declare needs_proximal
     metrics: dict[str, float] = field(default_factory=dict)
-    behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V]
-    proximal_logprobs_full: torch.Tensor | None = None  # [B, C, V]
+    behaviour: dict[int, Teacher] = field(default_factory=dict)
+    proximal: Teacher | None = None
+    behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -41,34 +46,36 @@ class TrainBatch:
     def select(self, idx) -> "TrainBatch":
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
         prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
-        full = {k: getattr(self, k)[idx] for k in ("behavior_logprobs_full", "proximal_logprobs_full")
-                if getattr(self, k) is not None}
+        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full[idx]
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], prox, **full)
+                          self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal,
+                          behavior_logprobs_full=full)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
         if self.advantages.device == torch.device(device):
             return self
-        opt = {k: None if getattr(self, k) is None else getattr(self, k).to(device)
-               for k in ("proximal_logprobs", "behavior_logprobs_full", "proximal_logprobs_full")}
+        prox = None if self.proximal_logprobs is None else self.proximal_logprobs.to(device)
+        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full.to(device)
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
-                          self.policy_version.to(device), metrics=self.metrics, **opt)
+                          self.policy_version.to(device), prox, metrics=self.metrics, behaviour=self.behaviour,
+                          proximal=self.proximal, behavior_logprobs_full=full)
 
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
         return self.policy_version[self.policy_version >= 0]
 
 
-def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None) -> TrainBatch:
+def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
+                behaviour: dict[int, Teacher | Recorded] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
-    advantages: [B], one per rollout. Rollouts that carry ``behavior_logprobs_full`` give the batch's
-    [B, C, V] tensor, right-aligned too.
+    advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``) of each policy version among the
+    rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give ``behavior_logprobs_full``.
 
     Raises:
-        ValueError: an empty completion (see ``pack``); full log-probs on some rollouts only, or with
-            different vocabulary sizes (a foreign engine on another vocabulary).
+        ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
+            of a ``Recorded`` version without its recorded distribution, or recorded vocabularies that differ.
     """
     packed = pack([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     C = packed.response_mask.shape[1]
@@ -76,24 +83,29 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
     for i, r in enumerate(rollouts):
         blp[i, C - len(r.behavior_logprobs):] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
     versions = torch.tensor([r.policy_version for r in rollouts], dtype=torch.long)
+    missing = sorted({r.policy_version for r in rollouts} - set(behaviour)) if behaviour else []
+    if missing:
+        raise ValueError(f"no behaviour model for policy version(s) {missing} of the rollouts; every engine of the "
+                         "round must hand its teacher")
+    recorded = {v for v, t in (behaviour or {}).items() if isinstance(t, Recorded)}
     return TrainBatch(packed=packed, behavior_logprobs=blp, advantages=advantages.float(), policy_version=versions,
-                      metrics=dict(metrics or {}), behavior_logprobs_full=_full_logprobs(rollouts, C))
+                      metrics=dict(metrics or {}), behaviour=dict(behaviour or {}),
+                      behavior_logprobs_full=_recorded(rollouts, recorded, C) if recorded else None)
 
 
-def _full_logprobs(rollouts, C: int) -> torch.Tensor | None:
-    """The rollouts' [n_i, V] behaviour log-distributions right-aligned into [B, C, V]; None if none has one."""
-    have = [r.behavior_logprobs_full is not None for r in rollouts]
-    if not any(have):
-        return None
-    if not all(have):
-        raise ValueError(f"{have.count(False)} of {len(rollouts)} rollouts carry no full behaviour log-probs; "
-                         "every engine of the round must be built with full_logprobs=True")
-    vocab = {r.behavior_logprobs_full.shape[-1] for r in rollouts}
+def _recorded(rollouts, versions: set, C: int) -> torch.Tensor:
+    """The recorded [n_i, V] distributions of the rollouts of ``versions``, right-aligned into [B, C, V] float32
+    (0 elsewhere). Raises ValueError: such a rollout without one, or vocabulary sizes that differ."""
+    rows = [i for i, r in enumerate(rollouts) if r.policy_version in versions]
+    lacking = [i for i in rows if rollouts[i].behavior_logprobs_full is None]
+    if lacking:
+        raise ValueError(f"{len(lacking)} rollouts of a recording engine carry no recorded distribution "
+                         "(behavior_logprobs_full); build the engine with record=True")
+    vocab = {rollouts[i].behavior_logprobs_full.shape[-1] for i in rows}
     if len(vocab) > 1:
-        raise ValueError(f"the rollouts' full log-probs have vocabulary sizes {sorted(vocab)}; "
-                         "the behaviour models must share the policy's vocabulary")
+        raise ValueError(f"the recorded distributions have vocabulary sizes {sorted(vocab)}; they must share one")
     out = torch.zeros(len(rollouts), C, vocab.pop(), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        n = r.behavior_logprobs_full.shape[0]
-        out[i, C - n:] = r.behavior_logprobs_full
+    for i in rows:
+        full = rollouts[i].behavior_logprobs_full
+        out[i, C - full.shape[0]:] = full
     return out

@@ -68,7 +68,8 @@ class SourceSpec:
     prompts_per_step: groups per batch. seed: with the batch index, fixes each batch's prompts and every group's
     random streams. dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
     overlong_cache: DAPO overlong shaping zone (tokens), or None. advantage, std: ``advantages.group_advantages``
-    estimator and std convention.
+    estimator and std convention. behaviour_models: hand the learner each engine's ``teacher`` with the batch
+    (``TrainBatch.behaviour``), for objectives that need the whole behaviour distribution.
     """
 
     sampling: SamplingParams
@@ -80,6 +81,7 @@ class SourceSpec:
     overlong_cache: int | None = None
     advantage: str = "zscore"
     std: str = "population"
+    behaviour_models: bool = False
 
 
 class SyncSource:
@@ -214,4 +216,13 @@ class SyncSource:
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )
-        return build_batch(rollouts, adv, self.pad_id, self.last_metrics)
+        return build_batch(rollouts, adv, self.pad_id, self.last_metrics, self._teachers())
+
+    def _teachers(self) -> dict | None:
+        """The engines' ``teacher`` by the policy version their rows carry, when the spec asks for them."""
+        if not self.spec.behaviour_models:
+            return None
+        out = {self.engine.version: self.engine.teacher(self.sampling)}
+        if self.foreign is not None and self.foreign_fraction > 0:
+            out[self.foreign.version] = self.foreign.teacher(self.sampling)
+        return out

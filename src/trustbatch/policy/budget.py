@@ -9,6 +9,10 @@ or rows. Budgets:
   ``logit_tokens`` = ⌊2^28 / (4 · 151,936)⌋ = 441 tokens; at V = 304 (the default job), 220,752.
 - ``KV_BYTES`` = 2^32 bytes (4 GiB) of key/value cache per generate call: rows · (prompt + new tokens) ·
   ``kv_bytes_per_token``.
+- The recorded behaviour distribution (kl="exact" with a rollout precision other than float32,
+  ``rollout.spec.behaviour_distribution`` "recorded"): one round's N rows · steps · V float32 in one
+  ``[tokens, V]`` budget, ``LOGITS_BYTES`` (``recorded_fits``): at V = 151,936, 441 tokens (e.g. 55 rows of 8);
+  at V = 304, 220,752 (the lab's 512 rows of up to 32 steps take 19,922,944 bytes).
 
 A chunk or call holds several tensors of its size at once (logits, log-softmax, their gradient), so the
 process's peak is a small multiple of the budget, not the budget.
@@ -29,6 +33,16 @@ def logit_tokens(vocab: int, budget_bytes: int = LOGITS_BYTES) -> int:
     if vocab < 1:
         raise ValueError(f"vocabulary size must be >= 1, got {vocab}")
     return max(1, budget_bytes // (FLOAT32_BYTES * vocab))
+
+
+def recorded_bytes(rows: int, steps: int, vocab: int) -> int:
+    """Bytes of ``rows`` · ``steps`` · ``vocab`` float32: one round's recorded distributions [N, steps, V]."""
+    return rows * steps * vocab * FLOAT32_BYTES
+
+
+def recorded_fits(rows: int, steps: int, vocab: int, budget_bytes: int = LOGITS_BYTES) -> bool:
+    """Whether one round's recorded distributions fit ``budget_bytes`` (``recorded_bytes`` ≤ budget)."""
+    return recorded_bytes(rows, steps, vocab) <= budget_bytes
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -20,13 +20,16 @@ float summation order (the weight's gradient sums chunk by chunk); the idea is t
 backward recomputing the logits), here for RL's per-token log-probs whose upstream gradient is not
 known in the forward.
 
-Precision: log-probs are computed from each chunk's logits upcast to at least float32 (float32 for
-bf16/fp16/fp32 models, float64 for a float64 model), as the full path does (scale-up invariant 1).
+Precision (the log-prob contract, shared by the forwards, the chunked path and the engine): log-probs are
+computed from the logits upcast to ``logits_dtype`` = at least float32: float32 for bf16/fp16/fp32 models, float64
+for a float64 model, as the full path does (scale-up invariant 1). The transformers engine's recorded behaviour
+log-probs are float32 whatever the model: ``generate`` casts each step's logits to float32 before the processors.
 Under autocast the backward recomputes the logits under the forward's autocast state.
 
-What is still [B, C, V]: the behaviour policy's full log-probs that the rollout engine stores with
-the batch for ``kl="exact"`` (and the proximal snapshot's, for the two-anchor variant). They enter
-here as a ``KLReference`` and are read one chunk at a time.
+The exact KL's reference π_ref enters as a ``KLReference`` and is read one chunk at a time. Its distributions are
+either ``[B, C, V]`` log-prob tensors (a caller that has them) or ``TeacherForced``: the hidden states of a model
+teacher-forced on the batch without gradient (the behaviour policy, the proximal snapshot) and its LM head, whose
+log-softmax is computed per chunk and freed, so that no ``[B, C, V]`` tensor of π_ref exists.
 """
 
 from __future__ import annotations
@@ -40,59 +43,205 @@ from ..objectives.kl import exact_kl
 
 
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype log-probs are computed in from logits of ``dtype``: float32, whatever the model's dtype (the
-    log-prob contract: a float64 model's logits are rounded to float32 too)."""
-    return torch.float32
+    """The dtype log-probs are computed in from logits of ``dtype``: at least float32 (float32 for bf16, fp16 and
+    float32 logits, float64 for a float64 model's), the module docstring's contract."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def autocast_state(device_type: str, dtype: torch.dtype | None):
+    """``dtype``'s autocast, or autocast off when None (a behaviour copy computes in its own dtype, also inside the
+    learner's bf16-mixed step)."""
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """One model's distribution at each response position of some rows, as its LM head's input.
+
+    ``states`` [b, C, H]: the model's final hidden states at the positions that predict the response tokens
+    (teacher-forced, no gradient), with ``head`` its LM head (any module: a quantized copy's too); or, for a model
+    whose head cannot be split off (``forward.head_parts`` is None), its logits [b, C, V] with ``head`` None.
+    ``rows``: long [b], the rows of the batch they belong to, or None for every row. ``temperature`` divides the
+    logits, and ``autocast`` (a dtype or None: off) is the autocast state the head runs under, both as the model
+    sampled (``forward.teacher_forced``).
+    """
+
+    states: torch.Tensor
+    head: torch.nn.Module | None
+    rows: torch.Tensor | None = None
+    temperature: float = 1.0
+    autocast: torch.dtype | None = None
+
+    @torch.no_grad()
+    def log_probs(self, cols: slice) -> torch.Tensor:
+        """log π [b, k, V] at columns ``cols`` (no gradient), in ``logits_dtype`` of the head's output."""
+        z = self.states[:, cols]
+        if self.head is None:
+            return _log_softmax(z, self.temperature)
+        with autocast_state(z.device.type, self.autocast):
+            z = self.head(z)
+        z = z.to(logits_dtype(z.dtype))
+        # the head's fresh output: divided in place (the same op as _log_softmax's), one [b, k, V] buffer less
+        return torch.log_softmax(z if self.temperature == 1.0 else z.div_(self.temperature), dim=-1)
+
+
+@dataclass(frozen=True)
+class RecordedInput:
+    """Rows whose distribution was recorded when they were sampled, in place of a ``HeadInput``: ``states`` [b, C, V]
+    float32 log-softmax (right-aligned like the response mask; named as ``HeadInput``'s so that the row and column
+    slicing is shared), ``rows`` long [b] or None as there. For an engine whose distribution teacher forcing does
+    not rebuild (``rollout.spec.behaviour_distribution`` "recorded")."""
+
+    states: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def log_probs(self, cols: slice) -> torch.Tensor:
+        """The recorded log π [b, k, V] at columns ``cols``: a copy (the caller writes over it)."""
+        return self.states[:, cols].clone()
+
+
+@dataclass(frozen=True)
+class TeacherForced:
+    """A distribution over B rows that is never stored as ``[B, C, V]``: ``HeadInput`` parts (one per model that
+    sampled some of the rows), whose log-softmax is computed for the columns asked and freed by the caller, and
+    ``RecordedInput`` parts (rows whose distribution was recorded at sampling: read, not computed).
+
+    Raises ValueError (constructor): no part, or a part for every row (``rows`` None) beside others.
+    """
+
+    parts: tuple[HeadInput | RecordedInput, ...]
+    n_rows: int
+
+    def __post_init__(self):
+        if not self.parts or (len(self.parts) > 1 and any(p.rows is None for p in self.parts)):
+            raise ValueError("TeacherForced takes one part for every row, or parts with their rows")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n_rows, self.parts[0].states.shape[1]
+
+    def columns(self, start: int) -> "TeacherForced":
+        return replace(self, parts=tuple(replace(p, states=p.states[:, start:]) for p in self.parts))
+
+    def row_block(self, block: slice) -> "TeacherForced":
+        """The rows ``block`` (a step-1 slice, as ``chunk_plan``'s row blocks) renumbered from 0: each part keeps its
+        states at those rows; a part with none of them is dropped (its rows read 0, as rows no part covers)."""
+        start, stop, _ = block.indices(self.n_rows)
+        parts = []
+        for p in self.parts:
+            if p.rows is None:
+                parts.append(replace(p, states=p.states[start:stop]))
+                continue
+            keep = ((p.rows >= start) & (p.rows < stop)).nonzero().squeeze(-1)
+            if keep.numel():
+                parts.append(replace(p, states=p.states[keep], rows=p.rows[keep] - start))
+        if not parts:  # no model sampled these rows (e.g. every one is padding): one empty part reads 0 everywhere
+            p = self.parts[0]
+            parts = [replace(p, states=p.states[:0], rows=p.rows[:0] if p.rows is not None else
+                             torch.zeros(0, dtype=torch.long, device=p.states.device))]
+        return TeacherForced(tuple(parts), stop - start)
+
+    def log_probs(self, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+        """log π [B, k, V] in ``dtype`` at columns ``cols`` (0 at rows no part covers)."""
+        out = None
+        for p in self.parts:
+            lsm = p.log_probs(cols).to(dtype)
+            if p.rows is None:
+                return lsm
+            if out is None:
+                out = lsm.new_zeros((self.n_rows, *lsm.shape[1:]))
+            out.index_copy_(0, p.rows, lsm)
+            del lsm
+        return out
+
+
+def _narrow(t, start: int):
+    return t[:, start:] if isinstance(t, torch.Tensor) else t.columns(start)
+
+
+def _row_block(t, block: slice):
+    return t[block] if isinstance(t, torch.Tensor) else t.row_block(block)
+
+
+def _read(t, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+    return t[:, cols].to(dtype) if isinstance(t, torch.Tensor) else t.log_probs(cols, dtype)
 
 
 @dataclass(frozen=True)
 class KLReference:
     """The distribution π_ref of an exact KL(π_θ ‖ π_ref) at each response position.
 
-    ``logprobs`` holds one or two ``[B, C, V]`` log-softmax tensors (no gradient), right-aligned like
-    the response mask. One tensor: log π_ref is that tensor. Two: the mixture
+    ``logprobs`` holds one or two distributions (no gradient), right-aligned like the response mask: each a
+    ``[B, C, V]`` log-softmax tensor or a ``TeacherForced`` (recomputed per chunk, never stored whole). One: log π_ref
+    is that distribution. Two: the mixture
     log π_ref(v) = logaddexp(log_weights[0] + logprobs[0](v), log_weights[1] + logprobs[1](v)) − log_norm
     (P3O's two-anchor π_mix, ``objectives.p3o.anchor_log_weights``). ``mask`` [B, C] bool: the KL is 0,
     with no gradient, outside it (both distributions are zeroed there first, as ``objectives.p3o`` does).
     """
 
-    logprobs: tuple[torch.Tensor, ...]
+    logprobs: tuple
     mask: torch.Tensor
     log_weights: tuple = ()
     log_norm: torch.Tensor | float = 0.0
 
     def __post_init__(self):
         if len(self.logprobs) not in (1, 2) or (len(self.logprobs) == 2 and len(self.log_weights) != 2):
-            raise ValueError("KLReference takes one log-prob tensor, or two with two log_weights")
+            raise ValueError("KLReference takes one log-prob distribution, or two with two log_weights")
         B, C = self.mask.shape
         for t in self.logprobs:
-            if t.dim() != 3 or tuple(t.shape[:2]) != (B, C):
+            if tuple(t.shape[:2]) != (B, C) or (isinstance(t, torch.Tensor) and t.dim() != 3):
                 raise ValueError(f"KLReference log-probs have shape {tuple(t.shape)}; want [{B}, {C}, V]")
 
     def columns(self, start: int) -> "KLReference":
         """The reference for response columns ``start:`` (as ``forward.trim`` narrows a micro-batch)."""
-        return replace(self, logprobs=tuple(t[:, start:] for t in self.logprobs), mask=self.mask[:, start:])
+        return replace(self, logprobs=tuple(_narrow(t, start) for t in self.logprobs), mask=self.mask[:, start:])
 
-    def rows(self, idx) -> "KLReference":
-        return replace(self, logprobs=tuple(t[idx] for t in self.logprobs), mask=self.mask[idx])
+    def rows(self, block: slice) -> "KLReference":
+        """The reference for the rows ``block`` (a step-1 slice: ``chunked_logprobs``'s row blocks)."""
+        # log_weights and log_norm are 0-dim (``objectives.p3o.anchor_log_weights``): shared by every row
+        return replace(self, logprobs=tuple(_row_block(t, block) for t in self.logprobs), mask=self.mask[block])
 
     def log_probs(self, cols: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask [B, k, 1], log π_ref [B, k, V] in ``dtype``, zero outside the mask) at columns ``cols``."""
+        """(mask [B, k, 1], log π_ref [B, k, V] in ``dtype``, zero outside the mask) at columns ``cols``: a new
+        tensor the caller may overwrite."""
         m3 = self.mask[:, cols, None]
         zero = torch.zeros((), dtype=dtype)
-        parts = [torch.where(m3, t[:, cols].to(dtype), zero) for t in self.logprobs]
+        # a stored tensor's chunk may be a view of it: zeroed out of place; a recomputed one in place
+        parts = [torch.where(m3, _read(t, cols, dtype), zero) if isinstance(t, torch.Tensor)
+                 else _read(t, cols, dtype).masked_fill_(~m3, 0.0) for t in self.logprobs]
         if len(parts) == 1:
             return m3, parts[0]
         lw0, lw1 = self.log_weights
-        return m3, torch.logaddexp(lw0 + parts[0], lw1 + parts[1]) - self.log_norm
+        a, b = parts[0].add_(lw0), parts[1].add_(lw1)  # fresh tensors: in place, one [B, k, V] less each step
+        del parts
+        return m3, torch.logaddexp(a, b, out=a).sub_(self.log_norm)
 
 
 def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None)) -> torch.Tensor:
     """``exact_kl`` ``[B, k]`` of the log-softmax ``lsm`` [B, k, V] against ``ref`` at its columns ``cols``, both
-    zeroed outside the mask first (``objectives.p3o``'s own ops), and 0 there."""
+    zeroed outside the mask first (``objectives.p3o``'s own ops), and 0 there. Differentiable (the full path)."""
     m3, mix = ref.log_probs(cols, lsm.dtype)
     zero = torch.zeros((), dtype=lsm.dtype)
     return torch.where(m3[..., 0], exact_kl(torch.where(m3, lsm, zero), mix), zero)
+
+
+def _difference(lsm: torch.Tensor, ref: KLReference, cols: slice):
+    """(mask [B, k, 1], d = lsm − log π_ref written over π_ref's fresh buffer, p = exp(lsm)), d 0 where p is
+    (0·log 0 = 0, as ``exact_kl``): two [B, k, V] buffers beside ``lsm``."""
+    m3, d = ref.log_probs(cols, lsm.dtype)
+    d.neg_().add_(lsm)  # a + (−b) is a − b exactly
+    p = lsm.exp()
+    d.masked_fill_(p == 0, 0.0)
+    return m3, d, p
+
+
+def _chunk_kl(lsm: torch.Tensor, ref: KLReference, cols: slice) -> torch.Tensor:
+    """``reference_kl``'s value, bit for bit, without gradient and with two [B, k, V] buffers beside ``lsm``
+    (the product written over the probabilities)."""
+    m3, d, p = _difference(lsm, ref, cols)
+    return torch.where(m3[..., 0], p.mul_(d).sum(-1), torch.zeros((), dtype=lsm.dtype))
 
 
 def _head(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -137,9 +286,9 @@ class _ChunkedHead(torch.autograd.Function):
     """(logp, entropy, kl) of ``chunked_logprobs``; saves hidden, weight, bias, targets; recomputes logits in backward.
 
     The backward recomputes each chunk's head output and takes its gradient with the full path's
-    backward ops (upcast, /T, log-softmax, gather, and the KL through autograd on the chunk), so the
-    same gradient of the logits, then multiplies through the head by hand, summing the weight's
-    gradient over chunks.
+    backward ops (upcast, /T, log-softmax, gather) or, with the KL, the same gradient written out
+    (``_kl_chunk_grad``, π_ref recomputed for the chunk), then multiplies through the head by hand,
+    summing the weight's gradient over chunks.
     """
 
     @staticmethod
@@ -154,12 +303,13 @@ class _ChunkedHead(torch.autograd.Function):
                 kl = lsm.new_empty((B, C) if ref is not None else (0,))
             logp[:, cols] = lsm.gather(-1, targets[:, cols, None]).squeeze(-1)
             if ref is not None:
-                kl[:, cols] = reference_kl(lsm, ref, cols)
+                kl[:, cols] = _chunk_kl(lsm, ref, cols)
             if with_entropy:  # the full path's −(exp(lsm)·lsm).sum(−1), its product written over exp(lsm)
                 ent[:, cols] = -(lsm.exp().mul_(lsm)).sum(-1)
             del lsm
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
+        ctx.kl = kl.detach() if ref is not None else None  # [B, C]: the backward's KL_t (detached: no reference cycle)
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.mark_non_differentiable(*((ent,) if ref is not None else (ent, kl)))  # one call: a second replaces it
@@ -180,14 +330,15 @@ class _ChunkedHead(torch.autograd.Function):
             h = hidden[:, cols]
             with torch.no_grad(), torch.autocast(dev, dtype=ac_dtype, enabled=enabled):  # the forward's head
                 z = _head(h, weight, bias)
+            head_dtype, lsm = z.dtype, _log_softmax(z, ctx.temperature)
+            del z  # before the gradient's buffers
+            g = None if g_logp is None else g_logp[:, cols, None]
             if with_kl:
-                grad = _autograd_chunk(z, ctx, cols, targets, g_logp, g_kl)
-                del z
+                grad = _kl_chunk_grad(lsm, ctx.ref, cols, ctx.kl[:, cols], ctx.temperature, head_dtype,
+                                      targets[:, cols, None], g, g_kl[:, cols, None])
             else:
-                head_dtype, lsm = z.dtype, _log_softmax(z, ctx.temperature)
-                del z  # before the gradient's buffers
-                grad = _logp_chunk_grad(lsm, ctx.temperature, head_dtype, targets[:, cols, None], g_logp[:, cols, None])
-                del lsm
+                grad = _logp_chunk_grad(lsm, ctx.temperature, head_dtype, targets[:, cols, None], g)
+            del lsm
             grad = grad.reshape(-1, weight.shape[0])  # [B·k, V] in the head's dtype
             if need_h:
                 g_hidden[:, cols] = (grad @ weight.to(grad.dtype)).view(*h.shape[:2], -1).to(hidden.dtype)
@@ -217,18 +368,28 @@ def _logp_chunk_grad(lsm: torch.Tensor, temperature: float, head_dtype: torch.dt
     return grad.to(head_dtype)
 
 
-def _autograd_chunk(z: torch.Tensor, ctx, cols: slice, targets, g_logp, g_kl) -> torch.Tensor:
-    """Gradient w.r.t. the head output ``z`` of Σ g_logp·log p(target) + g_kl·KL, by autograd on the chunk."""
-    z = z.detach().requires_grad_(True)
-    with torch.enable_grad():
-        lsm = _log_softmax(z, ctx.temperature)
-        outs, grads = [reference_kl(lsm, ctx.ref, cols)], [g_kl[:, cols]]
-        if g_logp is not None:
-            outs.append(lsm.gather(-1, targets[:, cols, None]).squeeze(-1))
-            grads.append(g_logp[:, cols])
-        del lsm
-        (grad,) = torch.autograd.grad(outs, z, grads)
-    return grad
+def _kl_chunk_grad(lsm: torch.Tensor, ref: KLReference, cols: slice, kl: torch.Tensor, temperature: float,
+                   head_dtype: torch.dtype, targets: torch.Tensor, g_logp: torch.Tensor | None,
+                   g_kl: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. the head output z of Σ g_logp·log p(target) + g_kl·KL, written out (no autograd graph, three
+    [B, k, V] buffers with ``lsm``): with s = z↑/T, p = softmax(s), d = log p − log π_ref and KL = Σ_v p_v·d_v,
+
+        ∂/∂s_u = g_logp·(1[u = target] − p_u) + g_kl·p_u·(d_u − KL)      (0 for the KL outside the mask)
+
+    the softmax Jacobian of ``objectives.kl.exact_kl``'s docstring; then ·1/T and cast to the head's dtype.
+    ``kl`` [B, k] is the forward's value; ``g_logp`` [B, k, 1] or None, ``g_kl`` [B, k, 1]."""
+    m3, d, p = _difference(lsm, ref, cols)
+    zero = torch.zeros((), dtype=lsm.dtype)
+    d.sub_(kl[..., None].to(lsm.dtype)).mul_(torch.where(m3, g_kl.to(lsm.dtype), zero))
+    if g_logp is not None:
+        d.sub_(g_logp.to(lsm.dtype))
+    grad = d.mul_(p)
+    del p
+    if g_logp is not None:
+        grad.scatter_add_(-1, targets, g_logp.to(lsm.dtype))
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(head_dtype)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,

@@ -15,10 +15,12 @@ enters the chunked op, so tied embeddings and data-parallel gradient hooks see i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from .chunked_logprobs import KLReference, fits_one_chunk, full_logprobs, head_logprobs
+from .chunked_logprobs import (HeadInput, KLReference, TeacherForced, autocast_state, fits_one_chunk, full_logprobs,
+                               head_logprobs)
 
 
 @dataclass
@@ -70,11 +72,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+def head_parts(model: torch.nn.Module, *, linear: bool = True) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """(decoder, LM head) of a standard transformers causal LM, or None: the chunked head cannot serve it.
 
-    Only model types in ``CHUNKED_HEAD_TYPES`` with a ``torch.nn.Linear`` output embedding (tied or
-    not) and a decoder distinct from the model qualify; any other model keeps the full path.
+    Only model types in ``CHUNKED_HEAD_TYPES`` with an output embedding (tied or not) and a decoder distinct from
+    the model qualify; any other model keeps the full path. ``linear``: the head must be a ``torch.nn.Linear``
+    (the learner's chunked head takes its weight); False accepts any module (a quantized behaviour copy's head,
+    only ever called).
     """
     m = unwrap(model)
     if getattr(getattr(m, "config", None), "model_type", None) not in CHUNKED_HEAD_TYPES:
@@ -83,9 +87,68 @@ def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
         head, decoder = m.get_output_embeddings(), m.get_decoder()
     except (AttributeError, NotImplementedError, ValueError):
         return None
-    if not isinstance(head, torch.nn.Linear) or decoder is None or decoder is m:
+    if not isinstance(head, torch.nn.Linear if linear else torch.nn.Module) or decoder is None or decoder is m:
         return None
     return decoder, head
+
+
+@dataclass(frozen=True, eq=False)
+class Teacher:
+    """A model the learner rebuilds a sampling distribution from by teacher forcing, instead of storing it.
+
+    The distribution sampled at each position is softmax(logits / ``temperature``) of ``model`` (in eval mode)
+    under ``autocast`` (a dtype, or None: off): what the transformers engine samples from with top-p = 1
+    (``rollout.TransformersEngine.teacher``), and what ``teacher_forced`` recomputes. ``name`` says which model
+    it is in messages.
+    """
+
+    model: torch.nn.Module
+    temperature: float = 1.0
+    autocast: torch.dtype | None = None
+    name: str = "the behaviour policy"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """In place of a ``Teacher``: the rows of this policy version carry the distribution they were sampled from,
+    recorded at each decoding step (``TrainBatch.behavior_logprobs_full``), because teacher forcing their model
+    does not rebuild it (an engine in a precision other than float32, ``rollout.spec.behaviour_distribution``)."""
+
+    name: str = "the behaviour policy"
+
+
+@torch.no_grad()
+def teacher_forced(packed: Packed, teachers: Sequence[tuple[torch.Tensor | None, Teacher]]) -> TeacherForced:
+    """Each teacher's distribution at the response positions of its rows of ``packed``, as ``TeacherForced``.
+
+    ``teachers``: (rows, teacher) pairs, rows a long tensor of row indices or None for every row. Each teacher
+    runs one forward without gradient, in eval mode, under its autocast state, over its rows (the same layout
+    as the learner's forward, so the same positions); what is kept is the decoder's hidden states ``[b, C, H]``
+    and the LM head, whose logits ``TeacherForced`` computes a chunk of columns at a time, never ``[b, C, V]``.
+    A model ``head_parts`` cannot split keeps its logits ``[b, C, V]`` (the learner's own full path holds as much).
+    """
+    C = packed.response_mask.shape[1]
+    parts = []
+    for rows, t in teachers:
+        sub = packed if rows is None else packed.select(rows)
+        inputs = dict(input_ids=sub.input_ids, attention_mask=sub.attention_mask, position_ids=sub.position_ids,
+                      use_cache=False)
+        m = unwrap(t.model)
+        was_training = m.training
+        m.eval()
+        try:
+            with autocast_state(sub.input_ids.device.type, t.autocast):
+                split = head_parts(m, linear=False)
+                if split is None:
+                    states, head = m(**inputs, logits_to_keep=C + 1).logits[:, :-1], None
+                else:
+                    decoder, head = split
+                    out = decoder(**inputs)
+                    states = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -(C + 1):-1]
+        finally:
+            m.train(was_training)
+        parts.append(HeadInput(states, head, rows, t.temperature, t.autocast))
+    return TeacherForced(tuple(parts), packed.response_mask.shape[0])
 
 
 def decoder_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs):

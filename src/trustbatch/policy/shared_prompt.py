@@ -192,8 +192,8 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
         kl_reference: also return the exact KL ``[B, C]`` to it, as ``response_logprobs``.
 
     Returns:
-        (logp, entropy): log π(y_t | prompt, y_<t) ``[B, C]`` float32 (log-softmax of float32
-        logits, as ``response_logprobs``) right-aligned like ``packed.response_mask``, and the
+        (logp, entropy): log π(y_t | prompt, y_<t) ``[B, C]`` in at least float32 (log-softmax of the
+        logits upcast, as ``response_logprobs``) right-aligned like ``packed.response_mask``, and the
         entropy ``[B, C]`` or None; then the full log-softmax and the KL when asked, as ``response_logprobs``.
         Values outside ``response_mask`` are meaningless but finite.
 

@@ -55,6 +55,9 @@ class Backend:
     learner: Callable[[Inputs], LearnerProtocol]
     # (inputs, learner, evaluation engine) -> (source, weight sync, the evaluation engine's sync or None)
     source: Callable[[Inputs, LearnerProtocol, Engine], tuple[RolloutSource, WeightSync, CopySync | None]]
+    # what its source hands the learner of the behaviour distribution (rollout.spec.BEHAVIOUR_DISTRIBUTIONS):
+    # "full" when the engine's model lives in the learner's process; rollout workers send sampled log-probs only
+    behaviour: str = "none"
 
 
 def learner_autocast(cfg: Config) -> torch.dtype | None:
@@ -207,11 +210,11 @@ def _refuse_sync_ray(cfg: Config) -> None:
 
 
 BACKENDS: dict[tuple[str, str], Backend] = {
-    ("sync", "local"): Backend(lambda cfg: None, local_learner, sync_source),
+    ("sync", "local"): Backend(lambda cfg: None, local_learner, sync_source, behaviour="full"),
     ("async", "local"): Backend(lambda cfg: None, local_learner, process_source),
     ("async", "ray"): Backend(_check_async_ray, ray_learner, ray_source),
     # Ray runs rollout workers, which a sync run has none of: refused by its check, before anything is built
-    ("sync", "ray"): Backend(_refuse_sync_ray, ray_learner, sync_source),
+    ("sync", "ray"): Backend(_refuse_sync_ray, ray_learner, sync_source, behaviour="full"),
 }
 
 

@@ -22,6 +22,7 @@ from ..pipeline.weight_sync import CopySync
 from ..policy import load_policy
 from ..policy.base import default_base
 from ..policy.hub import model_dir
+from ..policy.budget import vocab_size
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
@@ -29,7 +30,7 @@ from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
-from .checks import check_learner, check_objective, check_orchestrator
+from .checks import check_learner, check_objective, check_orchestrator, check_recorded_behaviour
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
            "engine_spec", "foreign_engine", "preflight", "prepare_run", "restore_checkpoint_policy", "reward_spec",
@@ -37,19 +38,22 @@ __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "che
 
 
 def engine_spec(cfg: Config) -> EngineSpec:
-    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``; full behaviour log-probs
-    where the objective needs them)."""
+    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``)."""
     ro = cfg.rollout
+    # record where the exact KL needs the whole distribution and teacher forcing would not rebuild it
+    # (the engine declares "recorded" at this precision); check_recorded_behaviour bounds its size
     return EngineSpec(name=ro.engine, precision=ro.precision, quantization=ro.quantization,
-                      full_logprobs=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
-                      seed=cfg.train.seed, threads=cfg.threads or None)
+                      seed=cfg.train.seed, threads=cfg.threads or None,
+                      record=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options))
 
 
 def source_spec(cfg: Config) -> SourceSpec:
-    """How each round's batch is sampled, filtered, shaped and given advantages (``rollout``, ``objective``)."""
+    """How each round's batch is sampled, filtered, shaped and given advantages (``rollout``, ``objective``); with
+    the behaviour models where the objective needs whole distributions."""
     ro = cfg.rollout
     return SourceSpec(SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
                       group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=cfg.train.seed,
+                      behaviour_models=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
                       dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
                       overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std)
 
@@ -178,7 +182,8 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
     It runs on the policy's device.
 
     Raises:
-        UserError: the foreign model's tokenizer differs from the policy's.
+        UserError: the foreign model's tokenizer differs from the policy's; for an objective that needs the whole
+            behaviour distribution (kl="exact"), its output vocabulary differs from the policy's.
     """
     spec = cfg.rollout.foreign_model
     if spec == "initial":
@@ -191,8 +196,13 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
         if foreign_policy.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
             raise UserError(f"rollout.foreign_model {spec!r} has another tokenizer; foreign data must share the policy's")
         other = foreign_policy.model
+        sizes = (other.get_output_embeddings().weight.shape[0], policy.model.get_output_embeddings().weight.shape[0])
+        if sizes[0] != sizes[1] and source_spec(cfg).behaviour_models:
+            raise UserError(f"rollout.foreign_model {spec!r} has {sizes[0]} output logits, the policy {sizes[1]}; the "
+                            "exact KL compares whole distributions: use a foreign model of the policy's vocabulary "
+                            "size or kl='k3'")
     other = other.to(next(policy.model.parameters()).device)
-    return make_engine(EngineSpec(full_logprobs=engine_spec(cfg).full_logprobs), policy, model=other,
+    return make_engine(EngineSpec(), policy, model=other,
                        version=NOT_THE_POLICY)
 
 
@@ -215,11 +225,13 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
     gathered tensors: a sharded module's forward waits on every rank, and ranks generate different lengths.
 
     Raises:
-        UserError: what the pair, the learner or the source refuses (``backends``).
+        UserError: what the pair, the learner or the source refuses (``backends``); a recorded behaviour
+            distribution over its budget (``checks.check_recorded_behaviour``).
     """
     world = world or World()
     backend = backend_for(cfg)
     backend.check(cfg)
+    check_recorded_behaviour(cfg, vocab_size(policy.model))
     sharded = cfg.train.strategy == "fsdp2" and world.size > 1
     whole = policy.model  # before the learner shards policy.model
     if sharded:

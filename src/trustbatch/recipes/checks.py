@@ -5,18 +5,21 @@ from __future__ import annotations
 from .. import objectives
 from ..config import Config
 from ..errors import UserError
+from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
+from ..rollout.spec import WHOLE_DISTRIBUTIONS, EngineSpec, behaviour_distribution
 from .backends import backend_for
 
 
 def check_objective(cfg: Config) -> None:
-    """Fail before any work when the objective's options or ESS scope are invalid, or need full behaviour
-    log-probs (kl="exact") that the rollout cannot give (vLLM engine, top-p < 1, async workers).
+    """Fail before any work when the objective's options or ESS scope are invalid, or need the behaviour policy's
+    whole distribution (kl="exact") where the run cannot give it: an engine or rollout backend that does not
+    declare ``full`` (``rollout.spec.behaviour_distribution``, ``backends.Backend.behaviour``), top-p < 1.
 
     Raises:
         UserError: one line naming the option and the fix.
     """
     try:
-        # the transformers engine returns full behaviour log-probs; where the rollout cannot, refused below
+        # supplied: the learner rebuilds the behaviour's full log-probs; where the run cannot, refused below
         objectives.validate_options(cfg.objective.name, cfg.objective.options, supplied=("behavior_logprobs_full",))
         spec = objectives.spec(cfg.objective.name)
     except ValueError as e:
@@ -27,15 +30,44 @@ def check_objective(cfg: Config) -> None:
     cause = spec.full_logprobs_cause(cfg.objective.options)
     if cause is not None:
         ro = cfg.rollout
-        why = ("the vllm engine returns top-k log-probs only, not the whole distribution; use rollout.engine=transformers"
-               if ro.engine == "vllm" else
+        engine = behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision))
+        backend = backend_for(cfg).behaviour
+        why = (f"rollout.engine={ro.engine} returns {engine} behaviour log-probs, not the whole distribution "
+               "(the top-k lower bound is not wired to training yet); use rollout.engine=transformers"
+               if engine not in WHOLE_DISTRIBUTIONS else
                f"top-p sampling (rollout.top_p={ro.top_p:g}) gives π_b = 0 outside the nucleus, where KL(π_θ‖π_b) is "
                "infinite; set rollout.top_p=1.0" if ro.top_p < 1.0 else
-               "the async rollout workers do not send full log-probs; use rollout.mode=sync"
-               if ro.mode == "async" else None)
+               f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
+               if backend != "full" else
+               "the proximal model would be the FSDP2-sharded module itself; use train.strategy=ddp"
+               if spec.needs_proximal and cfg.train.strategy == "fsdp2" else None)
         if why is not None:
             raise UserError(f"objective.options {cause} needs the behaviour policy's full log-probs: {why}, "
                             f"or use kl='k3'")
+
+
+def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS_BYTES) -> None:
+    """Fail at start when the exact KL needs the behaviour distribution recorded at sampling (an engine that declares
+    ``recorded`` at ``rollout.precision``: teacher forcing would rebuild another distribution) and one round's
+    record, N = prompts_per_step · group_size rows × max_new_tokens steps × ``vocab`` float32, passes
+    ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
+    once the policy is loaded (``recipes.build.build_parts``), before any rollout.
+
+    Raises:
+        UserError: one line naming the precision, the size and the fixes (float32 rollouts or kl='k3').
+    """
+    spec = objectives.spec(cfg.objective.name)
+    cause = spec.full_logprobs_cause(cfg.objective.options)
+    ro = cfg.rollout
+    if cause is None or behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision)) != "recorded":
+        return
+    rows, steps = ro.prompts_per_step * ro.group_size, ro.max_new_tokens
+    if not recorded_fits(rows, steps, vocab, budget_bytes):
+        raise UserError(f"objective.options {cause} with rollout.precision={ro.precision} needs the behaviour "
+                        f"distribution recorded at sampling (teacher forcing does not rebuild it at that precision), "
+                        f"which at V={vocab} takes {rows} rows x {steps} steps x V x 4 bytes = "
+                        f"{recorded_bytes(rows, steps, vocab) / 2**20:.0f} MiB per round, over the "
+                        f"{budget_bytes / 2**20:.0f} MiB budget; use rollout.precision=float32 or kl='k3'")
 
 
 def check_orchestrator(cfg: Config) -> None:

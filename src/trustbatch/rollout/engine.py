@@ -53,11 +53,11 @@ class Rollout:
     completion_ids ends with EOS unless ``truncated``; ``behavior_logprobs`` has one float32 entry
     per completion token: the log-prob under the distribution it was actually sampled from
     (temperature and top-p applied). ``policy_version`` is the learner's optimizer-step count of the
-    weights that sampled it (``NOT_THE_POLICY`` for a foreign model).
-
-    ``behavior_logprobs_full`` ([len(completion_ids), V] float32, or None): the whole log-distribution
-    sampled from at each completion position, returned only by an engine asked for it (it is V
-    times the size of ``behavior_logprobs``); objectives with an exact behaviour KL need it.
+    weights that sampled it (``NOT_THE_POLICY`` for a foreign model). An engine that declares ``full``
+    (``rollout.spec``) records no whole distribution and hands the learner its ``teacher`` instead; one that
+    declares ``recorded``, asked to record, fills ``behavior_logprobs_full`` ([len(completion_ids), V] float32:
+    the log-softmax of the processed scores of each step, whose values at the sampled tokens are
+    ``behavior_logprobs``). None otherwise.
     """
 
     prompt_index: int

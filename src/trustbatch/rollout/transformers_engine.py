@@ -39,6 +39,7 @@ import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
+from ..policy.forward import Recorded, Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
@@ -53,18 +54,31 @@ PLAIN_ONLY = ("int8",)
 
 
 class _GumbelPerRow(LogitsProcessor):
-    """Adds per-row Gumbel noise after the warpers, keeping the clean processed scores for log-probs."""
+    """Adds per-row Gumbel noise after the warpers, and records the log-prob of the token each row samples.
 
-    def __init__(self, seeds: list[int] | None):
+    ``generate`` (``do_sample=False``) takes the argmax of the scores this returns, so the token is known here:
+    ``logprobs`` gets, per step, log_softmax(clean processed scores) at that token ([N], float32), and no step's
+    [N, V] scores outlive the step, unless ``record``: then ``full`` keeps each step's whole log_softmax [N, V]
+    (the distribution sampled from, whose values at the tokens are ``logprobs``).
+    """
+
+    def __init__(self, seeds: list[int] | None, record: bool = False):
         self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-        self.clean: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+        self.full: list[torch.Tensor] | None = [] if record else None
 
     def __call__(self, input_ids, scores):
-        self.clean.append(scores)
-        if self.gens is None:  # greedy
-            return scores
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
-        return scores - torch.log(-torch.log(u.clamp_min(1e-20)))
+        noisy = scores
+        if self.gens is not None:  # else greedy
+            u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
+            noisy = scores - torch.log(-torch.log(u.clamp_min(1e-20)))
+        token = noisy.argmax(-1, keepdim=True)
+        # generate's scores are float32 whatever the model (it casts each step's logits); promote in case it changes
+        lsm = torch.log_softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+        self.logprobs.append(lsm.gather(-1, token).squeeze(-1))
+        if self.full is not None:
+            self.full.append(lsm)
+        return noisy
 
 
 class TransformersEngine:
@@ -78,9 +92,13 @@ class TransformersEngine:
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
     that precision (int8 and FP8: re-quantized from a float copy).
 
-    ``full_logprobs=True`` also records each rollout's whole behaviour log-distribution
-    (``Rollout.behavior_logprobs_full``, [n_tokens, V]: the log-softmax of the processed scores,
-    whose values at the sampled tokens are the recorded ``behavior_logprobs``).
+    At float32 it keeps no step's scores: the whole behaviour distribution, which an exact KL needs, is rebuilt by
+    the learner from ``teacher`` (the module and settings it samples with), so the engine declares ``full``
+    (``rollout.spec.behaviour_distribution``). At any other precision teacher forcing does not rebuild what
+    decoding sampled from (``rollout.spec``'s measurements), so it declares ``recorded``: with ``record`` it keeps
+    each step's whole log-softmax and returns it with each rollout (``Rollout.behavior_logprobs_full``
+    [len(completion_ids), V] float32; [rows, steps, V] on the device during a generate call), and ``teacher``
+    says so (``policy.forward.Recorded``). ``record`` at float32 is refused (ValueError): there it rebuilds.
 
     Sequences per ``generate`` call: at most ``batch_size``, and fewer where one decoding step's ``[rows, V]``
     scores would pass ``logits_bytes`` or the rows' key/value cache ``kv_bytes`` (``policy.budget.generate_rows``;
@@ -101,10 +119,13 @@ class TransformersEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
-                 logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES, full_logprobs: bool = False,
+                 logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
-                 prefill_once: bool | None = None, autocast: torch.dtype | None = None):
+                 prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False):
+        if record and precision == "float32":
+            raise ValueError("a float32 engine's distribution is rebuilt by the learner (teacher); record=False")
         self.precision = precision
+        self.record = record
         # the learner's bf16-mixed autocast, for an engine that samples from the learner's own module: the
         # engine then computes what the learner computes (scale-up.md invariant 1); None: plain forwards
         self.autocast = autocast
@@ -115,7 +136,6 @@ class TransformersEngine:
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
         self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
-        self.full_logprobs = full_logprobs
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.batch_size, self.logits_bytes, self.kv_bytes = batch_size, logits_bytes, kv_bytes
@@ -181,7 +201,7 @@ class TransformersEngine:
         ids, att = ids.to(device), att.to(device)
         # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
         # HF's own sampler would draw every row from one global stream.
-        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items])
+        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items], record=self.record)
         procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
             [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
         # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
@@ -201,13 +221,12 @@ class TransformersEngine:
         finally:
             for m in scaled:  # a scale left pending (generate failed before its first forward) must not leak
                 m.reuse_scale(False)
-        new = gen.sequences[:, P:]
-        scores = torch.stack(noise.clean, dim=1)  # [N, steps, V], processed (T, top-p), no noise
-        # float32 at least (bf16/fp16 logits); a float64 model keeps float64, which exactness tests rely on
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        logp_all = torch.log_softmax(scores, dim=-1)
-        logp = logp_all.gather(-1, new[..., None]).squeeze(-1).cpu()
-        new = new.cpu()
+        new = gen.sequences[:, P:].cpu()
+        logp = torch.stack(noise.logprobs, dim=1).cpu()  # [N, steps], processed (T, top-p), no noise
+        full = None
+        if noise.full is not None:
+            full = torch.stack(noise.full, dim=1).cpu()  # [N, steps, V]: the distributions sampled from
+            noise.full.clear()
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
@@ -216,9 +235,30 @@ class TransformersEngine:
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
                 behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
                 policy_version=self.version,
-                behavior_logprobs_full=logp_all[j, :end].cpu().clone() if self.full_logprobs else None,
+                behavior_logprobs_full=None if full is None else full[j, :end].clone(),
             ))
         return rows
+
+    def teacher(self, sampling: SamplingParams) -> Teacher | Recorded:
+        """What the learner takes this engine's sampling distribution from: ``Recorded`` when the engine records
+        it (``record``: its rollouts carry ``behavior_logprobs_full``), else the ``policy.forward.Teacher`` it
+        rebuilds it from: the module it samples with (valid until the next ``load_weights``), the temperature
+        (1 when greedy: the untempered scores) and its autocast.
+
+        A Teacher of a precision other than float32 rebuilds another distribution than the one sampled (for
+        per-tensor quantization, int8 and fp8_e4m3, the activation scales come from the learner's teacher-forced
+        micro-batch, not each decoding step's rows; ``rollout.spec``'s measurements): runs record there.
+
+        Raises:
+            ValueError: top-p < 1 (π_b is 0 outside the nucleus, where KL(π_θ‖π_b) is infinite).
+        """
+        if sampling.top_p < 1.0 and not sampling.greedy:
+            raise ValueError(f"top_p={sampling.top_p:g} truncates the behaviour distribution (π_b = 0 outside the "
+                             "nucleus, KL(π_θ‖π_b) infinite); sample with top_p=1 for an exact KL")
+        name = "the behaviour policy" if self.version >= 0 else "the foreign model"
+        if self.record:
+            return Recorded(name)
+        return Teacher(self.model, 1.0 if sampling.greedy else sampling.temperature, self.autocast, name=name)
 
     def _shared_prefill(self, ids: torch.Tensor, att: torch.Tensor, items, reserve: int, scaled=()):
         """A key/value cache of ``ids[:, :P-1]`` [N, P-1] computed once per distinct prompt, or None.

@@ -13,15 +13,17 @@ must cover the whole optimizer batch. When the batch is split into micro-batches
 no-grad pass accumulates them (Σρ, Σρ², n in float64) over every micro-batch and rank before the
 first backward; with one micro-batch on one rank the loss computes the same values itself.
 Options that need full distributions (``spec.needs_full_logprobs``, e.g. P3O's kl="exact") make the
-learner compute the exact KL to the batch's ``behavior_logprobs_full`` (for the two-anchor variant, to
-the mixture with a [B, C, V] proximal snapshot, weighted by the batch ESS, which is then always taken in
-a no-grad pass first) inside its LM head, chunk by chunk, and pass it per token (``kl_exact``); an
-objective that does not take ``kl_exact`` gets the learner's [B, C, V] log-softmax itself.
+learner compute the exact KL inside its LM head, chunk by chunk, and pass it per token (``kl_exact``), against the
+behaviour distribution rebuilt from the batch's behaviour models (``TrainBatch.behaviour``, by policy version:
+the engine's module, a foreign model; the learner's own module is frozen for the batch, by a copy when it takes
+several optimizer steps), teacher-forced without gradient per micro-batch; for the two-anchor variant against
+the mixture with the proximal snapshot rebuilt the same way, weighted by the batch ESS (then always taken in a
+no-grad pass first). An objective that does not take ``kl_exact`` gets the learner's [B, C, V] log-softmax and
+the rebuilt ones, per micro-batch.
 
 Log-probs come from the LM head applied ``logprob_chunk_size`` tokens (rows × columns) at a time
-(``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward. The
-remaining [B, C, V] tensors are the behaviour's full log-probs stored with the batch (and the
-proximal snapshot's) for kl="exact".
+(``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward, and none of the
+behaviour's or the proximal snapshot's exist (each chunk's are recomputed from hidden states and freed).
 
 Data parallel (``trustbatch.parallel``): every rank receives the same global batch and trains on its
 shard; token counts and statistics are summed over ranks, each rank's loss is multiplied by the
@@ -171,6 +173,10 @@ class Learner(ForwardPasses):
         self.world = world or World()
         self.wrapped = self.world.wrap(model, strategy, param_dtype=param_dtype)
         self.sharded = is_sharded(self.wrapped)
+        if self.sharded and self.full and self.spec.needs_proximal:
+            # the proximal model is the sharded module: its no-grad forwards would differ in number between ranks
+            raise ValueError(f"objective {objective!r} with {self.spec.full_logprobs_cause(self.options)} does not run "
+                             "under train.strategy=fsdp2; use train.strategy=ddp or kl='k3'")
         # FSDP2 all-gathers a block's weights at each of its forwards, so every rank must run as many;
         # the shared-prompt forward runs one or two depending on the micro-batch's prompts
         shared_prompt = shared_prompt and not self.sharded
@@ -197,6 +203,7 @@ class Learner(ForwardPasses):
         # per-step traces of a replayed round, which the round's record (their mean) hides
         self.step_records: list[dict[str, float]] = []
         self._pad: TrainBatch | None = None
+        self._snapshot: torch.nn.Module | None = None  # the policy frozen for this train_on (passes._frozen_policy)
         # only what trains: with LoRA (policy.lora) the adapters, the frozen base has neither grads nor Adam state
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
@@ -240,6 +247,9 @@ class Learner(ForwardPasses):
         local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
         local = local.to(self.device)
         self._pad = empty_like(batch).to(self.device)  # the global batch: a rank's shard may be empty
+        self._snapshot = None
+        if self.full:
+            self._own_teachers(local)
         if self.spec.needs_proximal:
             self._take_proximal(local)
         step_metrics = []
@@ -260,6 +270,7 @@ class Learner(ForwardPasses):
                     self._step_tag = None
                 self.step_records.append({"opt_step": len(step_metrics) - 1, "epoch": _epoch, "minibatch": mb_index,
                                           **step_metrics[-1]})
+        self._snapshot = None
         return _mean_over_steps(step_metrics)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -325,9 +336,9 @@ class Learner(ForwardPasses):
         for a batch without the proximal snapshot or the full log-probs the objective needs."""
         if self.spec.needs_proximal and batch.proximal_logprobs is None:
             raise ValueError(f"objective {self.spec.name!r} needs proximal log-probs; use train_on, which takes them")
-        if self.full and batch.behavior_logprobs_full is None:
+        if self.full and not batch.behaviour:
             raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs the "
-                             "behaviour's full log-probs, but the batch has none; build the engine with full_logprobs=True")
+                             "behaviour model, but the batch has none; build it with behaviour= (the engines' teacher)")
         world = self.world
         mask = batch.packed.response_mask
         n_tokens, n_seqs = world.sum([float(mask.sum()), float((mask.sum(1) > 0).sum())])
@@ -349,18 +360,20 @@ class Learner(ForwardPasses):
         with skip_sync:
             kw = dict(plan.shared)
             with self.autocast():
+                ref = self._kl_reference(mb, kw) if self.full else None
                 if self.kl_in_head:
                     logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                kl_reference=self._kl_reference(mb, kw))
+                                                                kl_reference=ref)
                 elif self.full:
                     logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
                                                                      with_full=True)
                 else:
                     logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
-            if self.full and not self.kl_in_head:
-                kw["behavior_logprobs_full"] = mb.behavior_logprobs_full
+            if self.full and not self.kl_in_head:  # an objective without kl_exact: this micro-batch's [B, C, V]
+                every = slice(None)
+                kw["behavior_logprobs_full"] = ref.logprobs[0].log_probs(every, kw["logprobs_full"].dtype)
                 if self.spec.needs_proximal:
-                    kw["proximal_logprobs_full"] = mb.proximal_logprobs_full
+                    kw["proximal_logprobs_full"] = ref.logprobs[1].log_probs(every, kw["logprobs_full"].dtype)
             if mb.proximal_logprobs is not None and self.spec.needs_proximal:
                 kw["proximal_logprobs"] = mb.proximal_logprobs
             if plan.per_micro_batch_stats:

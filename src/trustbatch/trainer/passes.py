@@ -3,24 +3,27 @@
 Without gradient: the policy's log-probs (``logprobs``), the proximal snapshot, the batch statistics an
 objective declares (``ObjectiveSpec.batch_stats``: Σρ, Σρ², n in float64 over every micro-batch, summed over
 ranks); with gradient, the empty micro-batch a rank runs so that every rank reaches the same collectives; and
-the reference the learner's LM head takes the exact KL against. Under FSDP2 every no-grad pass runs as many
-forwards on every rank (each forward all-gathers weights).
+the reference the learner's LM head takes the exact KL against, rebuilt per micro-batch by teacher forcing the
+behaviour (and proximal) models. Under FSDP2 every no-grad pass runs as many forwards on every rank (each forward
+all-gathers weights).
 
 They read the learner's settings: ``model``, ``wrapped``, ``world``, ``sharded``, ``device``, ``precision``,
-``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``spec``, ``full`` and ``_pad``.
+``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``epochs``, ``minibatches``, ``spec``, ``full``,
+``kl_in_head``, ``version``, ``_pad`` and ``_snapshot``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
 from ..objectives import RatioStats
 from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
-from ..policy.chunked_logprobs import KLReference, logits_dtype
-from ..policy.forward import response_logprobs
+from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, logits_dtype
+from ..policy.forward import Recorded, Teacher, response_logprobs, teacher_forced
 
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
@@ -80,15 +83,42 @@ class ForwardPasses:
 
     def _take_proximal(self, local: TrainBatch) -> None:
         """Store π_θ's snapshot in ``local`` (``proximal_logprobs`` [B, C]; with full distributions also
-        ``proximal_logprobs_full`` [B, C, V]), before the batch's first update."""
+        ``proximal``, the model the learner rebuilds it from), before the batch's first update."""
+        local.proximal_logprobs = self.logprobs(local)
         if self.full:
-            with torch.no_grad(), self.autocast():
-                parts = [self.forward_fn(self.model, local.packed.select(c), with_full=True)
-                         for c in self._no_grad_chunks(local)]
-            local.proximal_logprobs = torch.cat([p[0] for p in parts])
-            local.proximal_logprobs_full = torch.cat([p[2] for p in parts])
-        else:
-            local.proximal_logprobs = self.logprobs(local)
+            local.proximal = Teacher(self._frozen_policy(), autocast=torch.bfloat16 if self.precision == "bf16-mixed"
+                                     else None, name="the proximal snapshot")
+
+    def _frozen_policy(self) -> torch.nn.Module:
+        """The policy as it is now, for the rest of this ``train_on``: the module itself when it takes one optimizer
+        step (every micro-step runs before the update), else a copy made once (``self._snapshot``).
+
+        Raises:
+            ValueError: a copy of an FSDP2-sharded module is needed (not supported).
+        """
+        if self.epochs * self.minibatches == 1:
+            return self.model
+        if self._snapshot is None:
+            if self.sharded:
+                raise ValueError("kl='exact' over several optimizer steps per batch needs a copy of the policy, "
+                                 "which an FSDP2-sharded learner cannot take; set train.strategy=ddp or one step")
+            self._snapshot = copy.deepcopy(self.model).requires_grad_(False)
+        return self._snapshot
+
+    def _own_teachers(self, local: TrainBatch) -> None:
+        """Replace, in ``local.behaviour``, a teacher that is the learner's own module (an engine sharing it) by
+        the policy frozen at this ``train_on``'s start (``_frozen_policy``): the behaviour of its rows.
+
+        Raises:
+            ValueError: rows of another version than the learner's claim the learner's own module.
+        """
+        for v, t in list(local.behaviour.items()):
+            if isinstance(t, Teacher) and t.model is self.model:
+                if bool((local.policy_version == v).any()) and v != self.version:
+                    raise ValueError(f"rows of policy version {v} name the learner's own module (version "
+                                     f"{self.version}) as their behaviour model; it cannot be rebuilt")
+                local.behaviour = {**local.behaviour, v: Teacher(self._frozen_policy(), t.temperature, t.autocast,
+                                                                 t.name)}
 
     def _sum_stats(self, stats: dict[str, RatioStats]) -> dict[str, RatioStats]:
         if self.world.size == 1:
@@ -112,13 +142,43 @@ class ForwardPasses:
             (pad_logp.sum() * 0.0).backward()
 
     def _kl_reference(self, mb: TrainBatch, kw: dict) -> KLReference:
-        """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's weights."""
+        """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's
+        weights; each rebuilt from its models' hidden states (``teacher_forced``), never stored as [B, C, V],
+        except π_b at the rows of a version mapped to ``Recorded``: read from ``mb.behavior_logprobs_full``
+        (the distribution those rows were sampled from, which teacher forcing would not rebuild).
+
+        Raises:
+            ValueError: rows whose policy version has no behaviour model; a ``Recorded`` version in a batch without
+                ``behavior_logprobs_full``; no proximal model for two anchors.
+        """
         m = mb.packed.response_mask
+        versions = mb.policy_version.unique().tolist()
+        missing = [v for v in versions if v not in mb.behaviour]
+        if missing:
+            raise ValueError(f"objective {self.spec.name!r} with {self.spec.full_logprobs_cause(self.options)} needs "
+                             f"the behaviour model of every row, but policy version(s) {missing} have none; build the "
+                             "batch with behaviour= (the engines' teacher)")
+        groups = [(None if len(versions) == 1 else (mb.policy_version == v).nonzero()[:, 0], mb.behaviour[v])
+                  for v in versions]
+        recorded = [(rows, t) for rows, t in groups if isinstance(t, Recorded)]
+        if recorded and mb.behavior_logprobs_full is None:
+            raise ValueError(f"{recorded[0][1].name} recorded its distribution, but the batch carries none "
+                             "(behavior_logprobs_full); build it with build_batch from the engine's rollouts")
+        forced = [(rows, t) for rows, t in groups if not isinstance(t, Recorded)]
+        parts = () if not forced else teacher_forced(mb.packed, forced).parts
+        parts += tuple(RecordedInput(mb.behavior_logprobs_full if rows is None else mb.behavior_logprobs_full[rows],
+                                     rows) for rows, _ in recorded)
+        behaviour = TeacherForced(parts, len(mb))
         if not self.spec.needs_proximal:
-            return KLReference((mb.behavior_logprobs_full,), m)
+            return KLReference((behaviour,), m)
+        if mb.proximal is None:
+            raise ValueError(f"objective {self.spec.name!r} needs the proximal model; use train_on, which takes it")
+        proximal = teacher_forced(mb.packed, [(None, mb.proximal)])
+        if not self.kl_in_head:  # the objective mixes the two itself
+            return KLReference((behaviour, proximal), m, (0.0, 0.0))
         e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
         log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, logits_dtype(next(self.model.parameters()).dtype))
-        return KLReference((mb.behavior_logprobs_full, mb.proximal_logprobs_full), m, (log_w_b, log_w_p), log_w)
+        return KLReference((behaviour, proximal), m, (log_w_b, log_w_p), log_w)
 
 
 def empty_like(batch: TrainBatch) -> TrainBatch:
