@@ -239,3 +239,13 @@ def test_in_process_marker_is_gone_after_a_call_that_returns(tmp_path, completio
     marker.write_text('{"pid": 12')  # cut short by the death it reports
     assert read_in_process_marker(marker).startswith("warning: the last start of this run (pid ?)")
     assert not marker.exists()
+
+
+def test_padding_free_with_the_exact_kl_is_refused_before_any_work():
+    """The packed forward takes no rebuilt behaviour distribution yet: one line at the preflight, not a TypeError."""
+    from trustbatch.errors import UserError
+    from trustbatch.recipes.checks import check_objective
+
+    with pytest.raises(UserError, match="train.padding_free packs rows"):
+        check_objective(load_config(None, ["train.padding_free=true", "objective.options={kl: exact}"]))
+    check_objective(load_config(None, ["train.padding_free=true"]))  # k3, the default, packs

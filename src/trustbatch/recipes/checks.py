@@ -40,7 +40,9 @@ def check_objective(cfg: Config) -> None:
                f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
                if backend != "full" else
                "the proximal model would be the FSDP2-sharded module itself; use train.strategy=ddp"
-               if spec.needs_proximal and cfg.train.strategy == "fsdp2" else None)
+               if spec.needs_proximal and cfg.train.strategy == "fsdp2" else
+               "train.padding_free packs rows the rebuilt behaviour distribution is not laid out for yet; set "
+               "train.padding_free=false" if cfg.train.padding_free else None)
         if why is not None:
             raise UserError(f"objective.options {cause} needs the behaviour policy's full log-probs: {why}, "
                             f"or use kl='k3'")
