@@ -122,8 +122,6 @@ def env(out: Path) -> None:
 
 
 def _time_steps(learner, batch, steps: int) -> list[float]:
-    import torch
-
     times = []
     for _ in range(steps):
         sync()
@@ -192,7 +190,6 @@ def engine(out: Path, a) -> None:
 def fsdp2_ws1(out: Path, a) -> None:
     import copy
 
-    import torch
     import torch.distributed as dist
 
     from trustbatch.parallel import _fully_shard, full_model_state

@@ -8,7 +8,6 @@ out here. Every chunked case uses several
 chunks that do not divide the width (C = 7 in chunks of 2 or 3), and checks that the chunked path ran.
 """
 
-import copy
 import os
 import types
 from pathlib import Path

@@ -9,6 +9,7 @@ weights (a repo's ``.bin``, ONNX or GGUF copies are left on the hub).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -32,10 +33,15 @@ def model_dir(path: str | Path, revision: str | None = None) -> Path:
     """
     if not is_hub_id(str(path)):
         return Path(path).expanduser()
+    return _snapshot(str(path), revision)
+
+
+@functools.lru_cache(maxsize=None)  # a run resolves its model several times (context, load, checkpoint base)
+def _snapshot(path: str, revision: str | None) -> Path:
     from huggingface_hub import constants, snapshot_download
 
     try:
-        return Path(snapshot_download(str(path), revision=revision, allow_patterns=_WANTED))
+        return Path(snapshot_download(path, revision=revision, allow_patterns=_WANTED))
     except Exception as e:  # noqa: BLE001 - every hub failure (missing, offline, gated, network) is one line
         at = f" at revision {revision!r}" if revision else ""
         state = ("HF_HUB_OFFLINE=1, and it is not in the hub cache" if constants.HF_HUB_OFFLINE

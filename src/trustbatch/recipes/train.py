@@ -28,7 +28,7 @@ from ..rewards.pool import read_in_process_marker
 from ..trainer.checkpoint import checkpoints, clean_temporaries, load_latest
 from ..trainer.loop import run_loop
 from ..trainer.progress import Progress
-from ..trainer.runlog import MetricsLog, plot_run
+from ..trainer.runlog import plot_run
 from ..trainer.trackers import check_trackers, require_trackers
 from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
                     restore_checkpoint_policy, scoring_check)

@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -230,7 +229,7 @@ class RewardPool:
         # a Python object (rewards.objects) lives in this process only: it is scored here, whatever ``workers`` says
         workers = 0 if is_object(name) else workers
         self.name, self.workers, self.timeout_s, self.chunk_size = name, workers, timeout_s, chunk_size
-        self._local = lookup(name) if workers == 0 and is_object(name) else get(name)  # fails fast, in one line
+        self._local = lookup(name) if is_object(name) else get(name)  # fails fast, in this process, in one line
         # fork: a worker needs no re-import of __main__ (spawn would re-run an unguarded user script);
         # it never touches torch, so the parent's OpenMP threads do not matter.
         self._ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
