@@ -17,6 +17,10 @@ YAML form (the bundled experiments: ``trustbatch/lab/experiments/*.yaml``, packa
                                               # tuned baseline; see ``trustbatch.lab.stats.pick_tuned``
     registered: c168f4f                       # optional: the commit that registered the design before any
                                               # run; the report checks every run's commit descends from it
+    equivalence_margin: 0.05                  # optional: the TOST margin (default stats.MARGIN, 0.02)
+    wilcoxon: true                            # optional: a signed-rank test beside each paired interval
+    interaction: [[p3o@T1.2, grpo@T1.2], [p3o@T1.0, grpo@T1.0]]
+                                              # optional: one difference of differences (stats.interaction)
 
 An arm is named ``family@dose``: the family is the objective setting (compared across doses), the
 dose the strength of the shift (in the order the arms list them). An arm without ``@`` has no dose.
@@ -152,6 +156,7 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     if not isinstance(only, list) or any(a not in arms for a in only):
         raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
     compare = [c for c in compare if not set(c) & set(only)]
+    _check_analysis(spec, arms, str(path))
     main_seeds = list(seeds or spec.get("seeds") or LAB_SEEDS)
     if len(set(main_seeds)) != len(main_seeds):
         raise UserError(f"experiment {str(path)!r}: seeds {main_seeds} repeat a seed; give each seed once")
@@ -167,6 +172,25 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
         except UserError as e:
             raise UserError(f"experiment {path.stem!r}, arm {arm!r}: {e}") from None
     return exp
+
+
+def _check_analysis(spec: dict, arms: dict, where: str) -> None:
+    """Check the optional analysis keys (``equivalence_margin``, ``wilcoxon``, ``interaction``) the report reads.
+
+    Raises:
+        UserError: a margin that is not a positive number, a non-boolean ``wilcoxon``, or an ``interaction`` that is
+            not two [arm, arm] pairs of the experiment's arms.
+    """
+    margin = spec.get("equivalence_margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0):
+        raise UserError(f"experiment {where!r}: 'equivalence_margin' must be a positive number, got {margin!r}")
+    if not isinstance(spec.get("wilcoxon", False), bool):
+        raise UserError(f"experiment {where!r}: 'wilcoxon' must be true or false, got {spec['wilcoxon']!r}")
+    inter = spec.get("interaction")
+    if inter is not None and (not isinstance(inter, list) or len(inter) != 2 or any(
+            not isinstance(p, list) or len(p) != 2 or any(x not in arms for x in p) for p in inter)):
+        raise UserError(f"experiment {where!r}: 'interaction' must be [[A1, B1], [A2, B2]] naming arms of the "
+                        f"experiment, got {inter!r}")
 
 
 def _tune(tune, arms: dict, only: list, main_seeds: list[int], where: str) -> tuple[list, list]:

@@ -47,6 +47,17 @@ from git ancestry (``report.provenance.rule_standing``), never from a key a pers
   tuning seeds that the comparison never uses (the first listed on a tie). It is then compared on the
   experiment's own seeds like any other arm, inside the same Bonferroni family.
 
+- **Sensitivity and interaction** (``SENSITIVITY_RULE``, issue 47, registered with ``confirm_t12`` before its
+  runs): an experiment that asks for it (``wilcoxon: true``) gets, beside each paired interval, the exact two-sided
+  Wilcoxon signed-rank test of the same per-seed differences (``scipy.stats.wilcoxon``; Wilcoxon 1945), which needs
+  no normality and is not moved by one seed's extreme difference. It decides no verdict: it is reported beside the
+  interval. An experiment that names an ``interaction`` ([[A1, B1], [A2, B2]]) gets the difference of differences
+  dd_s = (A1(s) − B1(s)) − (A2(s) − B2(s)) over the seeds all four arms share, with its paired t-interval at 95 %
+  (one secondary question, outside the primary family): whether A's edge over B under one condition differs from
+  its edge under the other. ``equivalence_margin`` sets the experiment's TOST margin (0.02 when absent).
+- **Power** (``power_paired``): the planning power of the two-sided paired t-test at a true effect δ, from the
+  noncentral t distribution with noncentrality δ/(sd/√n) (``scipy.stats.nct``); the registrations' power tables.
+
 Formulas: the textbook paired t-interval and Bonferroni correction.
 """
 
@@ -62,8 +73,11 @@ SCORE_RULES = "65a2513"  # primary score, collapse, paired intervals, verdicts
 BOTH_COLLAPSE_RULE = "8e394b5"
 EQUIVALENCE_RULE = "21f970c"  # TOST and the resolvable margin
 TUNED_RULE = "35c598b"
+# the Wilcoxon sensitivity analysis and the interaction: the commit that added them, before confirm_t12's runs
+SENSITIVITY_RULE = "unregistered"
 RULES = {"primary score, collapse, paired intervals and verdicts": SCORE_RULES, "both collapse": BOTH_COLLAPSE_RULE,
-         "equivalence (TOST)": EQUIVALENCE_RULE, "tuned baseline": TUNED_RULE}
+         "equivalence (TOST)": EQUIVALENCE_RULE, "tuned baseline": TUNED_RULE,
+         "Wilcoxon sensitivity and interaction": SENSITIVITY_RULE}
 POWER = 0.8
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10
@@ -295,3 +309,107 @@ def tost(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float],
         se = sd / math.sqrt(n)
         p = float(max(t.sf((m + margin) / se, n - 1), t.sf((margin - m) / se, n - 1)))
     return Equivalence(a, b, n, m, sd, margin, resolvable, p, alpha / comparisons)
+
+
+@dataclass
+class SignedRank:
+    """The exact two-sided Wilcoxon signed-rank test of the per-seed differences score_a − score_b."""
+
+    a: str
+    b: str
+    n: int
+    statistic: float  # the smaller of the positive- and negative-rank sums (scipy's two-sided statistic)
+    p: float
+    positive: int  # seeds with score_a > score_b
+
+    def sentence(self) -> str:
+        return (f"{self.a} − {self.b}: Wilcoxon signed-rank (sensitivity, exact, two-sided) W = {self.statistic:g}, "
+                f"p = {self.p:.3g}; {self.positive} of {self.n} seeds favour {self.a}.")
+
+
+def signed_rank(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float]) -> SignedRank:
+    """Wilcoxon's signed-rank test (Wilcoxon 1945) of the paired differences over the common seeds, two-sided, with
+    the exact null distribution where scipy gives one (no ties or zero differences, n ≤ 50) and scipy's
+    normal approximation otherwise (``scipy.stats.wilcoxon``, ``method="auto"``).
+
+    Raises:
+        ValueError: fewer than two common seeds, or every difference zero (the test has nothing to rank).
+    """
+    from scipy.stats import wilcoxon
+
+    seeds = sorted(set(scores_a) & set(scores_b))
+    if len(seeds) < 2:
+        raise ValueError(f"a signed-rank test of {a} and {b} needs two common seeds, got {len(seeds)}")
+    d = [scores_a[s] - scores_b[s] for s in seeds]
+    if all(x == 0 for x in d):
+        raise ValueError(f"{a} and {b} score the same on every seed; the signed-rank test has nothing to rank")
+    res = wilcoxon(d, alternative="two-sided")
+    return SignedRank(a, b, len(d), float(res.statistic), float(res.pvalue), sum(x > 0 for x in d))
+
+
+@dataclass
+class Interaction:
+    """The difference of differences (A1 − B1) − (A2 − B2) over the seeds all four arms share, with its interval."""
+
+    pairs: tuple[tuple[str, str], tuple[str, str]]
+    n: int
+    mean: float
+    lo: float
+    hi: float
+    edges: tuple[float, float]  # mean(A1 − B1), mean(A2 − B2) over the same seeds
+    level: float = 1 - ALPHA
+
+    def sentence(self) -> str:
+        (a1, b1), (a2, b2) = self.pairs
+        reading = ("the edge differs between the conditions: larger in the first" if self.lo > 0 else
+                   "the edge differs between the conditions: larger in the second" if self.hi < 0 else
+                   "the interval cannot tell whether the edge differs between the conditions")
+        return (f"({a1} − {b1}) − ({a2} − {b2}) = {self.mean:+.3f} (edges {self.edges[0]:+.3f} and "
+                f"{self.edges[1]:+.3f}), paired {100 * self.level:.0f}% interval [{self.lo:+.3f}, {self.hi:+.3f}] "
+                f"over {self.n} seeds: {reading}.")
+
+
+def interaction(pairs: tuple[tuple[str, str], tuple[str, str]], scores: dict[str, dict[int, float]],
+                alpha: float = ALPHA) -> Interaction:
+    """The objective × condition interaction as a paired difference of differences (module docstring): per seed
+    dd_s = (A1(s) − B1(s)) − (A2(s) − B2(s)); the interval is mean(dd) ± t_{1 − α/2, n−1} · sd(dd)/√n.
+
+    Args:
+        pairs: ((A1, B1), (A2, B2)), the same two objectives under two conditions.
+        scores: {arm: {seed: primary score}}.
+
+    Raises:
+        ValueError: an arm without scores, or fewer than two seeds that all four arms share.
+    """
+    (a1, b1), (a2, b2) = pairs
+    missing = [x for x in (a1, b1, a2, b2) if x not in scores]
+    if missing:
+        raise ValueError(f"the interaction needs scores for {', '.join(missing)}")
+    seeds = sorted(set.intersection(*(set(scores[x]) for x in (a1, b1, a2, b2))))
+    if len(seeds) < 2:
+        raise ValueError(f"the interaction needs two seeds that all four arms share, got {len(seeds)}")
+    e1 = [scores[a1][s] - scores[b1][s] for s in seeds]
+    e2 = [scores[a2][s] - scores[b2][s] for s in seeds]
+    dd = [x - y for x, y in zip(e1, e2)]
+    n = len(dd)
+    m = sum(dd) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in dd) / (n - 1))
+    half = t_quantile(1 - alpha / 2, n - 1) * sd / math.sqrt(n)
+    return Interaction(pairs, n, m, m - half, m + half, (sum(e1) / n, sum(e2) / n), 1 - alpha)
+
+
+def power_paired(delta: float, sd: float, n: int, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test at level α with n seeds when the true mean difference is ``delta`` and
+    the per-seed differences have SD ``sd``: P(|T'| > t_{1 − α/2, n−1}) with T' noncentral t, df n − 1,
+    noncentrality delta/(sd/√n) (the standard planning formula, e.g. Chow, Shao & Wang, ch. 3).
+
+    Raises:
+        ValueError: n < 2 or sd <= 0.
+    """
+    from scipy.stats import nct
+
+    if n < 2 or sd <= 0:
+        raise ValueError(f"power_paired needs n >= 2 and sd > 0, got n={n}, sd={sd}")
+    crit = t_quantile(1 - alpha / 2, n - 1)
+    ncp = delta / (sd / math.sqrt(n))
+    return float(nct.sf(crit, n - 1, ncp) + nct.cdf(-crit, n - 1, ncp))

@@ -14,7 +14,8 @@ from ...records import atomic_write
 from ..calls import load_calls
 from ..experiment import default_comparisons
 from ..reproduce import reproduced_line
-from ..stats import BOTH_COLLAPSE_RULE, EQUIVALENCE_RULE, MARGIN, paired_interval, tost
+from ..stats import (BOTH_COLLAPSE_RULE, EQUIVALENCE_RULE, MARGIN, SENSITIVITY_RULE, interaction, paired_interval,
+                     signed_rank, tost)
 from .figures import dose_figure, experiment_figures
 from .header import header_lines
 from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_time, git_commit, mixed_bases,
@@ -51,13 +52,15 @@ def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "d
     pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
     pairs = [(a, b) for a, b in pairs if a in scored and b in scored]
     tuned, tuned_lines = tuned_baseline(tune, tuning)
-    findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rule_standing(BOTH_COLLAPSE_RULE, commits))
+    margin = float(spec.get("equivalence_margin") or MARGIN)
+    findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rule_standing(BOTH_COLLAPSE_RULE, commits), margin)
     if tuned and not any(tuned in p for p in pairs):
         tuned_lines += [f"The tuned baseline {tuned} is in none of this experiment's comparisons.", ""]
     lines += tuned_lines
     lines += [f"**Findings** ({len(pairs)} paired comparisons of the primary score; Bonferroni over {len(pairs)}, "
               f"family-wise 95%; 'match' only within ±{MARGIN}):", ""] + [f"- {f}" for f in findings] + [""]
-    lines += equivalence_lines(equivalence, EQUIVALENCE_RULE, standing_label(rule_standing(EQUIVALENCE_RULE, commits)))
+    lines += equivalence_lines(equivalence, EQUIVALENCE_RULE, standing_label(rule_standing(EQUIVALENCE_RULE, commits)), margin)
+    lines += _secondary_lines(spec, pairs, scored, standing_label(rule_standing(SENSITIVITY_RULE, commits)))
     step_line = step_ratio_line(arms)
     lines += ([step_line, ""] if step_line else []) + within_round_lines(arms) + [f"![{f}]({f})" for f in ([dose_fig] if dose_fig else []) + figs] + [""]
     return "\n".join(lines), [f"{name}: {f}" for f in findings]
@@ -112,7 +115,8 @@ def _compared_bases(scored: dict[str, tuple[dict, dict, dict]]) -> dict[int, dic
 
 
 def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dict, dict]],
-                 mixed: dict[int, dict[str, float]], tuned: str | None, both_collapse: bool | None) -> tuple[list[str], list]:
+                 mixed: dict[int, dict[str, float]], tuned: str | None, both_collapse: bool | None,
+                 margin: float = MARGIN) -> tuple[list[str], list]:
     """(one finding per pair: ``stats.paired_interval``'s sentence with its marks and, where "both collapse"
     decided, what the earlier rules read, labelled by ``both_collapse`` (``provenance.rule_standing``);
     [(``stats.tost`` result, whether the interval rule read 'match')] for the pairs not both collapsed)."""
@@ -128,10 +132,44 @@ def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dic
             label = f"'both collapse' (`{BOTH_COLLAPSE_RULE}`, {standing_label(both_collapse)}) decided this"
             findings.append(result.sentence() + mark + (f"\n  - {label}; {note}." if note else ""))
             if not result.both_collapsed:  # scores at the floor: not a question of equivalence
-                equivalence.append((tost(a, b, scored[a][0], scored[b][0], comparisons=len(pairs)), result.verdict() == "match"))
+                equivalence.append((tost(a, b, scored[a][0], scored[b][0], comparisons=len(pairs), margin=margin),
+                                    result.verdict() == "match"))
         except ValueError as e:
             findings.append(f"{a} vs {b}: not compared ({e}).{mark}")
     return findings, equivalence
+
+
+def _secondary_lines(spec: dict, pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dict, dict]],
+                     label: str) -> list[str]:
+    """The Wilcoxon sensitivity lines (``wilcoxon: true``) and the interaction (``interaction:``) of an experiment
+    that asks for them, under the rule of ``stats.SENSITIVITY_RULE`` labelled ``label``; [] otherwise."""
+    lines = []
+    if spec.get("wilcoxon"):
+        lines += [f"**Sensitivity: Wilcoxon signed-rank** (rule of `{SENSITIVITY_RULE}`, {label}; beside the interval, "
+                  "it decides no verdict):", ""]
+        for a, b in pairs:
+            try:
+                test = signed_rank(a, b, scored[a][0], scored[b][0])
+                result = paired_interval(a, b, scored[a][0], scored[b][0], comparisons=len(pairs))
+            except ValueError as e:
+                lines.append(f"- {a} vs {b}: no signed-rank test ({e}).")
+                continue
+            # each at the family's level: the interval excludes 0 exactly when its t-test rejects
+            level = 1 - result.level
+            disagree = (test.p < level) != (result.lo > 0 or result.hi < 0)
+            lines.append(f"- {test.sentence()}" + (
+                f" It and the interval disagree at α = {level:.4g}; the registered verdict is the interval's."
+                if disagree else ""))
+        lines.append("")
+    if spec.get("interaction"):
+        (a1, b1), (a2, b2) = [tuple(p) for p in spec["interaction"]]
+        try:
+            text = interaction(((a1, b1), (a2, b2)), {arm: s[0] for arm, s in scored.items()}).sentence()
+        except ValueError as e:
+            text = f"not computed ({e})."
+        lines += [f"**Interaction** (secondary, outside the primary family; rule of `{SENSITIVITY_RULE}`, {label}):", "",
+                  f"- {text}", ""]
+    return lines
 
 
 def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *, figures: str = "draw") -> Path:

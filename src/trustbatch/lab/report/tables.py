@@ -171,11 +171,12 @@ def preflight_summary(runs: Path) -> list[str]:
             *rows, ""]
 
 
-def equivalence_lines(results: list[tuple], rule: str, label: str) -> list[str]:
+def equivalence_lines(results: list[tuple], rule: str, label: str, margin: float = MARGIN) -> list[str]:
     """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
     read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
     no more than 'no difference found'. ``rule``: the rule's commit; ``label``: how it stands against these runs
-    (``provenance.standing_label``: "fixed before these runs", "post hoc", ...)."""
+    (``provenance.standing_label``: "fixed before these runs", "post hoc", ...); ``margin``: the experiment's TOST
+    margin (``equivalence_margin``)."""
     if not results:
         return []
     unresolved = (" The interval rule's 'match' above rests on a margin this design does not resolve: read it as 'no "
@@ -184,8 +185,8 @@ def equivalence_lines(results: list[tuple], rule: str, label: str) -> list[str]:
     span = f"±{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"±{lo:.3f} to ±{hi:.3f}"
     return [f"**Equivalence** (rule of `{rule}`, {label}). The smallest margin "
             f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
-            f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{MARGIN}' is tested "
-            "only where ±" f"{MARGIN} is at or above a pair's resolvable margin:", ""] + [
+            f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{margin}' is tested "
+            "only where ±" f"{margin} is at or above a pair's resolvable margin:", ""] + [
         f"- {r.sentence()}" + (unresolved if matched and r.verdict() == "beyond the design" else "") for r, matched in results] + [""]
 
 
