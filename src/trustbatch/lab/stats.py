@@ -74,7 +74,7 @@ BOTH_COLLAPSE_RULE = "8e394b5"
 EQUIVALENCE_RULE = "21f970c"  # TOST and the resolvable margin
 TUNED_RULE = "35c598b"
 # the Wilcoxon sensitivity analysis and the interaction: the commit that added them, before confirm_t12's runs
-SENSITIVITY_RULE = "unregistered"
+SENSITIVITY_RULE = "1f80936"
 RULES = {"primary score, collapse, paired intervals and verdicts": SCORE_RULES, "both collapse": BOTH_COLLAPSE_RULE,
          "equivalence (TOST)": EQUIVALENCE_RULE, "tuned baseline": TUNED_RULE,
          "Wilcoxon sensitivity and interaction": SENSITIVITY_RULE}
