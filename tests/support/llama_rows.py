@@ -7,6 +7,7 @@ it (plain) differs by ~1e-8 relative. With the norm in float64 both agree to ~1e
 of a float64 model are float64 in every path (the log-prob contract, ``chunked_logprobs.logits_dtype``).
 """
 
+import copy
 import types
 
 import torch
@@ -65,3 +66,21 @@ def learner_batch(tok, seed=0):
     C = packed.response_mask.shape[1]
     blp = torch.where(packed.response_mask, -torch.rand(6, C, generator=g) * 4 - 2, 0.0)
     return TrainBatch(packed, blp, torch.randn(6, generator=g))
+
+
+def full64(model, packed, temperature=1.0):
+    """[B, C, V] log-softmax of ``model`` at the completion positions (a plain full-sequence forward)."""
+    C = packed.response_mask.shape[1]
+    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                   position_ids=packed.position_ids).logits[:, -C - 1:-1]
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def perturbed(model, seed, scale=0.3):
+    """A copy of ``model`` with Gaussian noise of std ``scale`` added to every weight (another policy)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other

@@ -257,7 +257,8 @@ def test_validate_options_refuses_exact_without_full_behaviour_logprobs():
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["rollout.engine=vllm"], r"rollout.engine=vllm returns top_k behaviour log-probs, not the whole distribution"),
+    (["rollout.engine=vllm", "objective.name=p3o_two_anchor"],
+     r"rollout.engine=vllm returns top-k log-probs, whose lower bound does not carry over to the mixture"),
     (["rollout.top_p=0.9"], r"top-p sampling \(rollout.top_p=0.9\) gives π_b = 0 outside the nucleus"),
     (["rollout.mode=async"], r"rollout.mode=async cannot hand the learner the behaviour model \(none\)"),
     (["objective.name=p3o_two_anchor", "train.strategy=fsdp2"], r"proximal model would be the FSDP2-sharded"),
@@ -272,6 +273,28 @@ def test_preflight_refuses_exact_kl_where_the_rollout_cannot_supply_it(extra, ma
         check_objective(cfg)
     assert "\n" not in str(e.value)
     check_objective(load_config(None, extra))  # k3 runs there
+
+
+def test_preflight_reads_the_engines_declaration_for_the_exact_kl(monkeypatch):
+    """The refusal follows what the engine declares (``rollout.spec.behaviour_distribution``), not its name: vLLM's
+    ``top_k`` runs (the lower bound), an engine declaring ``none`` is refused in one line; ``rollout.logprobs_top_k``
+    is refused where nothing reads it."""
+    from trustbatch.config import load_config
+    from trustbatch.recipes import checks
+
+    exact = ["objective.options={kl: exact}"]
+    checks.check_objective(load_config(None, [*exact, "rollout.engine=vllm"]))
+    checks.check_objective(load_config(None, [*exact, "rollout.engine=vllm", "rollout.logprobs_top_k=50"]))
+    for extra in (["rollout.engine=vllm"], [*exact]):  # kl=k3 on vLLM, kl=exact on the transformers engine
+        with pytest.raises(UserError, match=r"rollout.logprobs_top_k=50 is read only with objective kl=exact") as e:
+            checks.check_objective(load_config(None, [*extra, "rollout.logprobs_top_k=50"]))
+        assert "\n" not in str(e.value)
+    monkeypatch.setattr(checks, "behaviour_distribution", lambda spec: "none")
+    with pytest.raises(UserError, match=r"rollout.engine=transformers returns none of its sampling distribution beyond "
+                                        r"the sampled tokens") as e:
+        checks.check_objective(load_config(None, exact))
+    assert "\n" not in str(e.value)
+    checks.check_objective(load_config(None, []))  # k3 needs nothing of it
 
 
 def test_p3o_exact_refuses_missing_truncated_or_unnormalised_inputs():

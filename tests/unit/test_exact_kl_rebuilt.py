@@ -19,27 +19,10 @@ from trustbatch.policy.forward import Teacher, pack
 from trustbatch.trainer.learner import Learner
 
 from grad_probe import sgd_recording_grads
-from llama_rows import _llama, _rows
+from llama_rows import _llama, _rows, full64 as _full64, perturbed as _perturbed
 
 TOL = 1e-9
 T_B = 0.7  # the behaviour's sampling temperature
-
-
-def _full64(model, packed, temperature=1.0):
-    """[B, C, V] log-softmax of ``model`` at the completion positions (a plain full-sequence forward)."""
-    C = packed.response_mask.shape[1]
-    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                   position_ids=packed.position_ids).logits[:, -C - 1:-1]
-    return torch.log_softmax(logits / temperature, -1)
-
-
-def _perturbed(model, seed, scale=0.3):
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
 
 
 def _batch(model, behaviour: Teacher):

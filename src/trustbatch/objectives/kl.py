@@ -70,6 +70,42 @@ def exact_kl(logprobs_full: torch.Tensor, behavior_logprobs_full: torch.Tensor) 
     return (p * diff).sum(-1)
 
 
+# Q_o, the behaviour's mass outside its top k, is 1 − Σ exp(top-k log-probs): an engine's float32 log-probs fix it only
+# to ~2^-23. Below that it is floored there: a larger Q_o lowers P_o·log(P_o/Q_o), so the value stays a lower bound
+# (a float32 sum over 1 + 1e-7 would otherwise give Q_o = 0 and a tail term of P_o·87 nats, an artefact).
+Q_OTHER_FLOOR = 2.0**-23
+
+
+def top_k_reference(logprobs_full: torch.Tensor, behavior_top_logprobs: torch.Tensor,
+                    behavior_top_ids: torch.Tensor) -> torch.Tensor:
+    """The distribution r whose exact KL(π_θ‖r) is ``top_k_kl_lower_bound``: log r [..., V], no gradient.
+
+    r = π_b on the k tokens S given, and π_b's remaining mass Q_o spread over the rest in proportion to π_θ:
+    r(v) = Q_o·p(v)/P_o outside S (p = π_θ, P_o = Σ_{v∉S} p(v)). Then Σ_{v∉S} p(v)·log(p(v)/r(v)) = P_o·log(P_o/Q_o),
+    the "other" bucket's term, so ``exact_kl(lp, r)`` is the coarse-grained KL; and with r held fixed its gradient
+    w.r.t. the logits, p_u·(log p_u − log r_u − KL), is the coarse-grained KL's own (the softmax Jacobian of
+    Σ_b P_b·log(P_b/Q_b) over the buckets b: r's dependence on p adds Σ_{v∉S} p(v)·∂log(p(v)/P_o) = 0). So an
+    exact-KL path that takes log π_b per chunk (``policy.chunked_logprobs``) takes this r and computes the bound
+    and its gradient unchanged.
+
+    Args:
+        logprobs_full: [..., V] log π_θ (a log-softmax), used without gradient (detached here).
+        behavior_top_logprobs: [..., k] log π_b of k distinct tokens (temperature applied).
+        behavior_top_ids: [..., k] long, those tokens' ids.
+
+    Returns:
+        [..., V] log r in ``logprobs_full``'s dtype: finite wherever π_θ > 0 (−inf outside S where π_θ
+        underflows to 0, where the KL's term is 0). Q_o is floored at ``Q_OTHER_FLOOR``.
+    """
+    lp = logprobs_full.detach()
+    top = behavior_top_logprobs.to(lp.dtype)
+    r = lp.scatter(-1, behavior_top_ids, float("-inf"))
+    log_p_o = torch.logsumexp(r, -1, keepdim=True)  # −inf when k = V or π_θ has no mass outside S
+    q_o = (1.0 - top.exp().sum(-1, keepdim=True)).clamp_min(Q_OTHER_FLOOR)
+    shift = torch.where(torch.isfinite(log_p_o), q_o.log() - log_p_o, torch.zeros((), dtype=lp.dtype))
+    return r.add_(shift).scatter_(-1, behavior_top_ids, top)
+
+
 def top_k_kl_lower_bound(logprobs_full: torch.Tensor, behavior_top_logprobs: torch.Tensor,
                          behavior_top_ids: torch.Tensor) -> torch.Tensor:
     """A lower bound on KL(π_θ‖π_b) per position from π_b's top-k log-probs, the rest of its mass as one bucket.
@@ -84,25 +120,20 @@ def top_k_kl_lower_bound(logprobs_full: torch.Tensor, behavior_top_logprobs: tor
     k = V (no "other") or when p/q is constant outside S. It is tight when π_θ puts little mass outside S (P_o
     small) or has the same shape as π_b there; it misses what π_θ does inside π_b's tail.
 
+    Computed as ``exact_kl(logprobs_full, top_k_reference(...))``: value and gradient are the coarse-grained KL's
+    (``top_k_reference``).
+
     Args:
         logprobs_full: [..., V] log π_θ (a log-softmax), with gradient.
         behavior_top_logprobs: [..., k] log π_b of k distinct tokens (the engine's top-k, temperature applied).
         behavior_top_ids: [..., k] long, those tokens' ids.
 
     Returns:
-        [...] in nats, ≥ 0 up to rounding; gradient through π_θ only. Where Q_o rounds to 0 while P_o > 0 the
-        value is large (π_θ puts mass where π_b, as far as its log-probs tell, has none).
+        [...] in nats, ≥ 0 up to rounding; gradient through π_θ only. Q_o below ``Q_OTHER_FLOOR`` is taken as
+        the floor (still a lower bound); where π_θ puts mass outside S while π_b has almost none the value is
+        large.
     """
-    lp_s = logprobs_full.gather(-1, behavior_top_ids)
-    p_s = lp_s.exp()
-    head = (p_s * (lp_s - behavior_top_logprobs)).sum(-1)
-    outside = torch.ones_like(logprobs_full, dtype=torch.bool).scatter_(-1, behavior_top_ids, False)
-    log_p_o = torch.logsumexp(logprobs_full.masked_fill(~outside, float("-inf")), -1)  # −inf when k = V
-    q_o = (1.0 - behavior_top_logprobs.exp().sum(-1)).clamp_min(torch.finfo(logprobs_full.dtype).tiny)
-    p_o = log_p_o.exp()
-    # 0·log 0 = 0: the "other" bucket is empty or π_θ has no mass in it
-    tail = torch.where(p_o > 0, p_o * (torch.where(p_o > 0, log_p_o, 0.0) - q_o.log()), 0.0)
-    return head + tail
+    return exact_kl(logprobs_full, top_k_reference(logprobs_full, behavior_top_logprobs, behavior_top_ids))
 
 
 def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy.forward import Packed, Recorded, Teacher, pack
+from ..policy.forward import Packed, Recorded, Teacher, TopK, pack
 
 
 @dataclass
@@ -23,7 +23,9 @@ class TrainBatch:
     (``ObjectiveSpec.needs_full_logprobs``). A version mapped to ``Recorded`` (an engine whose distribution teacher
     forcing does not rebuild: a precision other than float32) has its rows' distributions recorded at sampling
     in ``behavior_logprobs_full`` [B, C, V] float32 (right-aligned; 0 at padding and at rows of other versions);
-    otherwise no ``[B, C, V]`` tensor is stored with the batch.
+    otherwise no ``[B, C, V]`` tensor is stored with the batch. A version mapped to ``TopK`` (an engine that returns
+    its top-k log-probs: vLLM) has its rows' top k in ``behavior_top_logprobs`` [B, C, k] float32 and
+    ``behavior_top_ids`` [B, C, k] long (right-aligned; 0 elsewhere).
     """
 
     packed: Packed
@@ -35,6 +37,8 @@ class TrainBatch:
     behaviour: dict[int, Teacher] = field(default_factory=dict)
     proximal: Teacher | None = None
     behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
+    behavior_top_logprobs: torch.Tensor | None = None  # [B, C, k] float32, for versions mapped to TopK
+    behavior_top_ids: torch.Tensor | None = None  # [B, C, k] long, their token ids
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -45,21 +49,23 @@ class TrainBatch:
 
     def select(self, idx) -> "TrainBatch":
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
-        prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
-        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full[idx]
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal,
-                          behavior_logprobs_full=full)
+                          self.policy_version[idx], behaviour=self.behaviour, proximal=self.proximal,
+                          **{k: None if t is None else t[idx] for k, t in self._optional().items()})
+
+    def _optional(self) -> dict:
+        """The per-row tensors a batch may lack, by keyword."""
+        return dict(proximal_logprobs=self.proximal_logprobs, behavior_logprobs_full=self.behavior_logprobs_full,
+                    behavior_top_logprobs=self.behavior_top_logprobs, behavior_top_ids=self.behavior_top_ids)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
         if self.advantages.device == torch.device(device):
             return self
-        prox = None if self.proximal_logprobs is None else self.proximal_logprobs.to(device)
-        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full.to(device)
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
-                          self.policy_version.to(device), prox, metrics=self.metrics, behaviour=self.behaviour,
-                          proximal=self.proximal, behavior_logprobs_full=full)
+                          self.policy_version.to(device), metrics=self.metrics, behaviour=self.behaviour,
+                          proximal=self.proximal,
+                          **{k: None if t is None else t.to(device) for k, t in self._optional().items()})
 
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
@@ -67,15 +73,17 @@ class TrainBatch:
 
 
 def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
-                behaviour: dict[int, Teacher | Recorded] | None = None) -> TrainBatch:
+                behaviour: dict[int, Teacher | Recorded | TopK] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
-    advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``) of each policy version among the
-    rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give ``behavior_logprobs_full``.
+    advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``, ``TopK``) of each policy version
+    among the rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give
+    ``behavior_logprobs_full``, those of a ``TopK`` version ``behavior_top_logprobs`` and ``behavior_top_ids``.
 
     Raises:
         ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
-            of a ``Recorded`` version without its recorded distribution, or recorded vocabularies that differ.
+            of a ``Recorded`` (``TopK``) version without its recorded distribution (top-k log-probs), or recorded
+            vocabularies (k) that differ.
     """
     packed = pack([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     C = packed.response_mask.shape[1]
@@ -87,25 +95,31 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
     if missing:
         raise ValueError(f"no behaviour model for policy version(s) {missing} of the rollouts; every engine of the "
                          "round must hand its teacher")
-    recorded = {v for v, t in (behaviour or {}).items() if isinstance(t, Recorded)}
+    kept = {kind: {v for v, t in (behaviour or {}).items() if isinstance(t, kind)} for kind in (Recorded, TopK)}
+    top = {f: _right_aligned(rollouts, kept[TopK], C, f) for f in ("behavior_top_logprobs", "behavior_top_ids")}
     return TrainBatch(packed=packed, behavior_logprobs=blp, advantages=advantages.float(), policy_version=versions,
                       metrics=dict(metrics or {}), behaviour=dict(behaviour or {}),
-                      behavior_logprobs_full=_recorded(rollouts, recorded, C) if recorded else None)
+                      behavior_logprobs_full=_right_aligned(rollouts, kept[Recorded], C, "behavior_logprobs_full"),
+                      **top)
 
 
-def _recorded(rollouts, versions: set, C: int) -> torch.Tensor:
-    """The recorded [n_i, V] distributions of the rollouts of ``versions``, right-aligned into [B, C, V] float32
-    (0 elsewhere). Raises ValueError: such a rollout without one, or vocabulary sizes that differ."""
+def _right_aligned(rollouts, versions: set, C: int, field: str) -> torch.Tensor | None:
+    """The [n_i, W] tensors ``field`` of the rollouts of ``versions`` (a recorded distribution, W = V; top-k
+    log-probs or ids, W = k), right-aligned into [B, C, W] of their dtype (0 elsewhere); None without such versions.
+    Raises ValueError: such a rollout without one, or widths that differ."""
+    if not versions:
+        return None
     rows = [i for i, r in enumerate(rollouts) if r.policy_version in versions]
-    lacking = [i for i in rows if rollouts[i].behavior_logprobs_full is None]
+    lacking = [i for i in rows if getattr(rollouts[i], field) is None]
     if lacking:
-        raise ValueError(f"{len(lacking)} rollouts of a recording engine carry no recorded distribution "
-                         "(behavior_logprobs_full); build the engine with record=True")
-    vocab = {rollouts[i].behavior_logprobs_full.shape[-1] for i in rows}
-    if len(vocab) > 1:
-        raise ValueError(f"the recorded distributions have vocabulary sizes {sorted(vocab)}; they must share one")
-    out = torch.zeros(len(rollouts), C, vocab.pop(), dtype=torch.float32)
+        raise ValueError(f"{len(lacking)} rollouts of a recording engine carry no {field}; build the engine with "
+                         "record=True")
+    widths = {getattr(rollouts[i], field).shape[-1] for i in rows}
+    if len(widths) > 1:
+        raise ValueError(f"the rollouts' {field} have widths {sorted(widths)} (vocabulary or k); they must share one")
+    dtype = getattr(rollouts[rows[0]], field).dtype if rows else torch.float32
+    out = torch.zeros(len(rollouts), C, widths.pop() if widths else 0, dtype=dtype)
     for i in rows:
-        full = rollouts[i].behavior_logprobs_full
-        out[i, C - full.shape[0]:] = full
+        t = getattr(rollouts[i], field)
+        out[i, C - t.shape[0]:] = t
     return out

@@ -29,7 +29,9 @@ Under autocast the backward recomputes the logits under the forward's autocast s
 The exact KL's reference π_ref enters as a ``KLReference`` and is read one chunk at a time. Its distributions are
 either ``[B, C, V]`` log-prob tensors (a caller that has them) or ``TeacherForced``: the hidden states of a model
 teacher-forced on the batch without gradient (the behaviour policy, the proximal snapshot) and its LM head, whose
-log-softmax is computed per chunk and freed, so that no ``[B, C, V]`` tensor of π_ref exists.
+log-softmax is computed per chunk and freed, so that no ``[B, C, V]`` tensor of π_ref exists. Rows whose engine
+returned only its top-k log-probs (``TopKInput``) take, per chunk, the reference ``objectives.kl.top_k_reference``
+builds from them and the chunk's own log-softmax: the KL there is the top-k lower bound, with its gradient.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..objectives.kl import exact_kl
+from ..objectives.kl import exact_kl, top_k_reference
 
 
 def logits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,10 +75,12 @@ class HeadInput:
     rows: torch.Tensor | None = None
     temperature: float = 1.0
     autocast: torch.dtype | None = None
+    per_position = ("states",)  # the fields indexed by row and column (``TeacherForced``'s slicing)
 
     @torch.no_grad()
-    def log_probs(self, cols: slice) -> torch.Tensor:
-        """log π [b, k, V] at columns ``cols`` (no gradient), in ``logits_dtype`` of the head's output."""
+    def log_probs(self, cols: slice, lsm: torch.Tensor | None = None) -> torch.Tensor:
+        """log π [b, k, V] at columns ``cols`` (no gradient), in ``logits_dtype`` of the head's output (``lsm``, the
+        learner's log-softmax there, is not needed)."""
         z = self.states[:, cols]
         if self.head is None:
             return _log_softmax(z, self.temperature)
@@ -96,22 +100,52 @@ class RecordedInput:
 
     states: torch.Tensor
     rows: torch.Tensor | None = None
+    per_position = ("states",)
 
-    def log_probs(self, cols: slice) -> torch.Tensor:
-        """The recorded log π [b, k, V] at columns ``cols``: a copy (the caller writes over it)."""
+    def log_probs(self, cols: slice, lsm: torch.Tensor | None = None) -> torch.Tensor:
+        """The recorded log π [b, k, V] at columns ``cols``: a copy (the caller writes over it; ``lsm`` not needed)."""
         return self.states[:, cols].clone()
+
+
+@dataclass(frozen=True)
+class TopKInput:
+    """Rows whose engine returned only its top-k log-probs (``rollout.spec.behaviour_distribution`` "top_k"), in place
+    of a ``HeadInput``: ``states`` [b, C, k] float32 log π_b of the tokens ``ids`` [b, C, k] long at each position
+    (right-aligned like the response mask), ``rows`` as there. Its log π_ref at a chunk is
+    ``objectives.kl.top_k_reference`` of those and the learner's own log-softmax there: π_b on the k tokens, its
+    remaining mass spread like π_θ over the others, so the chunk's exact KL is ``top_k_kl_lower_bound`` (a lower
+    bound on KL(π_θ‖π_b)) and its written-out gradient that bound's."""
+
+    states: torch.Tensor
+    ids: torch.Tensor
+    rows: torch.Tensor | None = None
+    per_position = ("states", "ids")
+
+    @torch.no_grad()
+    def log_probs(self, cols: slice, lsm: torch.Tensor | None = None) -> torch.Tensor:
+        """log r [b, k, V] at columns ``cols`` from ``lsm`` [b, k, V], the learner's log-softmax at these rows and
+        columns (a new tensor). Raises ValueError without ``lsm``."""
+        if lsm is None:
+            raise ValueError("a top-k behaviour's reference is built from the learner's log-softmax; pass lsm")
+        return top_k_reference(lsm, self.states[:, cols], self.ids[:, cols])
+
+
+def _take(part, index, **changes):
+    """``part`` with ``index`` (a function of a [b, C, ...] tensor) applied to each of its per-position tensors."""
+    return replace(part, **{n: index(getattr(part, n)) for n in part.per_position}, **changes)
 
 
 @dataclass(frozen=True)
 class TeacherForced:
     """A distribution over B rows that is never stored as ``[B, C, V]``: ``HeadInput`` parts (one per model that
     sampled some of the rows), whose log-softmax is computed for the columns asked and freed by the caller, and
-    ``RecordedInput`` parts (rows whose distribution was recorded at sampling: read, not computed).
+    ``RecordedInput`` parts (rows whose distribution was recorded at sampling: read, not computed) and ``TopKInput``
+    parts (rows whose engine returned its top-k log-probs: a reference built per chunk from the learner's own).
 
     Raises ValueError (constructor): no part, or a part for every row (``rows`` None) beside others.
     """
 
-    parts: tuple[HeadInput | RecordedInput, ...]
+    parts: tuple[HeadInput | RecordedInput | TopKInput, ...]
     n_rows: int
 
     def __post_init__(self):
@@ -123,7 +157,7 @@ class TeacherForced:
         return self.n_rows, self.parts[0].states.shape[1]
 
     def columns(self, start: int) -> "TeacherForced":
-        return replace(self, parts=tuple(replace(p, states=p.states[:, start:]) for p in self.parts))
+        return replace(self, parts=tuple(_take(p, lambda t: t[:, start:]) for p in self.parts))
 
     def row_block(self, block: slice) -> "TeacherForced":
         """The rows ``block`` (a step-1 slice, as ``chunk_plan``'s row blocks) renumbered from 0: each part keeps its
@@ -132,28 +166,35 @@ class TeacherForced:
         parts = []
         for p in self.parts:
             if p.rows is None:
-                parts.append(replace(p, states=p.states[start:stop]))
+                parts.append(_take(p, lambda t: t[start:stop]))
                 continue
             keep = ((p.rows >= start) & (p.rows < stop)).nonzero().squeeze(-1)
             if keep.numel():
-                parts.append(replace(p, states=p.states[keep], rows=p.rows[keep] - start))
+                parts.append(_take(p, lambda t: t[keep], rows=p.rows[keep] - start))
         if not parts:  # no model sampled these rows (e.g. every one is padding): one empty part reads 0 everywhere
             p = self.parts[0]
-            parts = [replace(p, states=p.states[:0], rows=p.rows[:0] if p.rows is not None else
-                             torch.zeros(0, dtype=torch.long, device=p.states.device))]
+            parts = [_take(p, lambda t: t[:0], rows=p.rows[:0] if p.rows is not None else
+                           torch.zeros(0, dtype=torch.long, device=p.states.device))]
         return TeacherForced(tuple(parts), stop - start)
 
-    def log_probs(self, cols: slice, dtype: torch.dtype) -> torch.Tensor:
-        """log π [B, k, V] in ``dtype`` at columns ``cols`` (0 at rows no part covers)."""
+    @property
+    def top_k(self) -> bool:
+        """Whether some rows' reference is built from their engine's top-k log-probs (``TopKInput``)."""
+        return any(isinstance(p, TopKInput) for p in self.parts)
+
+    def log_probs(self, cols: slice, dtype: torch.dtype, lsm: torch.Tensor | None = None) -> torch.Tensor:
+        """log π [B, k, V] in ``dtype`` at columns ``cols`` (0 at rows no part covers). ``lsm`` [B, k, V]: the
+        learner's log-softmax at those columns, which ``TopKInput`` parts need (ValueError without it)."""
         out = None
         for p in self.parts:
-            lsm = p.log_probs(cols).to(dtype)
+            own = None if lsm is None else lsm if p.rows is None else lsm[p.rows]
+            part = p.log_probs(cols, own).to(dtype)
             if p.rows is None:
-                return lsm
+                return part
             if out is None:
-                out = lsm.new_zeros((self.n_rows, *lsm.shape[1:]))
-            out.index_copy_(0, p.rows, lsm)
-            del lsm
+                out = part.new_zeros((self.n_rows, *part.shape[1:]))
+            out.index_copy_(0, p.rows, part)
+            del part
         return out
 
 
@@ -165,8 +206,8 @@ def _row_block(t, block: slice):
     return t[block] if isinstance(t, torch.Tensor) else t.row_block(block)
 
 
-def _read(t, cols: slice, dtype: torch.dtype) -> torch.Tensor:
-    return t[:, cols].to(dtype) if isinstance(t, torch.Tensor) else t.log_probs(cols, dtype)
+def _read(t, cols: slice, dtype: torch.dtype, lsm: torch.Tensor | None) -> torch.Tensor:
+    return t[:, cols].to(dtype) if isinstance(t, torch.Tensor) else t.log_probs(cols, dtype, lsm)
 
 
 @dataclass(frozen=True)
@@ -179,6 +220,10 @@ class KLReference:
     log π_ref(v) = logaddexp(log_weights[0] + logprobs[0](v), log_weights[1] + logprobs[1](v)) − log_norm
     (P3O's two-anchor π_mix, ``objectives.p3o.anchor_log_weights``). ``mask`` [B, C] bool: the KL is 0,
     with no gradient, outside it (both distributions are zeroed there first, as ``objectives.p3o`` does).
+
+    A ``TeacherForced`` with ``TopKInput`` parts makes the KL at those rows the top-k lower bound; it is taken alone:
+    a mixture with it (ValueError) would be neither a bound on KL(π_θ‖π_mix) nor differentiated right (the
+    reference's tail follows π_θ, which the mixture no longer cancels).
     """
 
     logprobs: tuple
@@ -189,6 +234,8 @@ class KLReference:
     def __post_init__(self):
         if len(self.logprobs) not in (1, 2) or (len(self.logprobs) == 2 and len(self.log_weights) != 2):
             raise ValueError("KLReference takes one log-prob distribution, or two with two log_weights")
+        if len(self.logprobs) == 2 and any(isinstance(t, TeacherForced) and t.top_k for t in self.logprobs):
+            raise ValueError("KLReference takes a top-k behaviour alone, not in a mixture")
         B, C = self.mask.shape
         for t in self.logprobs:
             if tuple(t.shape[:2]) != (B, C) or (isinstance(t, torch.Tensor) and t.dim() != 3):
@@ -203,14 +250,16 @@ class KLReference:
         # log_weights and log_norm are 0-dim (``objectives.p3o.anchor_log_weights``): shared by every row
         return replace(self, logprobs=tuple(_row_block(t, block) for t in self.logprobs), mask=self.mask[block])
 
-    def log_probs(self, cols: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs(self, cols: slice, dtype: torch.dtype,
+                  lsm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask [B, k, 1], log π_ref [B, k, V] in ``dtype``, zero outside the mask) at columns ``cols``: a new
-        tensor the caller may overwrite."""
+        tensor the caller may overwrite. ``lsm`` [B, k, V], the learner's log-softmax there (no gradient), is
+        needed where some rows' engine returned top-k log-probs (``TopKInput``)."""
         m3 = self.mask[:, cols, None]
         zero = torch.zeros((), dtype=dtype)
         # a stored tensor's chunk may be a view of it: zeroed out of place; a recomputed one in place
-        parts = [torch.where(m3, _read(t, cols, dtype), zero) if isinstance(t, torch.Tensor)
-                 else _read(t, cols, dtype).masked_fill_(~m3, 0.0) for t in self.logprobs]
+        parts = [torch.where(m3, _read(t, cols, dtype, lsm), zero) if isinstance(t, torch.Tensor)
+                 else _read(t, cols, dtype, lsm).masked_fill_(~m3, 0.0) for t in self.logprobs]
         if len(parts) == 1:
             return m3, parts[0]
         lw0, lw1 = self.log_weights
@@ -222,7 +271,7 @@ class KLReference:
 def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None)) -> torch.Tensor:
     """``exact_kl`` ``[B, k]`` of the log-softmax ``lsm`` [B, k, V] against ``ref`` at its columns ``cols``, both
     zeroed outside the mask first (``objectives.p3o``'s own ops), and 0 there. Differentiable (the full path)."""
-    m3, mix = ref.log_probs(cols, lsm.dtype)
+    m3, mix = ref.log_probs(cols, lsm.dtype, lsm.detach())
     zero = torch.zeros((), dtype=lsm.dtype)
     return torch.where(m3[..., 0], exact_kl(torch.where(m3, lsm, zero), mix), zero)
 
@@ -230,7 +279,7 @@ def reference_kl(lsm: torch.Tensor, ref: KLReference, cols: slice = slice(None))
 def _difference(lsm: torch.Tensor, ref: KLReference, cols: slice):
     """(mask [B, k, 1], d = lsm − log π_ref written over π_ref's fresh buffer, p = exp(lsm)), d 0 where p is
     (0·log 0 = 0, as ``exact_kl``): two [B, k, V] buffers beside ``lsm``."""
-    m3, d = ref.log_probs(cols, lsm.dtype)
+    m3, d = ref.log_probs(cols, lsm.dtype, lsm)
     d.neg_().add_(lsm)  # a + (−b) is a − b exactly
     p = lsm.exp()
     d.masked_fill_(p == 0, 0.0)

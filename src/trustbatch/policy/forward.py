@@ -117,6 +117,17 @@ class Recorded:
     name: str = "the behaviour policy"
 
 
+@dataclass(frozen=True)
+class TopK:
+    """In place of a ``Teacher``: the rows of this policy version carry only the top-``k`` log-probs of the
+    distribution they were sampled from, at each decoding step (``TrainBatch.behavior_top_logprobs`` and
+    ``behavior_top_ids``): an engine whose model the learner cannot rebuild (vLLM, ``rollout.spec``'s "top_k").
+    The exact KL there is the top-k lower bound (``objectives.kl.top_k_kl_lower_bound``)."""
+
+    k: int
+    name: str = "the behaviour policy"
+
+
 @torch.no_grad()
 def teacher_forced(packed: Packed, teachers: Sequence[tuple[torch.Tensor | None, Teacher]]) -> TeacherForced:
     """Each teacher's distribution at the response positions of its rows of ``packed``, as ``TeacherForced``.

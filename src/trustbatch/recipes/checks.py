@@ -6,14 +6,17 @@ from .. import objectives
 from ..config import Config
 from ..errors import UserError
 from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
-from ..rollout.spec import WHOLE_DISTRIBUTIONS, EngineSpec, behaviour_distribution
+from ..rollout.spec import KL_DISTRIBUTIONS, EngineSpec, behaviour_distribution
 from .backends import backend_for
 
 
 def check_objective(cfg: Config) -> None:
     """Fail before any work when the objective's options or ESS scope are invalid, or need the behaviour policy's
-    whole distribution (kl="exact") where the run cannot give it: an engine or rollout backend that does not
-    declare ``full`` (``rollout.spec.behaviour_distribution``, ``backends.Backend.behaviour``), top-p < 1.
+    whole distribution (kl="exact") where the run cannot give it. What an engine gives is read from its declaration
+    (``rollout.spec.behaviour_distribution``): ``full`` or ``recorded`` (the KL), ``top_k`` (its top-k lower bound;
+    not for a two-anchor mixture), ``none`` (refused); then a rollout backend that does not declare ``full``
+    (``backends.Backend.behaviour``), top-p < 1, and the layouts the learner does not take it in. Also refuses
+    ``rollout.logprobs_top_k`` set where nothing reads it.
 
     Raises:
         UserError: one line naming the option and the fix.
@@ -28,17 +31,24 @@ def check_objective(cfg: Config) -> None:
         raise UserError(f"objective {cfg.objective.name!r} supports train.ess_scope in {spec.ess_scopes}, "
                         f"not {cfg.train.ess_scope!r}")
     cause = spec.full_logprobs_cause(cfg.objective.options)
+    ro = cfg.rollout
+    engine = behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision))
+    top_k_default = type(ro).model_fields["logprobs_top_k"].default
+    if ro.logprobs_top_k != top_k_default and (cause is None or engine != "top_k"):
+        raise UserError(f"rollout.logprobs_top_k={ro.logprobs_top_k} is read only with objective kl=exact on an engine "
+                        "that returns top-k log-probs (rollout.engine=vllm); drop it")
     if cause is not None:
-        ro = cfg.rollout
-        engine = behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision))
         backend = backend_for(cfg).behaviour
-        why = (f"rollout.engine={ro.engine} returns {engine} behaviour log-probs, not the whole distribution "
-               "(the top-k lower bound is not wired to training yet); use rollout.engine=transformers"
-               if engine not in WHOLE_DISTRIBUTIONS else
+        why = (f"rollout.engine={ro.engine} returns {engine} of its sampling distribution beyond the sampled tokens "
+               "(neither the whole distribution nor its top-k log-probs); use rollout.engine=transformers"
+               if engine not in KL_DISTRIBUTIONS else
                f"top-p sampling (rollout.top_p={ro.top_p:g}) gives π_b = 0 outside the nucleus, where KL(π_θ‖π_b) is "
                "infinite; set rollout.top_p=1.0" if ro.top_p < 1.0 else
                f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
                if backend != "full" else
+               f"rollout.engine={ro.engine} returns top-k log-probs, whose lower bound does not carry over to the "
+               f"mixture π_mix of {cfg.objective.name}; use objective.name=p3o or rollout.engine=transformers"
+               if engine == "top_k" and spec.needs_proximal else
                "the proximal model would be the FSDP2-sharded module itself; use train.strategy=ddp"
                if spec.needs_proximal and cfg.train.strategy == "fsdp2" else
                "train.padding_free packs rows the rebuilt behaviour distribution is not laid out for yet; set "

@@ -57,7 +57,9 @@ class Rollout:
     (``rollout.spec``) records no whole distribution and hands the learner its ``teacher`` instead; one that
     declares ``recorded``, asked to record, fills ``behavior_logprobs_full`` ([len(completion_ids), V] float32:
     the log-softmax of the processed scores of each step, whose values at the sampled tokens are
-    ``behavior_logprobs``). None otherwise.
+    ``behavior_logprobs``); one that declares ``top_k``, asked to record, fills ``behavior_top_logprobs``
+    ([len(completion_ids), k] float32: the k largest processed log-probs of each step, largest first) and
+    ``behavior_top_ids`` ([len(completion_ids), k] long: their tokens). None otherwise.
     """
 
     prompt_index: int
@@ -67,6 +69,8 @@ class Rollout:
     truncated: bool
     policy_version: int
     behavior_logprobs_full: torch.Tensor | None = None
+    behavior_top_logprobs: torch.Tensor | None = None
+    behavior_top_ids: torch.Tensor | None = None
 
 
 class Engine(Protocol):

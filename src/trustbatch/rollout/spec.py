@@ -27,7 +27,9 @@ class EngineSpec:
     (``rollout.shifts``; vLLM: its ``dtype``). quantization: vLLM's online quantization, or None. seed: the vLLM
     engine's sampling seed. threads: intra-op threads the vLLM engine sets (None: leave them). record: an engine
     that declares ``recorded`` at this precision records each step's whole distribution (``Rollout.
-    behavior_logprobs_full``); set only where an objective needs it (kl="exact"), as it is V times the log-probs.
+    behavior_logprobs_full``), one that declares ``top_k`` its ``top_k`` largest log-probs (``Rollout.
+    behavior_top_logprobs``); set only where an objective needs it (kl="exact"), as it is V (k) times the log-probs.
+    top_k: that k (``rollout.logprobs_top_k``).
     """
 
     name: str = "transformers"
@@ -36,15 +38,18 @@ class EngineSpec:
     seed: int = 0
     threads: int | None = None
     record: bool = False
+    top_k: int = 20
 
 
 # What an engine can hand the learner of the distribution it sampled from, beyond the sampled tokens' log-probs:
 # "full": the whole distribution, rebuilt by the learner from the engine's ``teacher`` (faithful: teacher forcing
 # gives the distribution decoding sampled from, up to round-off); "recorded": the whole distribution, recorded at
 # each decoding step (where teacher forcing is not faithful: it rebuilds another distribution), [N, steps, V]
-# float32 per round; "top_k": its top-k log-probs (``objectives.kl.top_k_kl_lower_bound``); "none": nothing more.
+# float32 per round; "top_k": its top-k log-probs per token, k = ``EngineSpec.top_k`` (the exact KL becomes the lower
+# bound ``objectives.kl.top_k_kl_lower_bound``); "none": nothing more.
 BEHAVIOUR_DISTRIBUTIONS = ("full", "recorded", "top_k", "none")
 WHOLE_DISTRIBUTIONS = ("full", "recorded")  # what an exact KL can take
+KL_DISTRIBUTIONS = (*WHOLE_DISTRIBUTIONS, "top_k")  # what kl="exact" runs with: the KL, or its top-k lower bound
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ def _check_vllm(spec: EngineSpec) -> None:
 
 
 # vLLM returns top-k log-probs per step (SamplingParams.logprobs); the learner cannot rebuild its model's
-# distribution (another implementation, its own kernels and quantization)
+# distribution (another implementation, its own kernels and quantization), so it takes the top-k lower bound
 @register_engine("vllm", check=_check_vllm, behaviour="top_k")
 def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
     if model_dir is None:
@@ -179,6 +184,6 @@ def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocas
 
         return VLLMEngine(model_dir, policy.eos_id, policy.pad_id, precision=spec.precision,
                           quantization=spec.quantization, seed=spec.seed, threads=spec.threads, version=version,
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len, top_k=spec.top_k if spec.record else 0)
     except (ImportError, ValueError) as e:
         raise UserError(str(e).splitlines()[0]) from None

@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from ..policy.forward import TopK
 from .engine import Rollout, SamplingParams
 
 PRECISIONS = ("float32", "bfloat16", "float16")
@@ -70,6 +71,10 @@ class VLLMEngine:
         logprobs_mode: ``processed_logprobs``; ``raw_logprobs`` exists only to show the contract
             fails with it.
         version: the policy version copied into every rollout until ``load_weights``.
+        top_k: also return, per generated token, the k largest processed log-probs and their tokens
+            (``Rollout.behavior_top_logprobs`` / ``behavior_top_ids``, vLLM's ``SamplingParams(logprobs=k)``;
+            capped at the vocabulary), for the exact KL's top-k lower bound (``teacher``); 0: the sampled
+            token's only. vLLM hands them back as Python objects, k per token.
 
     The environment must hold ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine in this process, no
     children left behind by a kill) and, on CPU, ``VLLM_CPU_OMP_THREADS_BIND=nobind``; the
@@ -84,7 +89,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, eos_id: int, pad_id: int, *, precision: str = "float32",
                  quantization: str | None = None, kv_cache_bytes: int = 256 << 20, seed: int = 0,
                  max_model_len: int | None = None, threads: int | None = None,
-                 logprobs_mode: str = "processed_logprobs", version: int = 0):
+                 logprobs_mode: str = "processed_logprobs", version: int = 0, top_k: int = 0):
         if precision not in PRECISIONS:
             raise ValueError(f"the vllm engine runs in {', '.join(PRECISIONS)}, not {precision!r} "
                              "(int8 weights: use quantization=...)")
@@ -118,6 +123,7 @@ class VLLMEngine:
             if precision == "float32":
                 raise ValueError(f"vLLM's {quantization} runs in bfloat16 or float16, not float32; "
                                  "set the precision to bfloat16")
+        top_k = min(top_k, cfg.get("vocab_size") or top_k)
         if max_model_len is not None and context and max_model_len > context:
             os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         if threads is not None:
@@ -130,6 +136,7 @@ class VLLMEngine:
                 enforce_eager=True, logprobs_mode=logprobs_mode,
                 # the model's generation_config.json must not change the sampling we ask for
                 generation_config="vllm",
+                max_logprobs=max(20, top_k),  # vLLM's default bound on SamplingParams.logprobs
             )
         except Exception as e:
             if quantization is None:
@@ -149,6 +156,22 @@ class VLLMEngine:
         self.precision = precision
         self.quantization = quantization
         self.version = version
+        self.top_k = top_k
+
+    def teacher(self, sampling: SamplingParams) -> TopK:
+        """What the learner takes this engine's sampling distribution from: its top-k log-probs per token
+        (``policy.forward.TopK``; the model it samples with is vLLM's own, which the learner cannot rebuild).
+
+        Raises:
+            ValueError: top-p < 1 (π_b is 0 outside the nucleus, where KL(π_θ‖π_b) is infinite); an engine built
+                with top_k=0.
+        """
+        if sampling.top_p < 1.0 and not sampling.greedy:
+            raise ValueError(f"top_p={sampling.top_p:g} truncates the behaviour distribution (π_b = 0 outside the "
+                             "nucleus, KL(π_θ‖π_b) infinite); sample with top_p=1 for an exact KL")
+        if not self.top_k:
+            raise ValueError("this vllm engine returns the sampled tokens' log-probs only; build it with top_k >= 1")
+        return TopK(self.top_k)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the learner's named float tensors (the full state) in place, as policy ``version``.
@@ -186,7 +209,9 @@ class VLLMEngine:
         (``seed`` of the constructor) and depend on the batch they are drawn in.
 
         ``behavior_logprobs``: float32 values (Python floats), one per completion token. Greedy
-        decoding returns the untempered log-probs, as ``TransformersEngine`` does.
+        decoding returns the untempered log-probs, as ``TransformersEngine`` does. With ``top_k``, each
+        rollout also carries the top-k log-probs of every step ([n, k] float32, largest first) and their
+        tokens ([n, k] long), of the same processed distribution.
 
         Raises:
             ValueError: a prompt plus ``max_new_tokens`` longer than ``max_model_len`` (vLLM would
@@ -199,7 +224,7 @@ class VLLMEngine:
             raise ValueError(f"a prompt of {max(too_long)} tokens + max_new_tokens={sampling.max_new_tokens} "
                              f"exceeds the vllm engine's max_model_len={self.max_model_len}; "
                              "build the engine with a larger max_model_len or lower max_new_tokens")
-        common = dict(max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
+        common = dict(max_tokens=sampling.max_new_tokens, logprobs=self.top_k, detokenize=False,
                       # stop at eos_id only, whatever EOS the model's files name
                       ignore_eos=True, stop_token_ids=[self.eos_id])
         if sampling.greedy:  # vLLM's greedy allows n=1 only: send each prompt n times
@@ -220,5 +245,15 @@ class VLLMEngine:
                     # vLLM computes them in float32; logprobs=0 returns the sampled token's only
                     behavior_logprobs=[d[t].logprob for d, t in zip(c.logprobs, toks)],
                     truncated=not toks or toks[-1] != self.eos_id, policy_version=self.version,
+                    **(self._top(c.logprobs) if self.top_k else {}),
                 ))
         return rows
+
+    def _top(self, steps) -> dict:
+        """The k largest log-probs of each step and their tokens, as ``Rollout``'s keywords. Each step's dict holds
+        vLLM's top k and the sampled token (k + 1 entries when it is outside them): the k largest are kept."""
+        k = self.top_k
+        top = [sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k] for d in steps]
+        return dict(behavior_top_ids=torch.tensor([[t for t, _ in s] for s in top], dtype=torch.long).view(-1, k),
+                    behavior_top_logprobs=torch.tensor([[x.logprob for _, x in s] for s in top],
+                                                       dtype=torch.float32).view(-1, k))

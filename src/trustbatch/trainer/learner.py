@@ -19,7 +19,9 @@ the engine's module, a foreign model; the learner's own module is frozen for the
 several optimizer steps), teacher-forced without gradient per micro-batch; for the two-anchor variant against
 the mixture with the proximal snapshot rebuilt the same way, weighted by the batch ESS (then always taken in a
 no-grad pass first). An objective that does not take ``kl_exact`` gets the learner's [B, C, V] log-softmax and
-the rebuilt ones, per micro-batch.
+the rebuilt ones, per micro-batch. Rows of an engine that returns only its top-k log-probs (``policy.forward.TopK``:
+vLLM) get the top-k lower bound on that KL instead (``objectives.kl.top_k_kl_lower_bound``), and the step's
+``kl_behavior`` is then logged as ``kl_behavior_bound``.
 
 Log-probs come from the LM head applied ``logprob_chunk_size`` tokens (rows × columns) at a time
 (``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward, and none of the
@@ -50,7 +52,7 @@ from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
 from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
 from ..policy.budget import logit_tokens, vocab_size
-from ..policy.forward import response_logprobs, trimmed
+from ..policy.forward import TopK, response_logprobs, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.packed import packed_response_logprobs
 from ..policy.shared_prompt import grouped_response_logprobs
@@ -59,7 +61,8 @@ from .schedule import lr_multiplier
 from .passes import ForwardPasses, empty_like
 
 # what the learner adds to the objective's metrics: the entropy of π_θ per valid token (from its forward)
-_LEARNER_METRICS = {"entropy": objectives.TOKEN_MEAN}
+# kl_behavior_bound: an objective's kl_behavior where the batch's behaviour KL is the top-k lower bound (a TopK engine)
+_LEARNER_METRICS = {"entropy": objectives.TOKEN_MEAN, "kl_behavior_bound": objectives.TOKEN_MEAN}
 
 
 @dataclass
@@ -292,6 +295,8 @@ class Learner(ForwardPasses):
         failure = ""
         record_ratios = bool(self.on_step_ratios) and self._step_tag is not None
         step_log_ratios: list[torch.Tensor] = []
+        # the whole batch's engines (every rank's shard keeps them): every rank names the metric alike
+        bound = self.full and any(isinstance(t, TopK) for t in batch.behaviour.values())
         for i in range(plan.n_chunks):
             skip_sync = World.no_sync(self.wrapped, skip=i < plan.n_chunks - 1)
             if i >= len(plan.chunks) or failure:
@@ -306,7 +311,7 @@ class Learner(ForwardPasses):
             if record_ratios:
                 step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
             w = float(m.sum())
-            metrics = dict(out.metrics)
+            metrics = _named_as_bound(out.metrics) if bound else dict(out.metrics)
             metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
             if self.diagnostics:
                 metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
@@ -370,8 +375,8 @@ class Learner(ForwardPasses):
                 else:
                     logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
             if self.full and not self.kl_in_head:  # an objective without kl_exact: this micro-batch's [B, C, V]
-                every = slice(None)
-                kw["behavior_logprobs_full"] = ref.logprobs[0].log_probs(every, kw["logprobs_full"].dtype)
+                every, own = slice(None), kw["logprobs_full"].detach()  # a top-k behaviour's reference is built from own
+                kw["behavior_logprobs_full"] = ref.logprobs[0].log_probs(every, own.dtype, own)
                 if self.spec.needs_proximal:
                     kw["proximal_logprobs_full"] = ref.logprobs[1].log_probs(every, kw["logprobs_full"].dtype)
             if mb.proximal_logprobs is not None and self.spec.needs_proximal:
@@ -395,6 +400,15 @@ class Learner(ForwardPasses):
                 f"{self.bad_steps} optimizer steps in a row (train.max_bad_steps={self.max_bad_steps}) had a non-finite "
                 f"loss or gradient ({cause}); lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
         return {"nonfinite_skipped": 1.0, "lr": self.scheduler.get_last_lr()[0]}
+
+
+def _named_as_bound(metrics: dict) -> dict:
+    """``metrics`` with ``kl_behavior`` renamed ``kl_behavior_bound``: at rows of a top-k engine the objective's exact
+    KL is the top-k lower bound, which must not be read as the KL."""
+    out = dict(metrics)
+    if "kl_behavior" in out:
+        out["kl_behavior_bound"] = out.pop("kl_behavior")
+    return out
 
 
 def _mean_over_steps(step_metrics: list[dict]) -> dict[str, float]:

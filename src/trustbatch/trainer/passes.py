@@ -22,8 +22,8 @@ import torch
 from ..objectives import RatioStats
 from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
-from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, logits_dtype
-from ..policy.forward import Recorded, Teacher, response_logprobs, teacher_forced
+from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, TopKInput, logits_dtype
+from ..policy.forward import Recorded, Teacher, TopK, response_logprobs, teacher_forced
 
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
@@ -145,11 +145,14 @@ class ForwardPasses:
         """What the exact KL is taken against: π_b, or for the two-anchor variant π_mix with the batch ESS's
         weights; each rebuilt from its models' hidden states (``teacher_forced``), never stored as [B, C, V],
         except π_b at the rows of a version mapped to ``Recorded``: read from ``mb.behavior_logprobs_full``
-        (the distribution those rows were sampled from, which teacher forcing would not rebuild).
+        (the distribution those rows were sampled from, which teacher forcing would not rebuild), and at the rows of
+        a version mapped to ``TopK``: their top-k log-probs (``mb.behavior_top_logprobs``), against which the KL is
+        the top-k lower bound (``chunked_logprobs.TopKInput``).
 
         Raises:
-            ValueError: rows whose policy version has no behaviour model; a ``Recorded`` version in a batch without
-                ``behavior_logprobs_full``; no proximal model for two anchors.
+            ValueError: rows whose policy version has no behaviour model; a ``Recorded`` (``TopK``) version in a batch
+                without ``behavior_logprobs_full`` (``behavior_top_logprobs``); no proximal model for two anchors, or
+                a ``TopK`` version with two anchors (``KLReference``).
         """
         m = mb.packed.response_mask
         versions = mb.policy_version.unique().tolist()
@@ -160,14 +163,18 @@ class ForwardPasses:
                              "batch with behaviour= (the engines' teacher)")
         groups = [(None if len(versions) == 1 else (mb.policy_version == v).nonzero()[:, 0], mb.behaviour[v])
                   for v in versions]
-        recorded = [(rows, t) for rows, t in groups if isinstance(t, Recorded)]
-        if recorded and mb.behavior_logprobs_full is None:
-            raise ValueError(f"{recorded[0][1].name} recorded its distribution, but the batch carries none "
-                             "(behavior_logprobs_full); build it with build_batch from the engine's rollouts")
-        forced = [(rows, t) for rows, t in groups if not isinstance(t, Recorded)]
+        given = {Recorded: ("behavior_logprobs_full",), TopK: ("behavior_top_logprobs", "behavior_top_ids")}
+        for kind, fields in given.items():
+            kept = [t for _, t in groups if isinstance(t, kind)]
+            if kept and getattr(mb, fields[0]) is None:
+                raise ValueError(f"{kept[0].name} recorded its distribution, but the batch carries none ({fields[0]}); "
+                                 "build it with build_batch from the engine's rollouts")
+        forced = [(rows, t) for rows, t in groups if isinstance(t, Teacher)]
         parts = () if not forced else teacher_forced(mb.packed, forced).parts
-        parts += tuple(RecordedInput(mb.behavior_logprobs_full if rows is None else mb.behavior_logprobs_full[rows],
-                                     rows) for rows, _ in recorded)
+        for rows, t in groups:
+            if not isinstance(t, Teacher):
+                tensors = [getattr(mb, f) if rows is None else getattr(mb, f)[rows] for f in given[type(t)]]
+                parts += ((RecordedInput if isinstance(t, Recorded) else TopKInput)(*tensors, rows=rows),)
         behaviour = TeacherForced(parts, len(mb))
         if not self.spec.needs_proximal:
             return KLReference((behaviour,), m)
