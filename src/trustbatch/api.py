@@ -39,7 +39,8 @@ class Trainer:
             ``f(completion, reference) -> float`` per completion, or TRL's batch form
             ``f(prompts, completions, reference, **columns) -> list`` (a callable's batch form is called once per
             group, the completions of one prompt together, so it may rank them).
-        reward_weights: one weight per reward function (default 1 each); the training reward is Σ w_i r_i.
+        reward_weights: one weight per reward function (default 1 each); the training reward is Σ w_i r_i. A reward
+            model (TRL's model-id reward_funcs) is ``overrides={"reward.model": DIR}``, one more term of that sum.
         train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset`` or a file path, in any format
             ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
         overrides: ``{"train.steps": 4}`` or ``["train.steps=4"]``, applied last, as on the command line.

@@ -19,8 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 _TRAIN_HELP = (
     "Run RL post-training. With no arguments: P3O on reasoning-gym chain_sum with the default small base.\n\n"
     "Configuration sections, set as section.key=value or in a --config YAML file: task, data, reward, model (and "
-    "model.lora), rollout, objective, train, eval, log; top-level keys: run_dir, checkpoint_every, checkpoint_keep, orchestrator, "
-    "ray_address, ray_learners, threads. Every key with its type, default and meaning: docs/config.md."
+    "model.lora), rollout, objective, train, eval, log; top-level keys: run_dir, checkpoint_every, checkpoint_keep, "
+    "checkpoint_keep_best, orchestrator, ray_address, ray_learners, threads. Every key with its type, default and "
+    "meaning: docs/config.md."
 )
 
 
@@ -154,7 +155,8 @@ def report(
 def export(
     run_dir: str = typer.Argument(..., help="the run directory of a trustbatch train run"),
     out: str = typer.Option(..., "--out", "-o", help="a new (or empty) directory for the model"),
-    step: Optional[int] = typer.Option(None, "--step", help="the checkpoint's round (default: the newest)"),
+    step: Optional[str] = typer.Option(None, "--step", help="the checkpoint's round, or best (the run's best held-out "
+                                       "checkpoint, kept by checkpoint_keep_best); default: the newest"),
 ):
     """Write a run's checkpoint as a Hugging Face model directory: safetensors weights (a LoRA adapter merged),
     tokenizer, generation config and a model card (config, commit, held-out numbers)."""
@@ -164,7 +166,9 @@ def export(
 
     from .recipes.export import export_run
 
-    res = export_run(run_dir, out, step)
+    if step is not None and step != "best" and not step.isdigit():
+        raise UserError(f"--step {step!r} is neither a round number nor best; give e.g. --step 200 or --step best")
+    res = export_run(run_dir, out, step if step in (None, "best") else int(step))
     console = Console(highlight=False)
     acc = res["heldout"].get("heldout_accuracy")
     console.print(f"exported round {res['step']}{' (LoRA merged)' if res['lora'] else ''} to {res['out']}"

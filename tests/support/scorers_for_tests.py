@@ -82,3 +82,16 @@ def hang_always(completion: str, reference: str) -> float:
 def always_raises(completion: str, reference: str) -> float:
     """A broken reward function: raises on every call."""
     raise ValueError("always_raises: no score")
+
+
+HELDOUT_SCRIPT = (0.25, 0.5, 0.75, 0.5, 0.25)  # by round: rounds 0-4, the best (round 2) neither first nor last
+
+
+def by_round(completion: str, reference: str) -> float:
+    """``HELDOUT_SCRIPT[r]`` for every completion while round r is scored (r: the records in
+    ``$TRUSTBATCH_TEST_SCRIPT_RUN/metrics.jsonl``), so a run's held-out accuracy follows the script whatever this
+    CPU's kernels make of the policy."""
+    path = os.path.join(os.environ["TRUSTBATCH_TEST_SCRIPT_RUN"], "metrics.jsonl")
+    with open(path) if os.path.exists(path) else open(os.devnull) as f:
+        r = sum(1 for _ in f)
+    return HELDOUT_SCRIPT[r % len(HELDOUT_SCRIPT)]

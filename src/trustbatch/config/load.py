@@ -32,6 +32,10 @@ class Config(_Strict):
                                                         "base evaluation)")
     checkpoint_keep: Int = Field(2, ge=1, description="newest checkpoints kept (older ones are deleted after each "
                                                   "save; the run resumes from the newest)")
+    checkpoint_keep_best: bool = Field(
+        False, description="also keep the checkpoint of the highest held-out accuracy (heldout_accuracy in "
+                           "metrics.jsonl, the earliest on ties) of the rounds both evaluated and checkpointed, "
+                           "never rotated out; checkpoints/best links to it (trustbatch export RUN --step best)")
     orchestrator: Literal["local", "ray"] = Field(
         "local", description="local: rollout workers are processes of this machine; ray: Ray actors on a local or "
                              "existing cluster (with rollout.mode=async; needs trustbatch[ray])")

@@ -96,6 +96,20 @@ class DataConfig(_Strict):
     chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(
         "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
     system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
+    max_prompt_tokens: Int | None = Field(
+        None, ge=1, description="prompts of more tokens (as encoded for the model, chat template included) are "
+                                "skipped or truncated at start, as data.long_prompts says, in training and held-out "
+                                "evaluation; each round then logs prompts_truncated and prompts_skipped")
+    long_prompts: Literal["skip", "truncate"] = Field(
+        "skip", description="a prompt over data.max_prompt_tokens: skip drops it; truncate keeps its last "
+                            "max_prompt_tokens tokens (the leftmost go, as TRL's max_prompt_length)")
+
+    @model_validator(mode="after")
+    def _truncate_needs_a_limit(self) -> "DataConfig":
+        if self.long_prompts == "truncate" and self.max_prompt_tokens is None:
+            raise ValueError("data.long_prompts=truncate needs data.max_prompt_tokens=N (the tokens a prompt keeps); "
+                             "set it, or drop data.long_prompts")
+        return self
 
 
 class RewardFunctionConfig(_Strict):
@@ -109,7 +123,8 @@ class RewardFunctionConfig(_Strict):
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
-    name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's")
+    name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's "
+                                               "(a reward model: reward.model)")
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
                                           "training, each logged as rewards/NAME; held-out evaluation keeps the "
@@ -121,12 +136,28 @@ class RewardConfig(_Strict):
         0.5, ge=0, le=1, description="stop the run when more than this fraction of a round's completions (or of a "
                                      "held-out evaluation's scoring call) fail to score (errors + timeouts), or, "
                                      "with reward.functions, of one function's; any failure is reported as a warning")
+    model: str | None = Field(
+        None, description="a reward model's directory (or Hub id): a transformers sequence-classification model "
+                          "with num_labels=1 whose logit on prompt + completion, unclamped, is one more term of the "
+                          "training reward, model_weight times it beside reward.functions' (logged as "
+                          "rewards/reward_model); it runs in the trainer's process on the learner's device "
+                          "(rollout.mode=sync); held-out evaluation keeps the data's scorer")
+    model_weight: Float = Field(1.0, description="reward.model's weight in the training reward")
+    model_batch_size: Int = Field(16, ge=1, description="texts per forward of reward.model")
 
     @model_validator(mode="after")
     def _one_reward_source(self):
         if self.name is not None and self.functions:
             raise ValueError("reward.name and reward.functions are both set; put the scorer in reward.functions "
                              "(with its weight) and unset reward.name")
+        if self.name is not None and self.model is not None:
+            raise ValueError("reward.name and reward.model are both set; the training reward is reward.model's (plus "
+                             "reward.functions'): put the scorer in reward.functions (with its weight) and unset "
+                             "reward.name")
+        for key in ("model_weight", "model_batch_size"):  # a value set without a model would be silently ignored
+            if self.model is None and key in self.model_fields_set and getattr(self, key) != \
+                    type(self).model_fields[key].default:
+                raise ValueError(f"reward.{key} is set but reward.model is not; set reward.model=DIR or drop it")
         return self
 
 

@@ -316,6 +316,37 @@ def load_file_task(data_cfg) -> "TaskSplit":
     return TaskSplit(name=train.name, reward=train.reward, train=rest, heldout=heldout)
 
 
+def truncate_left(ids: Sequence[int], max_tokens: int | None) -> list[int]:
+    """The last ``max_tokens`` of ``ids`` (all of them when shorter, or for None): a long prompt keeps its end, where
+    the question is, as TRL's ``max_prompt_length`` truncates (the leftmost tokens, chat template included, go)."""
+    ids = list(ids)
+    return ids[len(ids) - max_tokens:] if max_tokens is not None and len(ids) > max_tokens else ids
+
+
+def limit_prompts(prompts: Sequence[Sequence[int]], max_tokens: int,
+                  long_prompts: str) -> tuple[list[int], list[list[int]], list[int]]:
+    """Apply ``data.max_prompt_tokens`` to encoded prompts: those over ``max_tokens`` are skipped or left-truncated.
+
+    Args:
+        prompts: prompt token ids (as encoded for the model, chat template included).
+        max_tokens: the limit in tokens, >= 1.
+        long_prompts: ``"skip"`` (drop them) or ``"truncate"`` (``truncate_left``: keep their last ``max_tokens``).
+
+    Returns:
+        (indices of the prompts kept, in order; their ids after the limit; indices of those truncated).
+
+    Raises:
+        ValueError: ``long_prompts`` is neither mode (a caller's bug: the config allows only these).
+    """
+    if long_prompts not in ("skip", "truncate"):
+        raise ValueError(f"long_prompts must be skip or truncate, got {long_prompts!r}")
+    long = [i for i, p in enumerate(prompts) if len(p) > max_tokens]
+    if long_prompts == "skip":
+        keep = [i for i, p in enumerate(prompts) if len(p) <= max_tokens]
+        return keep, [list(prompts[i]) for i in keep], []
+    return list(range(len(prompts))), [truncate_left(p, max_tokens) for p in prompts], long
+
+
 def fit_prompts(lengths: Sequence[int], *, context: int | None, max_new_tokens: int,
                 where: str) -> tuple[list[int], str | None]:
     """Which prompts leave room for ``max_new_tokens`` in a model's context; the rest are to be skipped.

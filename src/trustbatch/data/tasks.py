@@ -70,12 +70,29 @@ class Example:
         return {**self.columns, "prompt": self.prompt}
 
 
+@dataclass(frozen=True)
+class LongPrompts:
+    """What ``data.max_prompt_tokens`` did to the training prompts at start: ``truncated`` holds the indices (into the
+    train split as trained on) of those left-truncated, ``skipped`` counts those dropped for their length (the limit
+    or the model's context)."""
+
+    truncated: frozenset[int] = frozenset()
+    skipped: int = 0
+
+    def metrics(self, drawn: list[int]) -> dict[str, float]:
+        """A round's ``prompts_truncated`` (of the train prompt indices ``drawn``, refills included, those
+        truncated) and the run's ``prompts_skipped``."""
+        return {"prompts_truncated": float(sum(i in self.truncated for i in drawn)),
+                "prompts_skipped": float(self.skipped)}
+
+
 @dataclass
 class TaskSplit:
     name: str
     reward: str  # a scorer name for trustbatch.rewards.get
     train: list[Example] = field(default_factory=list)
     heldout: list[Example] = field(default_factory=list)
+    long_prompts: LongPrompts | None = None  # with data.max_prompt_tokens (recipes.build.prepare_run)
 
 
 def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, params: dict | None = None) -> TaskSplit:

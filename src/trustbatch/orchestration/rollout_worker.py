@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.tasks import LongPrompts
 from ..pipeline.source import SourceSpec, SyncSource
 from ..rewards.spec import RewardSpec
 from ..rollout.spec import EngineSpec
@@ -25,7 +26,8 @@ class WorkerSpec:
     model_dir: a local HF directory with the policy's architecture and tokenizer (weights arrive through
     ``load_weights``). prompts, references: the training prompts' token ids and gold answers. engine, source,
     reward: the specs the trainer built from its config (``recipes.build``). threads: the worker's torch threads
-    (its engine's too). contexts: per prompt, for batch-form reward functions (``SyncSource``).
+    (its engine's too). contexts: per prompt, for batch-form reward functions (``SyncSource``). long_prompts: what
+    ``data.max_prompt_tokens`` did to the prompts, for the round's metrics (``SyncSource``).
     """
 
     model_dir: str
@@ -36,6 +38,7 @@ class WorkerSpec:
     reward: RewardSpec
     threads: int = 1
     contexts: list | None = None
+    long_prompts: LongPrompts | None = None
 
 
 class RolloutWorker:
@@ -54,7 +57,8 @@ class RolloutWorker:
         # a broken scorer stops the run from the learner's side, with its message
         check = spec.reward.check(where="a rollout worker's batch")
         self.source = SyncSource(self.engine, spec.prompts, spec.references, self.pool, policy.decode, spec.source,
-                                 pad_id=policy.pad_id, check_round=check, contexts=spec.contexts)
+                                 pad_id=policy.pad_id, check_round=check, contexts=spec.contexts,
+                                 long_prompts=spec.long_prompts)
 
     @property
     def version(self) -> int:

@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..advantages import group_advantages, overlong_penalty
+from ..data.tasks import LongPrompts
 from ..parallel import World
 from ..rollout.engine import SamplingParams
 from ..seeding import row_seed
@@ -98,12 +99,14 @@ class SyncSource:
         world: data-parallel world; each rank samples its share of the round's prompts and every rank
             receives the whole scored round, so every rank makes the same batch decisions.
         check_round: called as ``check_round(result, n)`` after each scoring call (scorer-failure limits).
+        long_prompts: what ``data.max_prompt_tokens`` did to ``prompts`` (``LongPrompts``): each round logs its
+            ``prompts_truncated`` and ``prompts_skipped``; None (no limit): neither.
     """
 
     def __init__(self, engine, prompts: list[list[int]], references: list, pool, decode: Callable[[list[int]], str],
                  spec: SourceSpec, *, pad_id: int, foreign=None, foreign_fraction: float = 0.0,
                  world: World | None = None, check_round: Callable | None = None, contexts: list[dict] | None = None,
-                 owns_pool: bool = False):
+                 owns_pool: bool = False, long_prompts: LongPrompts | None = None):
         if not prompts:
             raise ValueError("the task produced no training prompts; raise task.train_size")
         self.engine, self.foreign = engine, foreign
@@ -118,7 +121,7 @@ class SyncSource:
         self.foreign_fraction = foreign_fraction
         self.world = world or World()
         self.check_round = check_round
-        self.contexts, self.owns_pool = contexts, owns_pool
+        self.contexts, self.owns_pool, self.long_prompts = contexts, owns_pool, long_prompts
         self.seed = spec.seed
         self.batch_index = 0  # batches made so far; batch b's randomness is a function of (seed, b)
         self.last_metrics: dict[str, float] = {}
@@ -176,11 +179,12 @@ class SyncSource:
         """
         t0 = time.time()
         G = self.G
-        rollouts, rew, sampled, errors, timeouts, dropped, parts = [], [], [], 0, 0, 0, {}
+        rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn = [], [], [], 0, 0, 0, {}, []
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             rng = random.Random(row_seed(self.seed, b, refill))
             idx = [rng.randrange(len(self.prompts)) for _ in range(need)]
+            drawn += idx
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
             new, r, e, t, c = self._sample_and_score(idx, seeds)
             errors, timeouts = errors + e, timeouts + t
@@ -198,6 +202,8 @@ class SyncSource:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
         self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
+        if self.long_prompts is not None:
+            self.last_metrics.update(self.long_prompts.metrics(drawn))
         if not rollouts:
             return None
         rew_t = torch.tensor(rew)

@@ -24,8 +24,9 @@ def is_hub_id(path: str) -> bool:
     return not Path(path).expanduser().exists() and bool(_REPO_ID.match(path)) and not path.startswith((".", "~"))
 
 
-def model_dir(path: str | Path, revision: str | None = None) -> Path:
-    """The local directory of ``path``: itself, or a hub id's snapshot in the hub cache (module docstring).
+def model_dir(path: str | Path, revision: str | None = None, key: str = "model.path") -> Path:
+    """The local directory of ``path``: itself, or a hub id's snapshot in the hub cache (module docstring). ``key``
+    names the setting in the message.
 
     Raises:
         UserError: a hub id that is neither in the cache nor downloadable; the line names the id, the revision and
@@ -33,11 +34,11 @@ def model_dir(path: str | Path, revision: str | None = None) -> Path:
     """
     if not is_hub_id(str(path)):
         return Path(path).expanduser()
-    return _snapshot(str(path), revision)
+    return _snapshot(str(path), revision, key)
 
 
 @functools.lru_cache(maxsize=None)  # a run resolves its model several times (context, load, checkpoint base)
-def _snapshot(path: str, revision: str | None) -> Path:
+def _snapshot(path: str, revision: str | None, key: str = "model.path") -> Path:
     from huggingface_hub import constants, snapshot_download
 
     try:
@@ -46,6 +47,6 @@ def _snapshot(path: str, revision: str | None) -> Path:
         at = f" at revision {revision!r}" if revision else ""
         state = ("HF_HUB_OFFLINE=1, and it is not in the hub cache" if constants.HF_HUB_OFFLINE
                  else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
-        raise UserError(f"model.path={str(path)!r} is no local directory, and as a Hugging Face Hub id{at} it could not "
+        raise UserError(f"{key}={str(path)!r} is no local directory, and as a Hugging Face Hub id{at} it could not "
                         f"be loaded ({state}); give a local model directory, or download the model first "
                         f"(huggingface-cli download {path})") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.benchmarks import truncate_left
 from ..errors import UserError
 from .hub import model_dir
 
@@ -40,6 +41,7 @@ class Policy:
     adapter: object | None = None
     chat_template: bool | None = None  # prompts through the tokenizer's chat template; None: when it has one
     system_prompt: str | None = None  # the system message before each prompt (chat template only)
+    max_prompt_tokens: int | None = None  # encode_prompt keeps a prompt's last this many tokens (data.long_prompts)
 
     def set_prompt_format(self, chat_template: str = "auto", system_prompt: str | None = None,
                           keys: tuple[str, str] = ("data.chat_template", "data.system_prompt")) -> None:
@@ -66,7 +68,11 @@ class Policy:
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids: through the tokenizer's chat template (``set_prompt_format``; by default when it has one) as
         ``[system?, user]`` messages with the assistant's generation prompt, else the text with the tokenizer's
-        special prefix (e.g. BOS)."""
+        special prefix (e.g. BOS); with ``max_prompt_tokens``, the last that many of those ids
+        (``data.benchmarks.truncate_left``)."""
+        return truncate_left(self._encode_whole_prompt(text), self.max_prompt_tokens)
+
+    def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
         use = self.chat_template if self.chat_template is not None else bool(getattr(tok, "chat_template", None))
         if use:
@@ -115,7 +121,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
             directory, its tokenizer is missing or unreadable, its weights are missing, truncated
             or corrupt, or config.json does not match the weights or the tokenizer.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = model_dir(path, revision)
     where = repr(str(p))
@@ -125,6 +131,24 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
         from .lora import load_merged  # a LoRA checkpoint: its base with the adapter merged
 
         return load_merged(p, load_policy, dtype=dtype)
+    read_model_config(p)
+    model, tok = load_checked(p, AutoModelForCausalLM, dtype)
+    if tok.eos_token_id is None:
+        raise UserError(f"the tokenizer in {where} has no EOS token; completions could never end")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model.config.pad_token_id = tok.pad_token_id
+    return Policy(model=model, tokenizer=tok, eos_id=int(tok.eos_token_id), pad_id=int(tok.pad_token_id))
+
+
+def read_model_config(p: Path) -> dict:
+    """The parsed ``config.json`` of the model directory ``p``.
+
+    Raises:
+        UserError: ``p`` has no config.json, or one that is not JSON or names no ``model_type``.
+    """
+    where = repr(str(p))
     if not (p / "config.json").exists():
         raise UserError(f"{where} has no config.json; it is not a Hugging Face model directory")
     try:
@@ -133,6 +157,21 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
         raise UserError(f"model directory {where}: config.json is not valid JSON ({_cause(e)}); copy it again") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise UserError(f"model directory {where}: config.json names no model_type; it is not a Hugging Face model's config")
+    return config
+
+
+def load_checked(p: Path, auto_class, dtype: torch.dtype):
+    """``(model, tokenizer)`` of the model directory ``p`` through transformers' ``auto_class`` (e.g.
+    ``AutoModelForCausalLM``), quietly, then checked (``_check_loaded``): the weights fill the model config.json
+    describes, all finite, and the tokenizer's ids fit its embedding.
+
+    Raises:
+        UserError: one line naming ``p``: no tokenizer files, a tokenizer or model that does not load, weights that
+            do not match config.json or are not finite, a tokenizer bigger than the embedding.
+    """
+    from transformers import AutoTokenizer
+
+    where = repr(str(p))
     if not any((p / f).exists() for f in TOKENIZER_FILES):
         raise UserError(f"model directory {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                         "copy the model's tokenizer files into it")
@@ -143,20 +182,14 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
             raise UserError(f"cannot load the tokenizer in {where}: {_cause(e)}; copy the model's tokenizer "
                             "files again") from None
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class.from_pretrained(
                 p, local_files_only=True, dtype=dtype, output_loading_info=True,
                 ignore_mismatched_sizes=True)  # reported below with the tensor's name, not as a bare RuntimeError
         except Exception as e:  # noqa: BLE001
             raise UserError(f"cannot load the model in {where}: {_cause(e)}; check that config.json and the weights "
                             "are complete (copy the directory again)") from None
     _check_loaded(where, model, info, tok)
-    if tok.eos_token_id is None:
-        raise UserError(f"the tokenizer in {where} has no EOS token; completions could never end")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    model.config.pad_token_id = tok.pad_token_id
-    return Policy(model=model, tokenizer=tok, eos_id=int(tok.eos_token_id), pad_id=int(tok.pad_token_id))
+    return model, tok
 
 
 def _cause(e: BaseException) -> str:

@@ -7,6 +7,7 @@ rollout source with its weight sync. A new backend is one more entry in ``BACKEN
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,7 @@ from ..pipeline.async_source import BoundedSource
 from ..pipeline.source import RolloutSource, SourceSpec, SyncSource
 from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync, WeightSync
 from ..policy.lora import merged_copy
+from ..policy.reward_model import load_reward_model
 from ..rewards.spec import RewardSpec
 from ..rollout.engine import Engine
 from ..rollout.spec import EngineSpec, make_engine, shares_module
@@ -134,15 +136,18 @@ def sync_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     """Sampling in the trainer's process each round (``SyncSource``) from ``sync_engine``'s engine."""
     engine, sync, shifted = sync_engine(inp, learner)
     policy, train = inp.policy, inp.task.train
-    # weighted reward functions score training alone: a pool of their own (the run's pool scores held-out data)
-    pool = inp.reward.pool() if inp.cfg.reward.functions else inp.pool
+    # weighted reward functions (a reward model among them) score training alone: a pool of their own (the run's
+    # pool scores held-out data); the reward model on the learner's device
+    rw = inp.cfg.reward
+    load = functools.partial(load_reward_model, device=inp.world.device, batch_size=rw.model_batch_size)
+    pool = inp.reward.pool(load_model=load) if not isinstance(inp.reward.name, str) else inp.pool
     if pool is not inp.pool:
         pool.in_process_marker = inp.pool.in_process_marker
     source = SyncSource(engine, [policy.encode_prompt(e.prompt) for e in train], [e.reference for e in train],
                         pool, policy.decode, inp.source, pad_id=policy.pad_id, foreign=inp.foreign,
                         foreign_fraction=inp.cfg.rollout.foreign_fraction if inp.foreign is not None else 0.0,
                         world=inp.world, check_round=inp.check_round, contexts=[e.context() for e in train],
-                        owns_pool=pool is not inp.pool)
+                        owns_pool=pool is not inp.pool, long_prompts=inp.task.long_prompts)
     # on-policy float32 under FSDP2, the rollout engine's whole copy is the evaluation's too, refilled every round
     return source, sync, CopySync(eval_engine) if inp.sharded and shifted else None
 
@@ -163,7 +168,7 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
     train = inp.task.train
     return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
                       references=[e.reference for e in train], engine=inp.engine, source=inp.source,
-                      reward=inp.reward, contexts=[e.context() for e in train])
+                      reward=inp.reward, contexts=[e.context() for e in train], long_prompts=inp.task.long_prompts)
 
 
 def _bounds(inp: Inputs) -> dict:

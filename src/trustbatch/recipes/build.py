@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from .. import objectives
 from ..config import Config
 from ..data import load_task
-from ..data.benchmarks import fit_prompts, load_file_task
+from ..data.benchmarks import fit_prompts, limit_prompts, load_file_task
+from ..data.tasks import LongPrompts
 from ..errors import UserError
 from ..pipeline.source import SourceSpec
 from ..pipeline.weight_sync import CopySync
@@ -23,13 +24,14 @@ from ..policy.base import default_base
 from ..policy.hub import model_dir
 from ..policy.budget import vocab_size
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
+from ..rewards.scorers import MODEL_PREFIX
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
 from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
-from .checks import check_learner, check_objective, check_orchestrator, check_recorded_behaviour
+from .checks import check_learner, check_objective, check_orchestrator, check_recorded_behaviour, check_reward
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
            "engine_spec", "foreign_engine", "preflight", "prepare_run", "restore_checkpoint_policy", "reward_spec",
@@ -59,10 +61,13 @@ def source_spec(cfg: Config) -> SourceSpec:
 
 def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
-    terms; its pool's settings and failure limit. ``heldout``: always the former, as held-out evaluation scores
-    (pass@1 counts correct answers)."""
+    terms, with ``reward.model`` as one more term ``rm:DIR`` (``rewards.functions``); its pool's settings and failure
+    limit. ``heldout``: always the former, as held-out evaluation scores (pass@1 counts correct answers)."""
     rw = cfg.reward
-    name = tuple((f.name, f.weight) for f in rw.functions) if rw.functions and not heldout else rw.name or task.reward
+    terms = tuple((f.name, f.weight) for f in rw.functions)
+    if rw.model is not None:
+        terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
+    name = terms if terms and not heldout else rw.name or task.reward
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
 
 
@@ -71,12 +76,14 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
-            installed; an engine setting the engine does not run; LoRA with FSDP2.
+            installed; an engine setting the engine does not run; LoRA with FSDP2; a reward model that is none, or
+            where the run cannot hold it.
     """
     check_objective(cfg)
     check_learner(cfg)
     check_engine(engine_spec(cfg))
     check_orchestrator(cfg)
+    check_reward(cfg)
 
 
 def configured_task(cfg: Config):
@@ -90,7 +97,9 @@ def configured_task(cfg: Config):
 def task_key(cfg: Config) -> dict:
     """What determines the task's prompts, for the default base's cache key."""
     # the prompt format is not the task's: the default base's tokenizer has no chat template
-    return (cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt"}) if cfg.data.train
+    # nor how long prompts are cut (the base is trained on its own prompts, before any limit applies)
+    return (cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt", "max_prompt_tokens",
+                                                      "long_prompts"}) if cfg.data.train
             else cfg.task.model_dump(mode="json"))
 
 
@@ -102,28 +111,67 @@ def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     return reward_spec(cfg, task, heldout=where != "a rollout round").check(where, warn)
 
 
-def fit_to_context(task, policy, max_new_tokens: int, console=None):
-    """Drop (with a warning) the prompts that leave no room for ``max_new_tokens`` in the model's context.
+def fit_to_context(task, policy, max_new_tokens: int, console=None) -> int:
+    """Drop (with a warning) the prompts that leave no room for ``max_new_tokens`` in the model's context. Returns
+    how many train prompts were dropped.
 
     Raises:
         UserError: no prompt of a split fits.
     """
     context = getattr(policy.model.config, "max_position_embeddings", None)
+    dropped = 0
     for split in ("train", "heldout"):
         examples = getattr(task, split)
         keep, warning = fit_prompts([len(policy.encode_prompt(e.prompt)) for e in examples], context=context,
                                     max_new_tokens=max_new_tokens, where=f"the {split} prompts")
         if warning:
             setattr(task, split, [examples[i] for i in keep])
+            dropped += (len(examples) - len(keep)) * (split == "train")
             if console is not None:
                 console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+    return dropped
+
+
+def limit_prompt_length(task, policy, data, console=None) -> tuple[set[str], int]:
+    """``data.max_prompt_tokens``: the prompts of both splits over it are dropped (``data.long_prompts=skip``) or
+    left-truncated (``truncate``: ``policy.max_prompt_tokens`` is set, so every later ``encode_prompt`` of training,
+    held-out evaluation and the checks cuts them alike); one warning line says how many.
+
+    Returns:
+        (the texts of the train prompts truncated, how many train prompts were dropped).
+
+    Raises:
+        UserError: skipping leaves a split without prompts.
+    """
+    n, mode, counts = data.max_prompt_tokens, data.long_prompts, []
+    cut: set[str] = set()
+    dropped = 0
+    for split, label in (("train", "train"), ("heldout", "held-out")):
+        examples = getattr(task, split)
+        ids = [policy.encode_prompt(e.prompt) for e in examples]
+        keep, _, truncated = limit_prompts(ids, n, mode)
+        if not keep:
+            raise UserError(f"data.max_prompt_tokens={n}: none of the {len(examples)} {label} prompts fits (the "
+                            f"shortest has {min(map(len, ids))} tokens); raise it, or set data.long_prompts=truncate")
+        setattr(task, split, [examples[i] for i in keep])
+        if split == "train":
+            cut, dropped = {examples[i].prompt for i in truncated}, len(examples) - len(keep)
+        counts.append(f"{len(examples) - len(keep) if mode == 'skip' else len(truncated)} of {len(examples)} {label}")
+    if mode == "truncate":
+        policy.max_prompt_tokens = n
+    verb = "skipped" if mode == "skip" else f"kept the last {n} tokens of"
+    if console is not None and any(not c.startswith("0 ") for c in counts):
+        console.print(f"[yellow]data.max_prompt_tokens={n}: {verb} {' and '.join(counts)} prompts longer than "
+                      f"{n} tokens (data.long_prompts={mode})[/yellow]", highlight=False)
+    return cut, dropped
 
 
 def prepare_run(cfg: Config, console=None):
     """Task, policy, reward pool: everything a run, SFT or eval needs from the config.
 
-    Prompts are framed as ``data.chat_template`` and ``data.system_prompt`` say (``Policy.set_prompt_format``);
-    those that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
+    Prompts are framed as ``data.chat_template`` and ``data.system_prompt`` say (``Policy.set_prompt_format``),
+    limited to ``data.max_prompt_tokens`` (``limit_prompt_length``; ``task.long_prompts`` records what it did); those
+    that do not fit the model's context with ``rollout.max_new_tokens`` are dropped (warned).
     With ``model.lora`` the policy gets LoRA adapters (``policy.lora.apply_lora``; only they train),
     naming the base directory (``model.path`` or the default base's cache folder) for checkpoints.
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
@@ -139,7 +187,10 @@ def prepare_run(cfg: Config, console=None):
     lo = cfg.model.lora
     try:
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
-        fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+        cut, skipped = limit_prompt_length(task, policy, cfg.data, console) if cfg.data.max_prompt_tokens else (set(), 0)
+        skipped += fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
+        if cfg.data.max_prompt_tokens:  # indices once the splits are final
+            task.long_prompts = LongPrompts(frozenset(i for i, e in enumerate(task.train) if e.prompt in cut), skipped)
         if lo is not None:
             apply_lora(policy, r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules,
                        base=base, seed=cfg.model.seed)
@@ -165,7 +216,9 @@ def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
         UserError: the checkpoint's adapter names another base than this run's (a moved cache or model.path).
     """
     if cfg.model.lora is None:
-        loaded.chat_template, loaded.system_prompt = policy.chat_template, policy.system_prompt  # the run's framing
+        # the run's framing
+        loaded.chat_template, loaded.system_prompt = policy.chat_template, policy.system_prompt
+        loaded.max_prompt_tokens = policy.max_prompt_tokens
         return loaded
     saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path
     if saved != now:

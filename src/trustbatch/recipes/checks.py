@@ -6,6 +6,8 @@ from .. import objectives
 from ..config import Config
 from ..errors import UserError
 from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
+from ..policy.reward_model import check_reward_model
+from ..rewards.scorers import MODEL_PREFIX, is_model
 from ..rollout.spec import KL_DISTRIBUTIONS, EngineSpec, behaviour_distribution
 from .backends import backend_for
 
@@ -105,3 +107,24 @@ def check_learner(cfg: Config) -> None:
         raise UserError("model.lora does not run with train.strategy=fsdp2 (the sharded adapters are not merged "
                         "for the rollout engine or the checkpoint); use train.strategy=ddp, which replicates only "
                         "the small adapters' optimizer state, or drop model.lora")
+
+
+def check_reward(cfg: Config) -> None:
+    """Refuse a reward model (``reward.model``, or an ``rm:`` term of ``reward.functions``) that is no
+    sequence-classification model with one label (``policy.reward_model.check_reward_model``, its config alone), or
+    that the run would need in rollout worker processes (``rollout.mode=async``, ``orchestrator=ray``): it runs in
+    the trainer's process beside the learner, as ``rewards.objects`` keeps Python objects there.
+
+    Raises:
+        UserError: one line naming the cause and the fix.
+    """
+    rw = cfg.reward
+    models = ([rw.model] if rw.model is not None else []) + [f.name for f in rw.functions if is_model(f.name)]
+    if not models:
+        return
+    if cfg.rollout.mode == "async" or cfg.orchestrator == "ray":
+        where = "orchestrator=ray" if cfg.orchestrator == "ray" else "rollout.mode=async"
+        raise UserError(f"reward model {models[0]!r} runs in the trainer's process on the learner's device, which the "
+                        f"rollout workers of {where} cannot reach; use rollout.mode=sync with reward.model")
+    for m in models:
+        check_reward_model(m.removeprefix(MODEL_PREFIX))

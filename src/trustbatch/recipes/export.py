@@ -28,15 +28,16 @@ from ..config import Config, load_config, read_yaml_file
 from ..errors import UserError
 from ..records import git_commit, package_version, read_metrics, umask_modes
 from ..seeding import row_seed
-from ..trainer.checkpoint import checkpoints
+from ..trainer.checkpoint import BEST, checkpoints, step_of
 from .hooks import EVAL_STREAM
 from .outputs import output_folder
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
 
 
-def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
-    """Write checkpoint ``step`` (default: the newest) of ``run_dir`` to ``out`` as a Hugging Face model directory.
+def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = None) -> dict:
+    """Write checkpoint ``step`` (default: the newest; ``"best"``: the one ``checkpoints/best`` names, kept by
+    ``checkpoint_keep_best``) of ``run_dir`` to ``out`` as a Hugging Face model directory.
 
     ``out`` is written through a temporary sibling and a rename, so it is whole or absent.
 
@@ -46,7 +47,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
 
     Raises:
         UserError: ``run_dir`` is missing or no run directory, holds no checkpoint, or none at ``step`` (the
-            message lists those it has); ``out`` is a non-empty directory or a file, lies inside a file, or
+            message lists those it has), or no ``best`` link for ``"best"``; ``out`` is a non-empty directory or a file, lies inside a file, or
             cannot be created or written (``outputs.output_folder``); the checkpoint does not load (a LoRA
             checkpoint's base moved, corrupt weights).
     """
@@ -54,7 +55,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     from ..policy.model import _quiet_transformers
 
     run, cfg, ckpt = _checked_run(Path(run_dir), step)
-    step = int(ckpt.name.removeprefix("step_"))
+    step = step_of(ckpt)
     dest = Path(out).expanduser()
     if dest.is_dir() and any(dest.iterdir()):
         raise UserError(f"--out {str(dest)!r} exists and is not an empty directory; give a new directory")
@@ -81,7 +82,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
             "eval_command": command}
 
 
-def _checked_run(run: Path, step: int | None) -> tuple[Path, Config, Path]:
+def _checked_run(run: Path, step: int | str | None) -> tuple[Path, Config, Path]:
     """The run directory, its saved config (keys added since default) and the checkpoint to export."""
     if not run.is_dir() or not (run / "config.yaml").is_file():
         raise UserError(f"{str(run)!r} is not a trustbatch run directory (no config.yaml); give the run_dir of a "
@@ -97,7 +98,16 @@ def _checked_run(run: Path, step: int | None) -> tuple[Path, Config, Path]:
                         "base evaluation: train it (again), or resume it")
     if step is None:
         return run, cfg, found[-1]
-    by_step = {int(p.name.removeprefix("step_")): p for p in found}
+    by_step = {step_of(p): p for p in found}
+    if step == BEST:
+        link = run / "checkpoints" / BEST
+        target = link.resolve() if link.is_symlink() else None
+        if target is None or target.parent != (run / "checkpoints").resolve() or target.name not in \
+                {p.name for p in found}:
+            raise UserError(f"run {str(run)!r} names no best checkpoint (checkpoints/{BEST}); a run keeps one with "
+                            f"checkpoint_keep_best=true (a resume may set it): pick a --step of "
+                            f"{', '.join(map(str, by_step))}")
+        return run, cfg, by_step[step_of(target)]
     if step not in by_step:
         raise UserError(f"run {str(run)!r} has no checkpoint at step {step}; it keeps {', '.join(map(str, by_step))} "
                         "(the newest ones, every checkpoint_every rounds): pick one of them")

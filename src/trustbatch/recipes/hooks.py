@@ -12,6 +12,7 @@ import torch
 from ..config import Config
 from ..eval import evaluate_heldout
 from ..parallel import World, full_model_state
+from ..records import read_metrics
 from ..seeding import row_seed
 from ..trainer.checkpoint import save_checkpoint
 from ..trainer.progress import Progress
@@ -35,6 +36,14 @@ def truncation_advice(max_new_tokens: int, context: int | None, longest_prompt: 
                f"the model's context of {context})"
     return (f"the model's context of {context} tokens cannot hold more beside the longest prompt ({longest_prompt} "
             "tokens): use a model with a longer context (model.max_len for the default base) or shorter prompts")
+
+
+def heldout_by_round(run_dir: Path) -> dict[int, float]:
+    """``heldout_accuracy`` by round from ``metrics.jsonl`` (a resume truncates it to its checkpoint, so redone
+    rounds count once), what ``checkpoint_keep_best`` ranks checkpoints by."""
+    path = Path(run_dir) / "metrics.jsonl"
+    recs = read_metrics(path) if path.is_file() else []
+    return {int(r["step"]): float(r["heldout_accuracy"]) for r in recs if "heldout_accuracy" in r}
 
 
 class TrainHooks:
@@ -102,7 +111,8 @@ class TrainHooks:
         sync_state = parts.sync.state_dict()
         if sync_state:  # only a sync that serves other weights than the learner's (lagged) has any
             state["sync"] = sync_state
-        save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state, keep=self.cfg.checkpoint_keep)
+        save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state, keep=self.cfg.checkpoint_keep,
+                        best_of=heldout_by_round(self.run_dir) if self.cfg.checkpoint_keep_best else None)
 
     def before_train(self, round_: int, batch) -> None:
         learner = self.built.parts.learner

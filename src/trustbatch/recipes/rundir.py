@@ -21,7 +21,8 @@ from ..trainer.runlog import MetricsLog
 from ..trainer.trackers import open_trackers
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
-RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "checkpoint_keep", "threads", "reward.workers", "reward.timeout_s",
+RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "checkpoint_keep",
+                  "checkpoint_keep_best", "threads", "reward.workers", "reward.timeout_s",
                   "run_dir", "log.trackers")
 
 # errno values that mean "this path cannot be written": a full or read-only disk anywhere, and

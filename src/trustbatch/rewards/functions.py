@@ -6,22 +6,26 @@ apply to every function and form (per-completion ``score(completion, reference)`
 sum is not clamped. A failure of any function scores that function 0 and counts once in the round's failure rate,
 which is over completions × functions; each function's own failure rate (over completions) is judged against
 ``reward.max_failure_rate`` too, so one that always fails stops the run however many others score.
+
+A term named ``rm:DIR`` is a reward model (``reward.model``), not a function: ``WeightedRewards`` scores it with what
+its ``load_model`` returns for DIR (``policy.reward_model.RewardModel``, built by the recipes on the learner's
+device), in this process and unclamped; without ``load_model`` such a term is refused (``scorers.get``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .pool import RewardPool
-from .scorers import ScoreResult
+from .scorers import MODEL_PREFIX, ScoreResult, is_model
 
 Terms = tuple[tuple[str, float], ...]  # (scorer name, weight) per reward function
 
 
 def labels(names: Sequence[str]) -> list[str]:
     """A metric label per reward function: the function's name (``module:fn`` → ``fn``, ``python:f.<locals>.g`` →
-    ``g``), ``#k`` added to repeats."""
-    base = [n.rpartition(":")[2].rpartition(".")[2] if n.startswith("python:")
+    ``g``, a reward model ``rm:DIR`` → ``reward_model``), ``#k`` added to repeats."""
+    base = ["reward_model" if is_model(n) else n.rpartition(":")[2].rpartition(".")[2] if n.startswith("python:")
             else n.rpartition(":")[2] if ":" in n and not n.startswith(("rg:", "rg-final:")) else n for n in names]
     return [b if base.count(b) == 1 else f"{b}#{base[:k].count(b)}" for k, b in enumerate(base)]
 
@@ -32,15 +36,27 @@ class WeightedRewards:
     The result's ``components`` holds each function's rewards by ``labels``; ``functions`` is len(terms). Same
     interface as ``RewardPool`` (``score``, ``close``, ``in_process_marker``), so a rollout source takes either.
 
+    ``load_model(DIR)``: the scorer of a reward-model term ``rm:DIR`` (module docstring), with the interface of a
+    ``RewardPool``.
+
     Raises:
-        UserError: at construction, from ``RewardPool`` (an unknown scorer or one that fails to import).
+        UserError: at construction, from ``RewardPool`` (an unknown scorer or one that fails to import), a
+            reward-model term without ``load_model``, or ``load_model``'s own.
     """
 
-    def __init__(self, terms: Terms, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
+    def __init__(self, terms: Terms, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32,
+                 load_model: Callable[[str], object] | None = None):
         self.terms = tuple((str(n), float(w)) for n, w in terms)
         self.labels = labels([n for n, _ in self.terms])
         self.name = self.describe(self.terms)
-        self.pools = [RewardPool(n, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size) for n, _ in terms]
+        self.pools = []
+        try:
+            for n, _ in self.terms:
+                self.pools.append(load_model(n[len(MODEL_PREFIX):]) if is_model(n) and load_model is not None
+                                  else RewardPool(n, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size))
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def describe(terms: Terms) -> str:
@@ -82,8 +98,10 @@ class WeightedRewards:
         self.close()
 
 
-def make_reward(reward: str | Terms, *, workers: int = 2, timeout_s: float = 10.0) -> RewardPool | WeightedRewards:
-    """A ``RewardPool`` for one scorer name, a ``WeightedRewards`` for a tuple of ``(name, weight)``."""
+def make_reward(reward: str | Terms, *, workers: int = 2, timeout_s: float = 10.0,
+                load_model: Callable[[str], object] | None = None) -> RewardPool | WeightedRewards:
+    """A ``RewardPool`` for one scorer name, a ``WeightedRewards`` for a tuple of ``(name, weight)`` (``load_model``:
+    as there)."""
     if isinstance(reward, str):
         return RewardPool(reward, workers=workers, timeout_s=timeout_s)
-    return WeightedRewards(reward, workers=workers, timeout_s=timeout_s)
+    return WeightedRewards(reward, workers=workers, timeout_s=timeout_s, load_model=load_model)

@@ -27,7 +27,7 @@ Scorer = Callable[[str, str], float]
 class ScoreResult:
     """What one scoring call (``score_local``, ``RewardPool.score``) gives: rewards in order and its failure counts."""
 
-    rewards: list[float]  # one per completion, in [0, 1]
+    rewards: list[float]  # one per completion, in [0, 1] (a reward model's, policy.reward_model, unclamped)
     errors: int  # scorer raised (or exited), returned a non-finite value or a non-number, or its process died
     timeouts: int  # scorer ran past the time limit
     clamped: int = 0  # finite rewards outside [0, 1], clamped into it
@@ -67,6 +67,12 @@ def one_line(text: str, limit: int = 300) -> str:
 
 
 BUILTIN: dict[str, Scorer] = {"math": math_reward, "gsm8k": gsm8k_reward, "countdown": countdown_reward}
+MODEL_PREFIX = "rm:"  # a reward model's term in reward.functions' sum: rm:DIR (``functions.WeightedRewards``)
+
+
+def is_model(name: str) -> bool:
+    """Whether ``name`` is a reward model's term (``rm:DIR``)."""
+    return isinstance(name, str) and name.startswith(MODEL_PREFIX)
 
 
 class ReasoningGymScorer:
@@ -146,8 +152,13 @@ def get(name: str) -> Scorer:
     Raises:
         UserError: unknown name, a reasoning-gym task that does not exist, or a ``module:function``
             whose module is missing or raises on import (any exception, or ``sys.exit``), or that
-            is missing or not callable. The message is one line and names the module.
+            is missing or not callable. The message is one line and names the module. A reward
+            model's term (``rm:DIR``): it is no scorer (``functions.WeightedRewards`` loads it).
     """
+    if is_model(name):
+        raise UserError(f"reward {name!r} is a reward model, which is scored in the trainer's process beside the "
+                        "learner, not as a scorer here (reward workers, rollout workers, reward.name, held-out "
+                        "evaluation); set it as reward.model=DIR")
     if name in BUILTIN:
         return BUILTIN[name]
     if name.startswith("rg:"):

@@ -17,7 +17,8 @@ from .scorers import ScoreResult, check_scoring
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """name: the scorer (``rewards.get``), or (scorer, weight) terms summed (``rewards.make_reward``). workers:
+    """name: the scorer (``rewards.get``), or (scorer, weight) terms summed (``rewards.make_reward``; a reward
+    model's term is ``rm:DIR``, which only the trainer's process loads). workers:
     scoring processes (0: in this process, no time limit). timeout_s: seconds per completion (reward 0, counted).
     max_failure_rate: the fraction of a scoring call's completions that may fail (errors + timeouts) before the run
     stops, in [0, 1]."""
@@ -32,9 +33,10 @@ class RewardSpec:
         """The reward's name in messages: the scorer's, or its weighted terms'."""
         return self.name if isinstance(self.name, str) else WeightedRewards.describe(self.name)
 
-    def pool(self) -> RewardPool | WeightedRewards:
-        """A new pool of this reward (``rewards.make_reward``); the caller closes it."""
-        return make_reward(self.name, workers=self.workers, timeout_s=self.timeout_s)
+    def pool(self, load_model: Callable[[str], object] | None = None) -> RewardPool | WeightedRewards:
+        """A new pool of this reward (``rewards.make_reward``; ``load_model`` builds a reward-model term's scorer, as
+        ``WeightedRewards`` says); the caller closes it."""
+        return make_reward(self.name, workers=self.workers, timeout_s=self.timeout_s, load_model=load_model)
 
     def check(self, where: str, warn: Callable[[str], None] | None = None) -> Callable[[ScoreResult, int], None]:
         """``check(result, n)`` for each scoring call of ``n`` completions: ``warn`` hears any failure (one line),

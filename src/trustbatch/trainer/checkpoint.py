@@ -10,6 +10,9 @@ the rounds that sample the next batches), the weight sync's snapshots (lagged sy
 random states (rank 0's, and under torchrun every rank's as ``rank_rng``: ``recipes.hooks.TrainHooks.save``). A
 checkpoint is written to a temporary folder and renamed, so a kill at any moment leaves the previous checkpoints
 intact; a checkpoint whose weights are not finite is never written.
+
+Rotation keeps the ``keep`` newest; with held-out values by round (``checkpoint_keep_best``) it also keeps the best
+one, which ``checkpoints/best`` (a relative symlink) names.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..records import umask_modes
 
 _FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
 KEEP = 2  # checkpoints kept by default (checkpoint_keep)
+BEST = "best"  # checkpoints/best: the symlink to the best held-out checkpoint (checkpoint_keep_best)
 
 
 class NonFiniteWeights(UserError):
@@ -39,13 +43,15 @@ class NonFiniteWeights(UserError):
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: dict | None = None,
-                    keep: int = KEEP) -> Path:
+                    keep: int = KEEP, best_of: dict[int, float] | None = None) -> Path:
     """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path.
 
     ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states. ``model_state``: the
     policy's whole state dict when ``policy.model`` is sharded (FSDP2: ``parallel.full_model_state``),
     written in its place, so that the checkpoint loads at any world size. Once it is complete, only the ``keep``
-    newest checkpoints stay.
+    newest checkpoints stay, and with ``best_of`` (held-out accuracy by round) also ``best_checkpoint``'s, named
+    by the ``checkpoints/best`` symlink. By induction the best checkpoint ever written stays: it is the best of
+    those on disk at every save, so no rotation deletes it.
 
     Raises:
         NonFiniteWeights: a weight is NaN or inf (nothing is written).
@@ -86,9 +92,38 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    best = None if best_of is None else best_checkpoint(run_dir, best_of)
+    if best_of is not None:
+        _name_best(root, best)
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != best:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def step_of(ckpt: Path) -> int:
+    """The round of a checkpoint folder ``step_XXXXXX``."""
+    return int(Path(ckpt).name.removeprefix("step_"))
+
+
+def best_checkpoint(run_dir: Path, heldout: dict[int, float]) -> Path | None:
+    """The complete checkpoint whose round has the highest ``heldout`` value (held-out accuracy by round), the
+    earliest on ties; None when no checkpoint's round has one (it was not evaluated)."""
+    scored = [(heldout[step_of(p)], -step_of(p), p) for p in checkpoints(run_dir) if step_of(p) in heldout]
+    return max(scored)[2] if scored else None
+
+
+def _name_best(root: Path, best: Path | None) -> None:
+    """Point ``root/best`` at ``best`` (relative, so a copied run directory keeps it), or remove it for None; the
+    link is replaced by a rename, never left missing or half-made."""
+    link = root / BEST
+    if best is None:
+        link.unlink(missing_ok=True)
+        return
+    tmp = root / f".tmp-{BEST}-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(best.name, tmp)
+    os.replace(tmp, link)
 
 
 def _write_error(root: Path, e: Exception) -> OSError | None:
@@ -110,10 +145,13 @@ def _write_error(root: Path, e: Exception) -> OSError | None:
 
 
 def clean_temporaries(run_dir: Path) -> int:
-    """Remove temporary checkpoint folders left by a kill during a write. Returns how many."""
+    """Remove temporary checkpoint folders (and ``best`` links) left by a kill during a write. Returns how many."""
     tmps = list((Path(run_dir) / "checkpoints").glob(".tmp-*"))
     for t in tmps:
-        shutil.rmtree(t, ignore_errors=True)
+        if t.is_symlink():
+            t.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(t, ignore_errors=True)
     return len(tmps)
 
 
