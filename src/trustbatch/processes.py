@@ -1,6 +1,7 @@
 """Processes that never outlive the process that started them: reward and rollout workers (children of the
-trainer), the ranks of a torchrun job (children of its launcher) and a lab's runs (children of its forkserver,
-started by the lab); and the process tree read from ``/proc``, for waiting until a local Ray cluster is gone.
+trainer), the ranks of a torchrun job (children of its launcher), a lab's runs (children of its forkserver,
+started by the lab) and a local Ray cluster's processes (``Reaper``: grandchildren too, whose parent dies first);
+and the process tree read from ``/proc``, for waiting until a local Ray cluster is gone.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -79,13 +81,24 @@ def die_with_sentinel(sentinel: int) -> None:
     threading.Thread(target=watch, daemon=True, name="trustbatch-starter-watch").start()
 
 
-def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name: state, ppid, ..., start time (index 19)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+            return f.read().rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
     except (OSError, IndexError):
         return None
-    return int(fields[1]), fields[0]
+
+
+def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+    fields = _stat(pid)
+    return None if fields is None else (int(fields[1]), fields[0])
+
+
+def _born(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot): with the pid, it names one process even after pid reuse."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def process_tree(roots: list[int]) -> list[int]:
@@ -130,3 +143,105 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+_REAP_POLL_S = 0.2  # how often a reaper records the processes it guards and checks that its starter lives
+
+
+class Reaper:
+    """A watcher process that kills what this process starts from now on, should this process die first (SIGKILL
+    included): a local Ray cluster, whose agents are children of the raylet and outlive a killed driver by minutes.
+
+    The reaper runs ``python -m trustbatch.processes`` in a session of its own (a Ctrl-C or a hang-up of the
+    terminal does not reach it) and, every ``_REAP_POLL_S``, records by pid and start time each process below this
+    one that is new since it started, or, once ``guard`` names them, below those roots only. When this process is
+    gone, or ``close(kill=True)`` is called, it stops the recorded processes that still run (SIGSTOP, so none forks
+    any more), adds their children, and kills them all with SIGKILL; with ``close()`` it exits and kills nothing.
+    Linux only (``/proc``); a process started and orphaned between two polls is not seen (a Ray worker exits on its
+    own when its raylet dies).
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "trustbatch.processes", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        with self.proc.stdout:  # returns once the reaper knows what ran before it: all that starts later is guarded
+            self.proc.stdout.read(1)
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the reaper is gone, or already closed
+            pass
+
+    def guard(self, roots: list[int]) -> None:
+        """From now on guard ``roots`` and their descendants only."""
+        self._send("guard " + " ".join(map(str, roots)))
+
+    def close(self, kill: bool = False) -> None:
+        """End the reaper: with ``kill``, once it has killed what it guards. Waits for it (at most 10 s)."""
+        self._send("reap" if kill else "stop")
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _reap(starter: int) -> None:
+    """The reaper process's loop (``Reaper``): guard the processes ``starter`` starts until it says stop."""
+    me, born = os.getpid(), _born(starter)
+    if born is None:  # gone before this reaper could look: it started nothing to guard
+        return
+    before = {(p, _born(p)) for p in process_tree([starter])}  # this reaper among them
+    os.write(1, b"r")
+    roots = {starter: born}  # pid -> start time: where the walk starts
+    seen: dict[int, int] = {}
+    buf = b""
+    while _born(starter) == born:
+        if select.select([0], [], [], _REAP_POLL_S)[0]:
+            chunk = os.read(0, 4096)
+            if not chunk:  # the starter closed its end without a word, or died
+                break
+            *lines, buf = (buf + chunk).split(b"\n")
+            words = [line.split() for line in lines]
+            if [b"stop"] in words:
+                return
+            if [b"reap"] in words:
+                break
+            for w in words:
+                if w[:1] == [b"guard"]:
+                    roots = {int(p): t for p in w[1:] if (t := _born(int(p))) is not None}
+        for p in process_tree([p for p, t in roots.items() if _born(p) == t]):
+            t = _born(p)
+            if t is not None and p not in (me, starter) and (p, t) not in before:
+                seen[p] = t
+    _kill_recorded(seen, me)
+
+
+def _kill_recorded(seen: dict[int, int], me: int) -> None:
+    """SIGSTOP the recorded processes still running (pid and start time), then their children until no new one
+    appears, then SIGKILL them all."""
+    frozen: set[int] = set()
+    todo = [p for p, t in seen.items() if _born(p) == t]
+    while todo:
+        _signal(todo, signal.SIGSTOP)
+        frozen.update(todo)
+        todo = [p for p in process_tree(sorted(frozen)) if p not in frozen and p != me]
+    _signal(sorted(frozen), signal.SIGKILL)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:  # ended meanwhile, or not ours to signal: the others still get it
+            pass
+
+
+if __name__ == "__main__":
+    _reap(int(sys.argv[1]))

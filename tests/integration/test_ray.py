@@ -5,7 +5,9 @@ Run with ``make test-ray`` (its own environment with ``trustbatch[ray]``). Witho
 skipped; the test that ``orchestrator=ray`` names the extra runs everywhere (it hides Ray if present).
 """
 
+import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from trustbatch.config import load_config
 from trustbatch.errors import UserError
 from trustbatch.recipes import train
 
-from runproc import alive, descendants, one_line, records, survivors
+from runproc import alive, descendants, one_line, records, start, survivors
 from tiny import TINY
 
 SKIP_REASON = "Ray is not installed (pip install 'trustbatch[ray]'; `make test-ray` builds an env with it)"
@@ -38,6 +40,16 @@ def cache(tmp_path, monkeypatch, support_on_pythonpath):
     # a local cluster for one test needs no token; Ray would otherwise write one to ~/.ray and set
     # RAY_AUTH_MODE in this process's environment for the rest of the session
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+
+
+def _born(pid: int) -> int | None:
+    """The start time of a running ``pid`` (clock ticks after boot, /proc/PID/stat field 22): with the pid it names
+    one process, whatever pid reuse follows; None once it has ended (a zombie has ended)."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _cmdline(pid: int) -> bytes:
@@ -292,16 +304,134 @@ def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, cache):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.ray
+def test_a_killed_ray_driver_takes_its_local_cluster_with_it(tmp_path, cache):
+    """Issue 46 item 3: ``kill -9`` of ``trustbatch train`` once its local cluster and actors run; 10 s later no process
+    of that cluster runs. The cluster's processes are the driver's descendants, recorded by pid and start time while
+    it lived (so no other Ray on this machine counts, whatever pid reuse follows). Before the reaper, Ray's
+    DashboardAgent and RuntimeEnvAgent (children of the raylet) outlived the driver by a minute or more."""
+    pytest.importorskip("ray", reason=SKIP_REASON)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, *RAY, "train.steps=500", "rollout.workers=1",
+           f"run_dir={run}"]
+    proc = start(cmd, tmp_path / "out.log")
+    seen: dict[tuple[int, int], bytes] = {}  # (pid, start time) -> its latest command line
+    # the whole cluster (the two agents are what outlived a killed driver) and the run's actors
+    whole = (b"gcs_server", b"raylet", b"ray::DashboardAgent", b"ray::RuntimeEnvAgent", b"ray::RolloutWorker",
+             b"ray::LearnerRank")
+
+    def record():
+        for p in descendants(proc.pid):
+            if (t := _born(p)) is not None:
+                seen[p, t] = _cmdline(p) or seen.get((p, t), b"")
+
+    try:
+        deadline = time.monotonic() + 180
+        while not all(name in b" ".join(seen.values()) for name in whole):
+            assert proc.poll() is None, (tmp_path / "out.log.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"not all of {whole} ran within 180 s: {sorted(seen.values())}"
+            record()
+            time.sleep(0.05)
+        for _ in range(20):  # a second more: the actors at work
+            record()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert proc.wait(10) == -signal.SIGKILL
+        left = list(seen)
+        while left and time.monotonic() - killed_at < 10.0:
+            time.sleep(0.1)
+            left = [(p, t) for p, t in left if _born(p) == t]
+        gone_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p, t in seen:  # a failure leaves nothing running
+            if _born(p) == t:
+                os.kill(p, signal.SIGKILL)
+    assert not left, f"10 s after the driver's SIGKILL: {[(p, seen[p, t][:60]) for p, t in left]}"
+    print(f"the cluster's {len(seen)} processes were gone {gone_s:.1f} s after the driver's SIGKILL")
+
+
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):  # the test's output is its assertions
+        pass
+
+
+@pytest.mark.ray
+def test_a_ray_address_that_answers_but_is_not_ray_is_one_line_and_exit_2_within_30_s(tmp_path, cache):
+    """Issue 46 item 3: an HTTP server at ``ray_address`` (the dashboard's port is one); ``ray.init`` alone waited
+    there for minutes, printing its own retries."""
+    pytest.importorskip("ray", reason=SKIP_REASON)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, *RAY, f"ray_address=127.0.0.1:{port}",
+           f"run_dir={tmp_path / 'run'}"]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = one_line(p.stderr)
+    assert line.startswith(f"trustbatch: error: ray_address=127.0.0.1:{port} answers but is not a Ray cluster (an HTTP server "
+                           "answered"), line
+    assert "ray start --head" in line, line
+    assert took < 30, f"{took:.0f} s"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.ray
+def test_a_real_ray_gcs_passes_the_address_check(cache):
+    """The HTTP/2 greeting ``check_reachable`` sends is answered by a real GCS (a local cluster's), in well under a
+    second."""
+    ray = pytest.importorskip("ray", reason=SKIP_REASON)
+    from trustbatch.orchestration import ray_cluster
+
+    started = ray_cluster.connect(None, cpus=1)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        t0 = time.monotonic()
+        ray_cluster.check_reachable(address, timeout_s=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        ray_cluster.close_actors(ray, [], started)
+
+
 def test_a_ray_address_is_tried_first_and_refused_in_one_line_naming_it(monkeypatch):
-    """``ray_cluster.check_reachable`` needs no Ray: a real closed port, a real listening one, a bad address, and a
-    timeout (``socket.create_connection`` made to raise it, as a silently dropping firewall would)."""
+    """``ray_cluster.check_reachable`` needs no Ray: a real closed port, a real listening one that never answers, one
+    that hangs up, a bad address, and a timeout (``socket.create_connection`` made to raise it, as a silently
+    dropping firewall would). A real GCS passes: ``test_a_real_ray_gcs_passes_the_address_check``."""
     from trustbatch.orchestration import ray_cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        ray_cluster.check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")  # answers: no error
+        port = listening.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as e:  # the kernel accepts the connection; nothing reads or answers
+            ray_cluster.check_reachable(f"127.0.0.1:{port}", timeout_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 1.5
+        assert str(e.value).startswith(f"ray_address=127.0.0.1:{port} answers but is not a Ray cluster (no answer to "
+                                       "a gRPC greeting within 0.5 s): give the address `ray start --head` "
+                                       "printed there"), e.value
+        monkeypatch.setenv("RAY_USE_TLS", "1")  # a TLS GCS waits for a TLS handshake: only the connection is tried
+        ray_cluster.check_reachable(f"127.0.0.1:{port}", timeout_s=0.5)
+        monkeypatch.delenv("RAY_USE_TLS")
+    with socket.socket() as hangs_up:
+        hangs_up.bind(("127.0.0.1", 0))
+        hangs_up.listen()
+        t0 = time.monotonic()
+        hang_up = threading.Thread(target=lambda: hangs_up.accept()[0].close())
+        hang_up.start()
+        with pytest.raises(UserError, match=r"not a Ray cluster \(it hung up on a gRPC greeting\)"):
+            ray_cluster.check_reachable(f"127.0.0.1:{hangs_up.getsockname()[1]}", timeout_s=5.0)
+        hang_up.join()
+        assert time.monotonic() - t0 < 1.0  # at once, not at the timeout
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))
             port = closed.getsockname()[1]  # bound, never listening: refused

@@ -1,9 +1,11 @@
 """The Ray cluster of a run (``orchestrator=ray``): join it or start it, and leave nothing of it behind.
 
 - Installed: ``check_ray`` fails before any work, without importing Ray (it takes seconds).
-- Reachable: an address (``ray_address``, else ``RAY_ADDRESS``) is first tried with a plain TCP connection for at
-  most ``CONNECT_TIMEOUT_S``: ``ray.init`` itself retries an unreachable GCS for minutes without a word (Ray 2.60).
-  A port that accepts connections but is not a Ray GCS still waits in ``ray.init``.
+- Reachable: an address (``ray_address``, else ``RAY_ADDRESS``) is first tried with a TCP connection and an HTTP/2
+  greeting, both within ``CONNECT_TIMEOUT_S``: ``ray.init`` itself retries an unreachable GCS for minutes without a
+  word, and waits as long on a port that answers but is not a GCS (an HTTP server, the dashboard), with its own log
+  lines (Ray 2.60). A GCS is a gRPC server, and answers the HTTP/2 client preface with its SETTINGS frame
+  (RFC 9113 section 3.4); with ``RAY_USE_TLS`` it expects a TLS handshake first, and only the connection is tried.
 - Token: for a local cluster that ``ray.init`` starts, Ray 2.60 turns token authentication on and, unless it is
   given a token, writes a new one to ``~/.ray/auth_token``, where it stays (and becomes the token of every later
   local cluster and ``ray start`` of that user). When the user gives none (no ``RAY_AUTH_MODE``,
@@ -14,6 +16,11 @@
   until every process of it has ended (after ``ray.shutdown()`` Ray's workers notice on their own, up to about 5 s
   later; those still running after ``LINGER_S`` are killed). Processes are found in ``/proc``; elsewhere, and for a
   cluster that was joined, the actors are killed without waiting.
+- A killed driver: Ray's gcs_server and raylet die with the process that started them (Ray sets the parent-death
+  signal on them), but the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) outlive it by a
+  minute or more (they retry reporting to the dead GCS). A local cluster is therefore started under a
+  ``processes.Reaper``: a process of its own session that records the cluster's processes while the driver lives
+  and kills those still running once the driver is gone, SIGKILL included (within about a second).
 
 ``ray`` is imported in this package only, inside functions, so trustbatch works without it.
 """
@@ -24,16 +31,20 @@ import importlib.util
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 
 from ..errors import UserError
-from ..processes import kill, process_tree, wait_gone
+from ..processes import Reaper, kill, process_tree, wait_gone
 
 INSTALL_HINT = "orchestrator=ray needs Ray, which is not installed: pip install 'trustbatch[ray]'"
 CONNECT_TIMEOUT_S = 10.0  # a first TCP connection to the cluster's address
 LINGER_S = 1.0  # after ray.shutdown(), before the cluster's remaining processes are killed
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 _started: list[int] = []  # the processes ray.init started here (gcs_server, raylet, ...), while Ray runs
+_reaper: list[Reaper] = []  # the reaper of the local cluster started here, while Ray runs
+# the client connection preface and an empty SETTINGS frame (RFC 9113 sections 3.4 and 6.5)
+_H2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def check_ray(address: str | None = None) -> None:
@@ -65,12 +76,13 @@ def import_ray():
 
 
 def check_reachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Open (and close) a TCP connection to ``address`` (else ``RAY_ADDRESS``; ``host:port`` or ``ray://host:port``)
-    within ``timeout_s`` seconds. No address, ``auto`` or ``local``: nothing to try (Ray finds or starts a cluster).
+    """Connect to ``address`` (else ``RAY_ADDRESS``; ``host:port`` or ``ray://host:port``) and check that it speaks
+    HTTP/2, as a Ray GCS (and the Ray Client server) does, all within ``timeout_s`` seconds (module docstring). No
+    address, ``auto`` or ``local``: nothing to try (Ray finds or starts a cluster).
 
     Raises:
-        UserError: the address is not ``host:port``, or nothing answers there in time: one line naming the address,
-            where it came from and the fix.
+        UserError: the address is not ``host:port``, nothing answers there in time, or what answers is not Ray:
+            one line naming the address, where it came from and the fix.
     """
     named = f"ray_address={address}" if address else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -80,13 +92,48 @@ def check_reachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -
     if not sep or not port.isdigit() or not host:
         raise UserError(f"{named} is not host:port (e.g. 10.0.0.5:6379, the address `ray start --head` prints); "
                         "correct it, or leave ray_address and RAY_ADDRESS unset to start a local cluster")
+    deadline = time.monotonic() + timeout_s
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # a TLS GCS waits for a TLS handshake: the connection is all that is tried
+            answer, hung_up = _greet(conn, deadline)
     except OSError as e:
         why = f"no answer within {timeout_s:g} s" if isinstance(e, socket.timeout) else (e.strerror or repr(e))
         raise UserError(f"cannot reach the Ray cluster at {named} ({why}): start it there "
                         f"(`ray start --head --port={port}`), correct the address, or leave ray_address and "
                         "RAY_ADDRESS unset to start a local cluster") from None
+    if len(answer) == 9 and answer[3] == 4 and answer[5:] == bytes(4):  # a SETTINGS frame on stream 0
+        return
+    if answer[:5] == b"HTTP/" or answer.lstrip()[:1] == b"<":
+        what = "an HTTP server answered, not Ray's gRPC"
+    elif answer:
+        what = f"it answered {answer!r}, not the HTTP/2 of Ray's gRPC"
+    else:
+        what = "it hung up on a gRPC greeting" if hung_up else f"no answer to a gRPC greeting within {timeout_s:g} s"
+    raise UserError(f"{named} answers but is not a Ray cluster ({what}): give the address `ray start --head` "
+                    "printed there (the GCS port, 6379 by default, not the dashboard's 8265), or leave ray_address "
+                    "and RAY_ADDRESS unset to start a local cluster")
+
+
+def _greet(conn: socket.socket, deadline: float) -> tuple[bytes, bool]:
+    """Send the HTTP/2 client greeting on ``conn``; return the first 9 bytes of the answer (an HTTP/2 server's
+    SETTINGS frame header), fewer when the peer hangs up or ``deadline`` (``time.monotonic``) passes first, and
+    whether it hung up."""
+    answer = b""
+    try:
+        conn.sendall(_H2_GREETING)
+        while len(answer) < 9:
+            conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+            chunk = conn.recv(9 - len(answer))
+            if not chunk:
+                return answer, True
+            answer += chunk
+    except socket.timeout:
+        return answer, False
+    except OSError:  # reset, or a broken pipe
+        return answer, True
+    return answer, False
 
 
 def _starts_local_cluster(ray, address: str | None) -> bool:
@@ -130,13 +177,30 @@ def connect(address: str | None, cpus: int) -> bool:
     if ray.is_initialized():
         return False
     check_reachable(address)
-    if _starts_local_cluster(ray, address):
+    local = _starts_local_cluster(ray, address)
+    if local:
         _process_token()
     # no dashboard: it is a web server (and an extra) a training run does not need
     kw: dict = dict(address=address, include_dashboard=False)
     if cpus > (os.cpu_count() or 1):
         kw["num_cpus"] = cpus
+    reaper = Reaper() if local and os.path.isdir("/proc") else None
     before = _children()
+    try:
+        _init(ray, kw)
+    except BaseException:
+        if reaper is not None:
+            reaper.close(kill=True)
+        raise
+    # only ray.init starts processes under this one meanwhile: the cluster's own (none when joining one)
+    _started[:] = sorted(_children() - before)
+    if reaper is not None:
+        reaper.guard(_started)
+        _reaper[:] = [reaper]
+    return True
+
+
+def _init(ray, kw: dict) -> None:
     try:
         ray.init(**kw)
     except ValueError:  # "When connecting to an existing cluster, num_cpus ... must not be provided"
@@ -144,9 +208,6 @@ def connect(address: str | None, cpus: int) -> bool:
             raise
         del kw["num_cpus"]
         ray.init(**kw)
-    # only ray.init starts processes under this one meanwhile: the cluster's own (none when joining one)
-    _started[:] = sorted(_children() - before)
-    return True
 
 
 def close_actors(ray, actors: list, started_ray: bool) -> None:
@@ -158,11 +219,14 @@ def close_actors(ray, actors: list, started_ray: bool) -> None:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead, or Ray already down
                 pass
-    if not started_ray or not ray.is_initialized():
+    if not started_ray:
         return
-    tree = process_tree(_started) if _started else []
-    _started.clear()
-    ray.shutdown()
-    left = wait_gone(tree, LINGER_S)
-    kill(left)
-    wait_gone(left, 5.0)
+    if ray.is_initialized():
+        tree = process_tree(_started) if _started else []
+        _started.clear()
+        ray.shutdown()
+        left = wait_gone(tree, LINGER_S)
+        kill(left)
+        wait_gone(left, 5.0)
+    while _reaper:  # the cluster is gone: nothing for it to kill
+        _reaper.pop().close()
