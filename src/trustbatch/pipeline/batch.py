@@ -24,6 +24,9 @@ class TrainBatch:
     forcing does not rebuild: a precision other than float32) has its rows' distributions recorded at sampling
     in ``behavior_logprobs_full`` [B, C, V] float32 (right-aligned; 0 at padding and at rows of other versions);
     otherwise no ``[B, C, V]`` tensor is stored with the batch.
+
+    ``ref_logprobs`` [B, C] are the frozen reference policy's log-probs of the sampled tokens (the reference KL,
+    ``objective.ref_kl_coef``), filled by the learner once per batch (``Learner.train_on``), never [B, C, V].
     """
 
     packed: Packed
@@ -35,6 +38,7 @@ class TrainBatch:
     behaviour: dict[int, Teacher] = field(default_factory=dict)
     proximal: Teacher | None = None
     behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
+    ref_logprobs: torch.Tensor | None = None  # [B, C], log π_ref of the sampled tokens (the learner fills it)
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -47,9 +51,10 @@ class TrainBatch:
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
         prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
         full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full[idx]
+        ref = None if self.ref_logprobs is None else self.ref_logprobs[idx]
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
                           self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal,
-                          behavior_logprobs_full=full)
+                          behavior_logprobs_full=full, ref_logprobs=ref)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
@@ -57,9 +62,10 @@ class TrainBatch:
             return self
         prox = None if self.proximal_logprobs is None else self.proximal_logprobs.to(device)
         full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full.to(device)
+        ref = None if self.ref_logprobs is None else self.ref_logprobs.to(device)
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
                           self.policy_version.to(device), prox, metrics=self.metrics, behaviour=self.behaviour,
-                          proximal=self.proximal, behavior_logprobs_full=full)
+                          proximal=self.proximal, behavior_logprobs_full=full, ref_logprobs=ref)
 
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
