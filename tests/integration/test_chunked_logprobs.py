@@ -212,6 +212,56 @@ def test_chunked_head_against_float64_math():
         _close(a, c, f"grad {name}", 1e-12)
 
 
+@pytest.mark.parametrize("with_kl", [False, True], ids=["entropy", "entropy+kl"])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 9])
+def test_entropy_gradient_equals_autograd_through_the_full_vocabulary_entropy(chunk, with_kl):
+    """An entropy bonus (``entropy_grad``): the chunked head's entropy carries the gradient of H = −Σ_v p log p,
+    p = softmax((h·Wᵀ + b) / T), with the log-prob's (and the KL's) beside it. Against autograd through the
+    whole-vocabulary entropy written out in float64 (no code of the package), to float64 round-off, over chunks
+    of 1, 2, 3 tokens (several chunks, row blocks for 1 and 2) and one chunk (9)."""
+    h, w, b, y, m, refs, cot = _head_inputs(seed=4)
+    g_ent = torch.randn(*y.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    T = 0.7
+    ref = KLReference((refs[0],), m) if with_kl else None
+    logp, ent, kl = chunked_logprobs(h, w, b, y, chunk_size=chunk, temperature=T, with_entropy=True,
+                                     kl_reference=ref, entropy_grad=True)
+    assert ent.requires_grad
+    loss = (logp * cot[0]).sum() + (ent * g_ent).sum() + ((kl * cot[1]).sum() if with_kl else 0.0)
+    loss.backward()
+    h2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, w, b))
+    z = (h2 @ w2.T + b2) / T
+    lsm = z - z.logsumexp(-1, keepdim=True)
+    p = lsm.exp()
+    want_ent = -(p * lsm).sum(-1)
+    want = (lsm.gather(-1, y[..., None]).squeeze(-1) * cot[0]).sum() + (want_ent * g_ent).sum()
+    if with_kl:
+        want = want + (torch.where(m, (p * (lsm - refs[0].double())).sum(-1), 0.0) * cot[1]).sum()
+    want.backward()
+    _close(ent, want_ent, "entropy", 1e-12)
+    for name, a, c in (("hidden", h.grad, h2.grad), ("weight", w.grad, w2.grad), ("bias", b.grad, b2.grad)):
+        _close(a, c, f"grad {name}", 1e-12)
+    # the entropy's share is not negligible: without it the gradient is another
+    h.grad = None
+    (chunked_logprobs(h, w, b, y, chunk_size=chunk, temperature=T)[0] * cot[0]).sum().backward()
+    assert float((h.grad - h2.grad).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [2, 9])
+def test_an_entropy_without_gradient_leaves_the_backward_bit_for_bit(chunk):
+    """entropy_grad off (entropy_coef = 0): the entropy is a constant and the gradients are those of the log-probs
+    alone, bit for bit (the same ops; the learner always asks for the entropy, for its metric)."""
+    h, w, b, y, m, refs, cot = _head_inputs(seed=6, dtype=torch.float32)
+    grads = []
+    for kw in ({}, {"with_entropy": True}):
+        for t in (h, w, b):
+            t.grad = None
+        out = chunked_logprobs(h, w, b, y, chunk_size=chunk, temperature=0.7, **kw)
+        assert out[1] is None or not out[1].requires_grad
+        (out[0] * cot[0]).sum().backward()
+        grads.append([t.grad.clone() for t in (h, w, b)])
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
+
+
 def test_flat_hidden_states_are_one_row():
     h, w, b, y, _, _, _ = _head_inputs(seed=4, B=1)
     flat, _, _ = chunked_logprobs(h[0], w, None, y[0], chunk_size=3)

@@ -248,3 +248,39 @@ def test_padding_free_with_the_exact_kl_is_refused_before_any_work():
     with pytest.raises(UserError, match="train.padding_free packs rows"):
         check_objective(load_config(None, ["train.padding_free=true", "objective.options={kl: exact}"]))
     check_objective(load_config(None, ["train.padding_free=true"]))  # k3, the default, packs
+
+
+# ---------------------------------------------------------------- the reference KL's reference
+def test_what_the_reference_kl_cannot_use_is_refused_in_one_line(tmp_path):
+    """model.reference without a reference KL would be ignored; a path that is no model directory would fail after
+    the policy loaded; Ray learner actors hold no reference: each is one line at the preflight, before any model
+    loads. The reference KL itself (and the entropy bonus) passes."""
+    from trustbatch.recipes.build import preflight
+
+    ref_kl = "objective.options={ref_kl_coef: 0.04}"
+    for overrides, says in (
+            ([f"model.reference={tmp_path}"], "model.reference is the reference KL's model"),
+            ([ref_kl, f"model.reference={tmp_path / 'none'}"], "is not a local Hugging Face model directory"),
+            ([ref_kl, "rollout.mode=async", "orchestrator=ray", "ray_learners=2"], "does not run with Ray learner")):
+        with pytest.raises(UserError) as e:
+            preflight(load_config(None, overrides))
+        assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    preflight(load_config(None, ["objective.options={ref_kl_coef: 0.04, entropy_coef: 0.01}"]))
+    preflight(load_config(None, ["objective.name=grpo", "objective.options={ref_kl_coef: 0.04, ref_kl: k2}"]))
+
+
+def test_a_reference_with_another_tokenizer_is_refused_in_one_line(shared_dir):
+    from trustbatch.policy import Policy
+    from trustbatch.policy.model import build_small_llama
+    from trustbatch.policy.tokenizer import train_tokenizer
+    from trustbatch.recipes.build import reference_policy
+
+    tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3"], vocab_size=300)
+    policy = Policy(build_small_llama(len(tok), hidden=16, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok), tok,
+                    tok.eos_token_id, tok.pad_token_id)
+    other = shared_dir / "models" / "stories260K-hf"
+    cfg = load_config(None, ["objective.options={ref_kl_coef: 0.04}", f"model.reference={other}"])
+    with pytest.raises(UserError, match="has another tokenizer or vocabulary") as e:
+        reference_policy(cfg, policy)
+    assert "\n" not in str(e.value)
+    assert reference_policy(load_config(None, ["objective.options={entropy_coef: 0.01}"]), policy) is None

@@ -188,3 +188,44 @@ def test_a_lora_run_trains_on_the_full_fine_tuning_base():
     assert full.model.model_dump(mode="json") != lora.model.model_dump(mode="json")
     assert base_key(task_key(lora), lora.model.model_dump(mode="json")) == \
         base_key(task_key(full), full.model.model_dump(mode="json"))
+
+
+def test_the_reference_is_the_base_with_the_adapters_disabled_and_no_copy(tiny_policy):
+    """objective.options ref_kl_coef under LoRA: the reference's log-probs equal the base's, loaded again on its own
+    (log-softmax gathered at the tokens, written out here), while the adapted policy's differ; afterwards the adapters
+    are on again and still train; and the learner holds no second copy of the base: every parameter tensor it
+    reaches is one of the policy's (data pointers and count), where a full fine-tuning learner holds its own copy."""
+    from trustbatch.trainer import Learner
+
+    from llama_rows import learner_batch
+
+    policy, base_dir = tiny_policy
+    base = load_policy(base_dir).model.eval()
+    apply_lora(policy, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base=str(base_dir))
+    _perturb_b(policy.model, scale=0.3)
+    own = {p.data_ptr() for p in policy.model.parameters()}
+    with pytest.raises(ValueError, match="reference=policy.adapter"):
+        Learner(policy.model, "grpo", {"ref_kl_coef": 0.04})
+    learner = Learner(policy.model, "grpo", {"ref_kl_coef": 0.04}, reference=policy.adapter, micro_batch_size=2,
+                      logprob_chunk_size=3, lr=1e-2)
+    batch = learner_batch(policy.tokenizer)
+    m, C = batch.packed.response_mask, batch.packed.response_mask.shape[1]
+    policy.model.train()  # as the learner's steps leave it
+    before = learner.logprobs(batch)
+    got = learner.reference_logprobs(batch)
+    with torch.no_grad():
+        logits = base(input_ids=batch.packed.input_ids, attention_mask=batch.packed.attention_mask,
+                      position_ids=batch.packed.position_ids).logits[:, -C - 1:-1]
+    want = torch.log_softmax(logits.double(), -1).gather(-1, batch.packed.input_ids[:, -C:, None]).squeeze(-1)
+    assert float((got.double() - want)[m].abs().max()) < 2e-6
+    assert float((before.double() - want)[m].abs().max()) > 1e-2  # the adapters change the policy
+    assert torch.equal(learner.logprobs(batch), before) and policy.model.training  # adapters and mode restored
+    modules = [v for v in vars(learner).values() if isinstance(v, torch.nn.Module)]
+    reached = {p.data_ptr(): p.numel() for mod in modules for p in mod.parameters()}
+    assert set(reached) == own and sum(reached.values()) == sum(p.numel() for p in policy.model.parameters())
+    lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
+    metrics = learner.train_on(batch)
+    assert metrics["kl_ref"] > 0 and all(p.requires_grad for n, p in policy.model.named_parameters() if "lora_" in n)
+    assert any(not torch.equal(p, lora[n]) for n, p in policy.model.named_parameters() if n in lora)
+    full = Learner(base, "grpo", {"ref_kl_coef": 0.04})  # the contrast: full fine-tuning copies the initial policy
+    assert not {p.data_ptr() for p in full.reference.parameters()} & {p.data_ptr() for p in base.parameters()}

@@ -182,6 +182,10 @@ class ModelConfig(_Strict):
     seed: Int = Field(0, description="default base: initialisation and SFT seed (the lab sets it per seed)")
     lora: "LoraConfig | None" = Field(None, description="train LoRA adapters (peft) instead of every weight; "
                                                        "engines receive the merged weights")
+    reference: str | None = Field(
+        None, description="the frozen reference policy of the reference KL (objective.options ref_kl_coef > 0): a local "
+                          "Hugging Face model directory with the policy's tokenizer; default: the initial policy (with "
+                          "model.lora: the base, adapters disabled)")
 
 
 class LoraConfig(_Strict):
@@ -289,7 +293,7 @@ class ObjectiveConfig(_Strict):
         if check is not None and name is not None:  # no name: its own error is reported instead
             try:
                 # the rollout-dependent refusal of full-distribution options is recipes.build.check_objective's
-                check(name, v, supplied=("behavior_logprobs_full",))
+                check(name, v, supplied=objectives.LEARNER_SUPPLIED)
             except (TypeError, ValueError) as e:
                 raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         return v

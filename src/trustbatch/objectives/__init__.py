@@ -24,12 +24,12 @@ from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate, top_k_
 from .metrics import MAX, SUM, TOKEN_MEAN, MetricReducer, RatioOf
 from .p3o import CAP_RTOL, p3o, p3o_two_anchor  # registers them
 from .ratio_stats import RatioStats
-from .registry import (TENSOR_INPUTS, TRAINER_SUPPLIED, Objective, ObjectiveSpec, Opt, get, names, register, spec,
-                       validate_options)
+from .registry import (LEARNER_SUPPLIED, TENSOR_INPUTS, TRAINER_SUPPLIED, Objective, ObjectiveSpec, Opt, get, names,
+                       register, spec, validate_options)
 
 __all__ = [
     "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "MAX",
-    "SUM", "TENSOR_INPUTS", "TOKEN_MEAN", "TRAINER_SUPPLIED", "MetricReducer", "Objective", "ObjectiveOutput",
+    "LEARNER_SUPPLIED", "SUM", "TENSOR_INPUTS", "TOKEN_MEAN", "TRAINER_SUPPLIED", "MetricReducer", "Objective", "ObjectiveOutput",
     "ObjectiveSpec", "Opt", "RatioOf", "RatioStats", "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
     "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "top_k_kl_lower_bound",
     "validate_options",

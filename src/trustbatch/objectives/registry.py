@@ -14,7 +14,8 @@ Options fall in three groups:
 - **per-token tensors** (``TENSOR_INPUTS``: old_logprobs, ref_logprobs, entropy): not config
   values. An option that needs one (``correction`` needs old_logprobs, ``ref_kl_coef`` > 0 needs
   ref_logprobs, ``entropy_coef`` > 0 needs entropy) is refused unless the caller says it supplies
-  that tensor (``validate_options(..., supplied=...)``); the trainer supplies none of them today.
+  that tensor (``validate_options(..., supplied=...)``). The trainer's learner supplies ``LEARNER_SUPPLIED``:
+  ref_logprobs (from a frozen reference policy) and the entropy (with gradient), not old_logprobs.
 
 An objective may also need **full next-token distributions** for some option values
 (``full_logprobs_when``, e.g. P3O's ``kl="exact"``): the learner's log-softmax ``[B, T, V]`` and the
@@ -59,6 +60,10 @@ TRAINER_SUPPLIED = {
 FULL_LOGPROBS_INPUT = "behavior_logprobs_full"
 # per-token tensor input -> the option that needs it to have any effect
 TENSOR_INPUTS = {"old_logprobs": "correction", "ref_logprobs": "ref_kl_coef", "entropy": "entropy_coef"}
+# what ``trainer.learner.Learner`` supplies with every batch: the behaviour's whole distribution (rebuilt; where a run
+# cannot hand it the behaviour model, recipes.checks.check_objective refuses), the frozen reference policy's log-probs
+# and π_θ's entropy with gradient
+LEARNER_SUPPLIED = (FULL_LOGPROBS_INPUT, "ref_logprobs", "entropy")
 
 
 @dataclass(frozen=True)
@@ -270,9 +275,10 @@ def validate_options(name: str, options: dict, *, supplied: Iterable[str] = ()) 
         name: a registered objective.
         options: the user's keyword options (e.g. a config's ``objective.options``).
         supplied: per-token tensors the caller passes with each batch ("old_logprobs",
-            "ref_logprobs", "entropy", "behavior_logprobs_full"). The trainer passes
-            "behavior_logprobs_full" (its learner rebuilds the behaviour's whole distribution; where the
-            run cannot hand it the behaviour model, recipes.checks.check_objective refuses), none of the others.
+            "ref_logprobs", "entropy", "behavior_logprobs_full"). The trainer passes ``LEARNER_SUPPLIED``
+            (its learner rebuilds the behaviour's whole distribution, where the run can hand it the behaviour
+            model, recipes.checks.check_objective; runs a frozen reference policy; takes π_θ's entropy from its
+            LM head), not "old_logprobs".
 
     Raises:
         ValueError: one line naming the objective, the option, the cause and the fix.

@@ -26,6 +26,9 @@ class TrainBatch:
     otherwise no ``[B, C, V]`` tensor is stored with the batch. A version mapped to ``TopK`` (an engine that returns
     its top-k log-probs: vLLM) has its rows' top k in ``behavior_top_logprobs`` [B, C, k] float32 and
     ``behavior_top_ids`` [B, C, k] long (right-aligned; 0 elsewhere).
+
+    ``ref_logprobs`` [B, C] are the frozen reference policy's log-probs of the sampled tokens (the reference KL,
+    ``objective.ref_kl_coef``), filled by the learner once per batch (``Learner.train_on``), never [B, C, V].
     """
 
     packed: Packed
@@ -39,6 +42,7 @@ class TrainBatch:
     behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
     behavior_top_logprobs: torch.Tensor | None = None  # [B, C, k] float32, for versions mapped to TopK
     behavior_top_ids: torch.Tensor | None = None  # [B, C, k] long, their token ids
+    ref_logprobs: torch.Tensor | None = None  # [B, C], log π_ref of the sampled tokens (the learner fills it)
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -56,7 +60,8 @@ class TrainBatch:
     def _optional(self) -> dict:
         """The per-row tensors a batch may lack, by keyword."""
         return dict(proximal_logprobs=self.proximal_logprobs, behavior_logprobs_full=self.behavior_logprobs_full,
-                    behavior_top_logprobs=self.behavior_top_logprobs, behavior_top_ids=self.behavior_top_ids)
+                    behavior_top_logprobs=self.behavior_top_logprobs, behavior_top_ids=self.behavior_top_ids,
+                    ref_logprobs=self.ref_logprobs)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""

@@ -13,7 +13,8 @@ give the same numbers bit for bit.
 logits, log-softmax, log-prob at the sampled token, entropy and exact KL, and frees them before the next
 chunk; it saves only the hidden states, the head's weight (and bias) and the targets. Its backward
 recomputes each chunk's logits and applies the log-softmax gradient analytically, accumulating the
-weight's gradient over chunks. At most one chunk of [r, k, V] tensors (a few of them: logits,
+weight's gradient over chunks. An entropy that enters the loss (an entropy bonus, ``entropy_grad``) gets its
+gradient there too, written out per chunk; without it the backward runs the same ops as before. At most one chunk of [r, k, V] tensors (a few of them: logits,
 log-softmax, probabilities, their gradient) is alive at any time. Values equal the full path's up to
 float summation order (the weight's gradient sums chunk by chunk); the idea is torchtune's
 ``LinearCrossEntropyLoss`` and Liger Kernel's fused linear cross-entropy (chunked head + loss, the
@@ -36,6 +37,7 @@ builds from them and the chunk's own log-softmax: the KL there is the top-k lowe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -336,12 +338,12 @@ class _ChunkedHead(torch.autograd.Function):
 
     The backward recomputes each chunk's head output and takes its gradient with the full path's
     backward ops (upcast, /T, log-softmax, gather) or, with the KL, the same gradient written out
-    (``_kl_chunk_grad``, π_ref recomputed for the chunk), then multiplies through the head by hand,
-    summing the weight's gradient over chunks.
+    (``_kl_chunk_grad``, π_ref recomputed for the chunk), adds the entropy's (``_entropy_chunk_grad``) when it
+    carries gradient, then multiplies through the head by hand, summing the weight's gradient over chunks.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, ref):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, ref, entropy_grad):
         B, C, _ = hidden.shape
         logp = ent = kl = None
         for cols in _spans(C, chunk):
@@ -359,13 +361,16 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
         ctx.kl = kl.detach() if ref is not None else None  # [B, C]: the backward's KL_t (detached: no reference cycle)
+        ctx.ent = ent.detach() if entropy_grad and with_entropy else None  # [B, C]: the backward's H_t
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.mark_non_differentiable(*((ent,) if ref is not None else (ent, kl)))  # one call: a second replaces it
+        constant = [t for t, c in ((ent, ctx.ent is None), (kl, ref is None)) if c]
+        if constant:
+            ctx.mark_non_differentiable(*constant)  # one call: a second replaces it
         return logp, ent, kl
 
     @staticmethod
-    def backward(ctx, g_logp, _g_ent, g_kl):
+    def backward(ctx, g_logp, g_ent, g_kl):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_hidden = torch.zeros_like(hidden) if need_h else None
@@ -373,8 +378,9 @@ class _ChunkedHead(torch.autograd.Function):
         g_bias = torch.zeros_like(bias) if need_b else None
         dev, enabled, ac_dtype = ctx.autocast
         with_kl = g_kl is not None and ctx.ref is not None
-        if g_logp is None and not with_kl:
-            return None, None, None, None, None, None, None, None
+        with_ent = g_ent is not None and ctx.ent is not None
+        if g_logp is None and not with_kl and not with_ent:
+            return None, None, None, None, None, None, None, None, None
         for cols in _spans(hidden.shape[1], ctx.chunk):
             h = hidden[:, cols]
             with torch.no_grad(), torch.autocast(dev, dtype=ac_dtype, enabled=enabled):  # the forward's head
@@ -383,12 +389,18 @@ class _ChunkedHead(torch.autograd.Function):
             del z  # before the gradient's buffers
             g = None if g_logp is None else g_logp[:, cols, None]
             if with_kl:
-                grad = _kl_chunk_grad(lsm, ctx.ref, cols, ctx.kl[:, cols], ctx.temperature, head_dtype,
-                                      targets[:, cols, None], g, g_kl[:, cols, None])
+                grad = _kl_chunk_grad(lsm, ctx.ref, cols, ctx.kl[:, cols], targets[:, cols, None], g,
+                                      g_kl[:, cols, None])
+            elif g is not None:
+                grad = _logp_chunk_grad(lsm, targets[:, cols, None], g)
             else:
-                grad = _logp_chunk_grad(lsm, ctx.temperature, head_dtype, targets[:, cols, None], g)
+                grad = None
+            if with_ent:
+                grad = _entropy_chunk_grad(grad, lsm, ctx.ent[:, cols], g_ent[:, cols, None])
             del lsm
-            grad = grad.reshape(-1, weight.shape[0])  # [B·k, V] in the head's dtype
+            if ctx.temperature != 1.0:
+                grad = grad / ctx.temperature
+            grad = grad.to(head_dtype).reshape(-1, weight.shape[0])  # [B·k, V] in the head's dtype
             if need_h:
                 g_hidden[:, cols] = (grad @ weight.to(grad.dtype)).view(*h.shape[:2], -1).to(hidden.dtype)
             if need_w:
@@ -400,32 +412,28 @@ class _ChunkedHead(torch.autograd.Function):
             if need_b:
                 g_bias.add_(grad.sum(0).to(g_bias.dtype))
             del grad
-        return g_hidden, g_weight, g_bias, None, None, None, None, None
+        return g_hidden, g_weight, g_bias, None, None, None, None, None, None
 
 
-def _logp_chunk_grad(lsm: torch.Tensor, temperature: float, head_dtype: torch.dtype, targets: torch.Tensor,
-                     g: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. the head output z of Σ g·lsm[target], lsm = log-softmax(z↑/T): autograd's own backward
-    ops (gather: zeros + scatter_add; log-softmax: ``_log_softmax_backward_data``; /T; the upcast), each
-    [B, k, V] buffer freed as soon as it is used (three alive at most, with the caller's ``lsm``, which it
-    frees before the head's matmuls)."""
+def _logp_chunk_grad(lsm: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. s = z↑/T of Σ g·lsm[target], lsm = log-softmax(s): autograd's own backward ops (gather:
+    zeros + scatter_add; log-softmax: ``_log_softmax_backward_data``), each [B, k, V] buffer freed as soon as it is
+    used (three alive at most, with the caller's ``lsm``, which it frees before the head's matmuls). The caller
+    applies the rest of the full path's backward (/T, then the cast to the head's dtype)."""
     g_lsm = torch.zeros_like(lsm).scatter_add_(-1, targets, g.to(lsm.dtype))
     grad = torch._log_softmax_backward_data(g_lsm, lsm, -1, lsm.dtype)
-    del g_lsm, lsm
-    if temperature != 1.0:
-        grad = grad / temperature
-    return grad.to(head_dtype)
+    del g_lsm
+    return grad
 
 
-def _kl_chunk_grad(lsm: torch.Tensor, ref: KLReference, cols: slice, kl: torch.Tensor, temperature: float,
-                   head_dtype: torch.dtype, targets: torch.Tensor, g_logp: torch.Tensor | None,
-                   g_kl: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. the head output z of Σ g_logp·log p(target) + g_kl·KL, written out (no autograd graph, three
-    [B, k, V] buffers with ``lsm``): with s = z↑/T, p = softmax(s), d = log p − log π_ref and KL = Σ_v p_v·d_v,
+def _kl_chunk_grad(lsm: torch.Tensor, ref: KLReference, cols: slice, kl: torch.Tensor, targets: torch.Tensor,
+                   g_logp: torch.Tensor | None, g_kl: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. s = z↑/T of Σ g_logp·log p(target) + g_kl·KL, written out (no autograd graph, three
+    [B, k, V] buffers with ``lsm``): with p = softmax(s), d = log p − log π_ref and KL = Σ_v p_v·d_v,
 
         ∂/∂s_u = g_logp·(1[u = target] − p_u) + g_kl·p_u·(d_u − KL)      (0 for the KL outside the mask)
 
-    the softmax Jacobian of ``objectives.kl.exact_kl``'s docstring; then ·1/T and cast to the head's dtype.
+    the softmax Jacobian of ``objectives.kl.exact_kl``'s docstring; the caller then divides by T and casts.
     ``kl`` [B, k] is the forward's value; ``g_logp`` [B, k, 1] or None, ``g_kl`` [B, k, 1]."""
     m3, d, p = _difference(lsm, ref, cols)
     zero = torch.zeros((), dtype=lsm.dtype)
@@ -436,14 +444,25 @@ def _kl_chunk_grad(lsm: torch.Tensor, ref: KLReference, cols: slice, kl: torch.T
     del p
     if g_logp is not None:
         grad.scatter_add_(-1, targets, g_logp.to(lsm.dtype))
-    if temperature != 1.0:
-        grad = grad / temperature
-    return grad.to(head_dtype)
+    return grad
+
+
+def _entropy_chunk_grad(grad: torch.Tensor | None, lsm: torch.Tensor, ent: torch.Tensor,
+                        g_ent: torch.Tensor) -> torch.Tensor:
+    """``grad`` (w.r.t. s = z↑/T, or None: 0) plus that of Σ g_ent·H, H = −Σ_v p_v log p_v, p = softmax(s):
+
+        ∂H/∂s_u = −p_u·(log p_u + H)
+
+    (the softmax Jacobian applied to ∂H/∂log p_v = −p_v·(1 + log p_v), whose p-weighted sum is H − 1). ``ent`` [B, k]
+    is the forward's H; ``g_ent`` [B, k, 1]. Two [B, k, V] buffers beside ``lsm`` and ``grad`` (one left)."""
+    term = lsm + ent[..., None].to(lsm.dtype)
+    term.mul_(lsm.exp()).mul_(g_ent.to(lsm.dtype).neg())
+    return term if grad is None else grad.add_(term)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
                      chunk_size: int, temperature: float = 1.0, with_entropy: bool = False,
-                     kl_reference: KLReference | None = None):
+                     kl_reference: KLReference | None = None, entropy_grad: bool = False):
     """Log-probs, entropy and exact KL of ``softmax((hidden · weightᵀ + bias) / T)`` at each position, chunk by chunk.
 
     Args:
@@ -455,7 +474,10 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         chunk_size: tokens (rows × columns) per chunk (``chunk_plan``): at most chunk_size·V logits
             are alive at a time, in the forward and in the backward.
         temperature: divides the logits (to score a policy at T ≠ 1).
-        with_entropy: also return the entropy −Σ_v p log p in nats (no gradient).
+        with_entropy: also return the entropy −Σ_v p log p in nats (no gradient unless ``entropy_grad``).
+        entropy_grad: with ``with_entropy``, the entropy carries gradient (an entropy bonus in the loss): the
+            backward adds ∂H/∂s_u = −p_u·(log p_u + H) per chunk (``_entropy_chunk_grad``). False: the same ops as
+            without entropy in the backward, bit for bit.
         kl_reference: also return the exact KL(π_θ ‖ π_ref) per position in nats, with gradient
             (``objectives.kl.exact_kl``'s formula; 0 outside ``kl_reference.mask``).
 
@@ -483,7 +505,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     for r in _spans(B, rows):
         ref = kl_reference if rows == B or kl_reference is None else kl_reference.rows(r)
         blocks.append(_ChunkedHead.apply(hidden[r], weight, bias, targets[r], float(temperature), cols,
-                                         bool(with_entropy), ref))
+                                         bool(with_entropy), ref, bool(entropy_grad)))
     logp, ent, kl = blocks[0] if len(blocks) == 1 else (torch.cat(ts) for ts in zip(*blocks))
     out = (logp, ent if with_entropy else None, kl if kl_reference is not None else None)
     return tuple(None if t is None else (t[0] if flat else t) for t in out)
@@ -505,11 +527,13 @@ def chunked_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False,
-                  temperature: float = 1.0, with_full: bool = False, kl_reference: KLReference | None = None):
+                  temperature: float = 1.0, with_full: bool = False, kl_reference: KLReference | None = None,
+                  entropy_grad: bool = False):
     """The full path: log-probs from whole ``[B, C, V]`` logits (``forward.response_logprobs`` for one chunk).
 
     Returns (logp [B, C], entropy [B, C] or None), then the log-softmax [B, C, V] if ``with_full``, then
-    the exact KL [B, C] if ``kl_reference``; dtypes and formulas as ``chunked_logprobs``.
+    the exact KL [B, C] if ``kl_reference``; dtypes and formulas as ``chunked_logprobs`` (the entropy through
+    autograd when ``entropy_grad``, else without gradient).
     """
     logits = logits.to(logits_dtype(logits.dtype))
     if temperature != 1.0:
@@ -518,7 +542,7 @@ def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: 
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             ent = -(logp_all.exp() * logp_all).sum(-1)
     out = (logp, ent)
     if with_full:
@@ -530,11 +554,11 @@ def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *, chunk_size: int,
                   with_entropy: bool = False, temperature: float = 1.0, with_full: bool = False,
-                  kl_reference: KLReference | None = None):
+                  kl_reference: KLReference | None = None, entropy_grad: bool = False):
     """``full_logprobs``'s outputs from the hidden states ``[B, C, H]`` and the LM head, chunk by chunk.
 
     ``with_full`` (no gradient: ``chunked_log_softmax``) builds the [B, C, V] log-softmax one chunk at a
-    time; otherwise ``chunked_logprobs``. The head's ``weight`` Parameter itself enters the autograd
+    time; otherwise ``chunked_logprobs`` (``entropy_grad`` as there). The head's ``weight`` Parameter itself enters the autograd
     graph (no copy), so tied embeddings, DDP's and FSDP2's gradient hooks see its gradient.
     """
     if with_full:
@@ -548,5 +572,6 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Te
                 ent[rows, cols] = -(f.exp() * f).sum(-1)
         return logp, ent, full
     logp, ent, kl = chunked_logprobs(hidden, head.weight, head.bias, targets, chunk_size=chunk_size,
-                                     temperature=temperature, with_entropy=with_entropy, kl_reference=kl_reference)
+                                     temperature=temperature, with_entropy=with_entropy, kl_reference=kl_reference,
+                                     entropy_grad=entropy_grad)
     return (logp, ent) if kl_reference is None else (logp, ent, kl)

@@ -185,7 +185,8 @@ def decoder_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs):
 
 
 def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False, temperature: float = 1.0,
-                      with_full: bool = False, chunk_size: int | None = None, kl_reference: KLReference | None = None):
+                      with_full: bool = False, chunk_size: int | None = None, kl_reference: KLReference | None = None,
+                      entropy_grad: bool = False):
     """Log π(y_t | c_t) for the completion tokens ``[B, C]``, and optionally the entropy ``[B, C]``.
 
     Log-probs are the log-softmax of the logits upcast to at least float32 (float32 for a float32 or
@@ -203,6 +204,8 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
             builds it chunk by chunk, with gradient it takes the full path.
         kl_reference: also return the exact KL(π_θ ‖ π_ref) ``[B, C]`` per position, with gradient
             (``chunked_logprobs.KLReference``; 0 outside its mask).
+        entropy_grad: with ``with_entropy``, the entropy carries gradient (an entropy bonus), on either path
+            (``chunked_logprobs.chunked_logprobs``); False: no gradient, and the backward is as without entropy.
 
     Returns:
         (logp, entropy or None), then the full log-softmax if ``with_full``, then the KL if ``kl_reference``.
@@ -222,11 +225,12 @@ def response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: b
     if parts is None:
         logits = model(**inputs, logits_to_keep=C + 1).logits[:, :-1]
         return full_logprobs(logits, targets, with_entropy=with_entropy, temperature=temperature, with_full=with_full,
-                             kl_reference=kl_reference)
+                             kl_reference=kl_reference, entropy_grad=entropy_grad)
     decoder, head = parts
     _, hidden = decoder_hidden(model, decoder, **inputs)
     return head_logprobs(hidden[:, -(C + 1):-1], head, targets, chunk_size=chunk_size, with_entropy=with_entropy,
-                         temperature=temperature, with_full=with_full, kl_reference=kl_reference)
+                         temperature=temperature, with_full=with_full, kl_reference=kl_reference,
+                         entropy_grad=entropy_grad)
 
 
 def trim(packed: Packed) -> Packed:

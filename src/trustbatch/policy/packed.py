@@ -173,7 +173,7 @@ def _spread(t: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor | None:
 def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False,
                              temperature: float = 1.0, with_full: bool = False, chunk_size: int | None = None,
                              kl_reference: KLReference | None = None, share_prompts: bool = True,
-                             min_saving: float = 0.1):
+                             min_saving: float = 0.1, entropy_grad: bool = False):
     """``forward.response_logprobs`` (and with ``share_prompts``, ``grouped_response_logprobs``) without padding.
 
     Args:
@@ -183,7 +183,7 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
         share_prompts: each distinct prompt once with the prefix-tree mask, when the model's attention is
             sdpa or eager, the layout allows it, and it computes at least ``min_saving`` fewer tokens than
             plain packing; else plain packing.
-        with_entropy, temperature, with_full, chunk_size, kl_reference: as ``response_logprobs``. The
+        with_entropy, temperature, with_full, chunk_size, kl_reference, entropy_grad: as ``response_logprobs``. The
             chunked head (more predicted positions than chunk_size, which counts tokens) takes chunk_size packed
             positions per chunk, the same logits memory per chunk as the padded path.
 
@@ -200,9 +200,9 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
         raise ValueError("pass with_full or kl_reference, not both")
     m = packed.response_mask
     tokens = _plain(packed) if bool(m.any()) else None
+    kw = dict(with_entropy=with_entropy, temperature=temperature, with_full=with_full, entropy_grad=entropy_grad)
     if tokens is None:
-        return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature,
-                                 with_full=with_full, chunk_size=chunk_size, kl_reference=kl_reference)
+        return response_logprobs(model, packed, chunk_size=chunk_size, kl_reference=kl_reference, **kw)
     inner = unwrap(model)
     attn = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     if share_prompts and attn in _TREE_MASK_ATTN:
@@ -215,7 +215,7 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
     ref = None if kl_reference is None else KLReference(
         tuple(t[m][None] for t in kl_reference.logprobs), kl_reference.mask[m][None], kl_reference.log_weights,
         kl_reference.log_norm)
-    kw = dict(with_entropy=with_entropy, temperature=temperature, with_full=with_full, kl_reference=ref)
+    kw["kl_reference"] = ref
     parts = head_parts(model)
     if parts is None:  # a head the chunked path cannot take: the model's own logits at every packed position
         logits = model(**inputs).logits

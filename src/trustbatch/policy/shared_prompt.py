@@ -41,6 +41,7 @@ Source: the cache API is transformers' ``DynamicCache`` (``layers[i].keys/values
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
@@ -168,13 +169,14 @@ def split_prompts(packed: Packed) -> PromptSplit | None:
 def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False,
                               temperature: float = 1.0, prompt_padding: str = "auto", min_saving: float = 0.1,
                               with_full: bool = False, chunk_size: int | None = None,
-                              kl_reference: KLReference | None = None):
+                              kl_reference: KLReference | None = None, entropy_grad: bool = False):
     """``response_logprobs`` with each distinct prompt of the micro-batch run once (a drop-in replacement).
 
     Args:
         model: a transformers causal LM, or a DistributedDataParallel wrapping one.
         packed: the micro-batch as ``forward.pack`` builds it (B rows, completion width C).
-        with_entropy: also return the per-token entropy (no gradient), as ``response_logprobs``.
+        with_entropy: also return the per-token entropy, as ``response_logprobs`` (with gradient when
+            ``entropy_grad``, as there).
         temperature: divides the logits first.
         prompt_padding: layout of the prompt pass, "right" (prompts right-padded, no mask needed in
             the prompt pass: causal attention never looks ahead; the completion pass masks the
@@ -207,11 +209,11 @@ def grouped_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_en
         if split is not None and (min_saving <= 0 or split.saving >= min_saving):
             out = _shared_forward(model, split, with_entropy=with_entropy, temperature=temperature,
                                   prompt_padding=prompt_padding, with_full=with_full, chunk_size=chunk_size,
-                                  kl_reference=kl_reference)
+                                  kl_reference=kl_reference, entropy_grad=entropy_grad)
             if out is not None:
                 return out
     return response_logprobs(model, packed, with_entropy=with_entropy, temperature=temperature, with_full=with_full,
-                             chunk_size=chunk_size, kl_reference=kl_reference)
+                             chunk_size=chunk_size, kl_reference=kl_reference, entropy_grad=entropy_grad)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -252,7 +254,7 @@ def _is_plain_dynamic_cache(cache) -> bool:
 
 def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: bool, temperature: float,
                     prompt_padding: str, with_full: bool = False, chunk_size: int | None = None,
-                    kl_reference: KLReference | None = None):
+                    kl_reference: KLReference | None = None, entropy_grad: bool = False):
     """The two passes; None if the prompt pass's cache cannot be indexed (remembered for the model)."""
     if with_full and kl_reference is not None:
         raise ValueError("pass with_full or kl_reference, not both")
@@ -304,7 +306,7 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
         hidden = hidden[:, :-1].gather(1, src[..., None].expand(-1, -1, hidden.shape[-1]))  # a permutation per row
         return head_logprobs(hidden, head, s.seg_ids[:, 1:].gather(1, src), chunk_size=chunk_size,
                              with_entropy=with_entropy, temperature=temperature, with_full=with_full,
-                             kl_reference=kl_reference)
+                             kl_reference=kl_reference, entropy_grad=entropy_grad)
     out = model(**inputs, logits_to_keep=C1)
     del inputs
     logits = out.logits[:, :-1]
@@ -317,7 +319,7 @@ def _shared_forward(model: torch.nn.Module, s: PromptSplit, *, with_entropy: boo
     logp = raw.gather(1, src)
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             ent = -(logp_all.exp() * logp_all).sum(-1).gather(1, src)
     if not with_full and kl_reference is None:
         return logp, ent

@@ -34,7 +34,8 @@ from ..trainer.loop import LearnerProtocol
 class Inputs:
     """What every builder gets: the config, the run's task, policy and reward pool, and the specs built from the
     config once (``recipes.build``). ``whole``: the module engines sample from (a whole copy of the policy under
-    FSDP2 on several ranks, ``sharded``); ``foreign``: the foreign model's engine, or None."""
+    FSDP2 on several ranks, ``sharded``); ``foreign``: the foreign model's engine, or None; ``reference``: the reference
+    KL's frozen model (``build.reference_policy``), or None for the learner's default."""
 
     cfg: Config
     task: object
@@ -49,6 +50,7 @@ class Inputs:
     sharded: bool = False
     foreign: Engine | None = None
     check_round: Callable | None = None
+    reference: torch.nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,11 @@ def local_learner(inp: Inputs) -> Learner:
     cfg, tr = inp.cfg, inp.cfg.train
     # FSDP2's own mixed precision (bf16 compute weights, float32 shards and reductions) beside the autocast
     param_dtype = torch.bfloat16 if tr.strategy == "fsdp2" and tr.precision == "bf16-mixed" else None
+    # the reference KL's model; under LoRA by default the peft model, whose base the learner runs with adapters off
+    reference = inp.reference if inp.reference is not None else inp.policy.adapter
     return Learner(inp.policy.model, cfg.objective.name, cfg.objective.options, world=inp.world,
-                   strategy=tr.strategy, param_dtype=param_dtype, **_learner_kwargs(cfg, inp.version))
+                   strategy=tr.strategy, param_dtype=param_dtype, reference=reference,
+                   **_learner_kwargs(cfg, inp.version))
 
 
 def ray_learner(inp: Inputs):

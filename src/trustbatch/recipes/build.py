@@ -34,8 +34,8 @@ from .backends import Inputs, backend_for, learner_autocast
 from .checks import check_learner, check_objective, check_orchestrator, check_recorded_behaviour, check_reward
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
-           "engine_spec", "foreign_engine", "preflight", "prepare_run", "restore_checkpoint_policy", "reward_spec",
-           "scoring_check", "source_spec", "task_key"]
+           "engine_spec", "foreign_engine", "preflight", "prepare_run", "reference_policy", "restore_checkpoint_policy",
+           "reward_spec", "scoring_check", "source_spec", "task_key"]
 
 
 def engine_spec(cfg: Config) -> EngineSpec:
@@ -77,7 +77,8 @@ def preflight(cfg: Config) -> None:
     Raises:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
             installed; an engine setting the engine does not run; LoRA with FSDP2; a reward model that is none, or
-            where the run cannot hold it.
+            where the run cannot hold it; a ``model.reference`` the run would ignore or cannot load; a reference KL
+            with Ray learner actors (``checks.check_learner``).
     """
     check_objective(cfg)
     check_learner(cfg)
@@ -258,6 +259,30 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
                        version=NOT_THE_POLICY)
 
 
+def reference_policy(cfg: Config, policy):
+    """The frozen reference of the reference KL (``objective.options`` ref_kl_coef > 0) for the learner, or None.
+
+    ``model.reference``: that directory's model (``load_policy``), which must share the policy's tokenizer. Else the
+    policy as ``prepare_run`` loaded it, the initial policy, copied now (a resume calls this before the checkpoint's
+    weights replace the policy's); under ``model.lora`` None: the learner runs the base with the adapters disabled
+    (``Learner``'s ``reference=policy.adapter``), no copy. None too without a reference KL. On the policy's device.
+
+    Raises:
+        UserError: ``model.reference`` has another tokenizer or output vocabulary than the policy (or fails to load).
+    """
+    if not cfg.objective.options.get("ref_kl_coef"):
+        return None
+    if cfg.model.reference is None:
+        return None if policy.adapter is not None else copy.deepcopy(policy.model)
+    ref = load_policy(cfg.model.reference)
+    sizes = (vocab_size(ref.model), vocab_size(policy.model))
+    if ref.tokenizer.get_vocab() != policy.tokenizer.get_vocab() or sizes[0] != sizes[1]:
+        raise UserError(f"model.reference={cfg.model.reference!r} has another tokenizer or vocabulary ({sizes[0]} "
+                        f"output logits, the policy {sizes[1]}); the reference KL compares log-probs of the same "
+                        "tokens: use a model of the policy's tokenizer")
+    return ref.model.to(next(policy.model.parameters()).device)
+
+
 @dataclass
 class Built:
     parts: Parts
@@ -268,9 +293,11 @@ class Built:
 
 
 def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World | None = None,
-                version: int = 0, check_round=None) -> Built:
+                version: int = 0, check_round=None, reference=None) -> Built:
     """The engine and its weight sync, the learner and the rollout source for ``policy`` at ``version``: the
-    builders ``backends.backend_for(cfg)`` registers for the run's ``(rollout.mode, orchestrator)``.
+    builders ``backends.backend_for(cfg)`` registers for the run's ``(rollout.mode, orchestrator)``. ``reference``:
+    the reference KL's frozen model (``reference_policy``); None: the learner's default (a copy of the policy as
+    the learner receives it; under LoRA its base).
 
     With ``train.strategy=fsdp2`` on several ranks the learner's module is sharded, so the engines
     sample from a whole copy taken before sharding (merged, under LoRA), which weight syncs refill with
@@ -290,7 +317,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
         whole = merged_copy(policy.model) if policy.adapter is not None else copy.deepcopy(policy.model)
     inputs = Inputs(cfg, task, policy, pool, world, version, engine=engine_spec(cfg), source=source_spec(cfg),
                     reward=reward_spec(cfg, task), whole=whole, sharded=sharded, foreign=foreign,
-                    check_round=check_round)
+                    check_round=check_round, reference=reference)
     learner = backend.learner(inputs)
     # the held-out evaluation samples from the learner's own module (or its whole copy), as the learner computes
     eval_engine = make_engine(EngineSpec(), policy, model=whole, autocast=learner_autocast(cfg))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .. import objectives
 from ..config import Config
 from ..errors import UserError
@@ -24,8 +26,9 @@ def check_objective(cfg: Config) -> None:
         UserError: one line naming the option and the fix.
     """
     try:
-        # supplied: the learner rebuilds the behaviour's full log-probs; where the run cannot, refused below
-        objectives.validate_options(cfg.objective.name, cfg.objective.options, supplied=("behavior_logprobs_full",))
+        # supplied: the learner rebuilds the behaviour's full log-probs (where the run cannot, refused below), runs the
+        # reference policy and takes the entropy from its LM head
+        objectives.validate_options(cfg.objective.name, cfg.objective.options, supplied=objectives.LEARNER_SUPPLIED)
         spec = objectives.spec(cfg.objective.name)
     except ValueError as e:
         raise UserError(f"invalid objective.options for {cfg.objective.name!r}: {e}") from None
@@ -98,11 +101,26 @@ def check_orchestrator(cfg: Config) -> None:
 
 def check_learner(cfg: Config) -> None:
     """Refuse LoRA under FSDP2: the merged weights an engine, an evaluation copy and a checkpoint take are computed
-    from whole tensors (``policy.lora.merged_state_dict``), which FSDP2 holds as DTensor shards.
+    from whole tensors (``policy.lora.merged_state_dict``), which FSDP2 holds as DTensor shards. Refuse what the
+    reference KL's frozen reference cannot be: ``model.reference`` without a reference KL (it would be ignored) or
+    not a local model directory; a reference KL with Ray learner actors (they build the policy alone, from named
+    tensors, and hold no reference).
 
     Raises:
-        UserError: ``model.lora`` with ``train.strategy=fsdp2``.
+        UserError: ``model.lora`` with ``train.strategy=fsdp2``; ``model.reference`` without ``ref_kl_coef`` > 0 or
+            without a config.json; ``ref_kl_coef`` > 0 with ``orchestrator=ray`` and ``ray_learners`` > 0.
     """
+    ref_kl = bool(cfg.objective.options.get("ref_kl_coef"))
+    ref = cfg.model.reference
+    if ref is not None and not ref_kl:
+        raise UserError("model.reference is the reference KL's model, and objective.options sets no ref_kl_coef > 0; "
+                        "set one (e.g. 'objective.options={ref_kl_coef: 0.04}') or drop model.reference")
+    if ref is not None and not (Path(ref) / "config.json").is_file():
+        raise UserError(f"model.reference={ref!r} is not a local Hugging Face model directory (no config.json); give "
+                        "one with the policy's tokenizer")
+    if ref_kl and cfg.orchestrator == "ray" and cfg.ray_learners > 0:
+        raise UserError("objective.options ref_kl_coef does not run with Ray learner actors (ray_learners) yet: they "
+                        "hold no reference policy; set ray_learners=0")
     if cfg.model.lora is not None and cfg.train.strategy == "fsdp2":
         raise UserError("model.lora does not run with train.strategy=fsdp2 (the sharded adapters are not merged "
                         "for the rollout engine or the checkpoint); use train.strategy=ddp, which replicates only "

@@ -30,7 +30,7 @@ from ..trainer.loop import run_loop
 from ..trainer.progress import Progress
 from ..trainer.runlog import plot_run
 from ..trainer.trackers import check_trackers, require_trackers
-from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run,
+from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run, reference_policy,
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
@@ -204,8 +204,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         log = open_metrics_log(cfg, run_dir, resuming, enabled=world.is_main)
         policy.model.to(world.device)
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
-        start = 0
-        state = None
+        reference = reference_policy(cfg, policy)  # likewise the initial policy, before a checkpoint's weights
+        start, state = 0, None
         if found is not None:
             ckpt, loaded, state = found
             policy = restore_checkpoint_policy(cfg, policy, ckpt, loaded)
@@ -213,7 +213,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
             start = int(state["step"])
         version = state["learner"]["policy_version"] if state else 0
         built = build_parts(cfg, task, policy, pool, foreign=foreign, world=world, version=version,
-                            check_round=scoring_check(cfg, task, console))
+                            check_round=scoring_check(cfg, task, console), reference=reference)
         parts = built.parts
         progress = Progress(console, total=cfg.train.steps, start=start, enabled=world.is_main)
         hooks = TrainHooks(cfg, run_dir, built, policy, task, pool, log, progress, world, console,

@@ -23,6 +23,14 @@ the rebuilt ones, per micro-batch. Rows of an engine that returns only its top-k
 vLLM) get the top-k lower bound on that KL instead (``objectives.kl.top_k_kl_lower_bound``), and the step's
 ``kl_behavior`` is then logged as ``kl_behavior_bound``.
 
+A reference KL (the objective's ``ref_kl_coef`` > 0, TRL's ``beta``, verl's ``use_kl_loss``) is taken against a frozen
+reference policy (``reference``: the initial policy by default; under LoRA the base with the adapters disabled): its
+log-probs of the sampled tokens are computed once per batch at the start of ``train_on``, through the same forward and
+chunked LM head without gradient, and stored per token (``TrainBatch.ref_logprobs`` [B, C]); the objective adds
+ref_kl_coef · k(log π_θ − log π_ref) per token and reports ``kl_ref``. An entropy bonus (``entropy_coef`` > 0) takes
+π_θ's entropy from the same head with its gradient (``entropy_grad``); without it the forward and backward are as
+before, bit for bit.
+
 Log-probs come from the LM head applied ``logprob_chunk_size`` tokens (rows × columns) at a time
 (``policy.chunked_logprobs``): no [B, C, V] logits of the policy are kept for backward, and none of the
 behaviour's or the proximal snapshot's exist (each chunk's are recomputed from hidden states and freed).
@@ -38,6 +46,7 @@ one or two forwards depending on the micro-batch), and ``state_dict`` gathers th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -124,6 +133,12 @@ class Learner(ForwardPasses):
         lr_schedule, warmup_steps, total_steps: the learning-rate multiplier per optimizer step
             (``trainer.schedule.lr_multiplier``: warm-up, then constant, linear or cosine decay to 0 at total_steps).
         betas, eps, weight_decay: AdamW's (``torch.optim.AdamW``).
+        reference: the frozen reference policy of the reference KL (the objective's ``ref_kl_coef`` > 0; ignored
+            otherwise): a causal LM with the policy's output vocabulary, frozen, in eval mode, moved to the
+            learner's device and under FSDP2 sharded as the policy; or the ``peft.PeftModel`` wrapping a LoRA
+            ``model`` (``policy.adapter``): the base with the adapters disabled (peft's ``disable_adapter()``), no
+            second copy of the weights. None: a copy of ``model`` as it is now, the initial policy (a LoRA model
+            must pass its PeftModel instead). Its log-probs are taken once per batch (``reference_logprobs``).
 
     The learner trains on the device its model's parameters are on (the recipe moves the model there);
     batches are moved to it.
@@ -133,7 +148,8 @@ class Learner(ForwardPasses):
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support; an
-            unknown precision; a model without activation checkpointing when it is asked for.
+            unknown precision; a model without activation checkpointing when it is asked for; a reference of
+            another vocabulary size, a peft model of another module, or a LoRA model without its peft model.
     """
 
     def __init__(self, model: torch.nn.Module, objective: str, options: dict | None = None, *, lr: float = 1e-3,
@@ -144,18 +160,16 @@ class Learner(ForwardPasses):
                  logprob_chunk_size: int | str | None = "auto", strategy: str = "ddp", param_dtype: torch.dtype | None = None,
                  diagnostics: bool = False, lr_schedule: str = "constant", total_steps: int = 0,
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
-                 padding_free: bool = False):
+                 padding_free: bool = False, reference: torch.nn.Module | None = None):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
         self.device = next(model.parameters()).device
         self.precision = precision
-        if activation_checkpointing:
-            enable_activation_checkpointing(model)
         self.spec = objectives.spec(objective)
-        # full behaviour log-probs come with the batch; step() refuses a batch without them
-        self.options = objectives.validate_options(objective, dict(options or {}),
-                                                   supplied=("behavior_logprobs_full",))
+        # full behaviour log-probs come with the batch (step() refuses a batch without them); the reference's
+        # log-probs and π_θ's entropy the learner computes
+        self.options = objectives.validate_options(objective, dict(options or {}), supplied=objectives.LEARNER_SUPPLIED)
         self.full = self.spec.needs_full_logprobs(self.options)
         # the exact KL is computed in the LM head's chunks; π_mix's weights need the batch ESS before it
         self.kl_in_head = self.full and self.spec.takes_kl_exact
@@ -174,6 +188,11 @@ class Learner(ForwardPasses):
         self.micro_batch_size = micro_batch_size
         self.epochs, self.minibatches = epochs, minibatches
         self.world = world or World()
+        # ref_kl_coef's frozen reference (None without): copied and sharded before the policy is wrapped
+        self.reference = self._take_reference(reference, strategy, param_dtype)
+        self.entropy_grad = bool(self.options.get("entropy_coef"))  # an entropy bonus: the head's entropy with gradient
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.wrapped = self.world.wrap(model, strategy, param_dtype=param_dtype)
         self.sharded = is_sharded(self.wrapped)
         if self.sharded and self.full and self.spec.needs_proximal:
@@ -239,8 +258,8 @@ class Learner(ForwardPasses):
         """``epochs × minibatches`` optimizer steps on ``batch`` (this rank's shard of it).
 
         The proximal snapshot (π_θ before this batch's updates) is taken first when the objective
-        declares ``needs_proximal``. Returns the steps' metrics averaged (``nonfinite_skipped`` summed),
-        plus ``optimizer_steps``.
+        declares ``needs_proximal``, and the reference's log-probs (``reference_logprobs``) with a reference KL.
+        Returns the steps' metrics averaged (``nonfinite_skipped`` summed), plus ``optimizer_steps``.
 
         stop_before: called as fn(opt_step, mini_batch) before each optimizer step (opt_step counts from 0
             within this call; mini_batch is the ``TrainBatch`` that step would train on, on the learner's
@@ -255,6 +274,8 @@ class Learner(ForwardPasses):
             self._own_teachers(local)
         if self.spec.needs_proximal:
             self._take_proximal(local)
+        if self.reference is not None:
+            local.ref_logprobs = self.reference_logprobs(local)
         step_metrics = []
         self.step_records = []
         for _epoch in range(self.epochs):
@@ -290,6 +311,8 @@ class Learner(ForwardPasses):
         """
         self.model.train()
         batch = batch.to(self.device)
+        if self.reference is not None and batch.ref_logprobs is None:  # a step outside train_on
+            batch = dataclasses.replace(batch, ref_logprobs=self.reference_logprobs(batch))
         plan = self._plan(batch)
         reducer = MetricReducer(self.reductions, self.spec.name)
         failure = ""
@@ -312,7 +335,7 @@ class Learner(ForwardPasses):
                 step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
             w = float(m.sum())
             metrics = _named_as_bound(out.metrics) if bound else dict(out.metrics)
-            metrics["entropy"] = float((ent * m).sum() / max(w, 1.0))
+            metrics["entropy"] = float((ent.detach() * m).sum() / max(w, 1.0))
             if self.diagnostics:
                 metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
             reducer.add(metrics, w)
@@ -364,16 +387,19 @@ class Learner(ForwardPasses):
         m = mb.packed.response_mask
         with skip_sync:
             kw = dict(plan.shared)
+            fw = dict(with_entropy=True, entropy_grad=self.entropy_grad)
             with self.autocast():
                 ref = self._kl_reference(mb, kw) if self.full else None
                 if self.kl_in_head:
-                    logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                kl_reference=ref)
+                    logp, ent, kw["kl_exact"] = self.forward_fn(self.wrapped, mb.packed, kl_reference=ref, **fw)
                 elif self.full:
-                    logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_entropy=True,
-                                                                     with_full=True)
+                    logp, ent, kw["logprobs_full"] = self.forward_fn(self.wrapped, mb.packed, with_full=True, **fw)
                 else:
-                    logp, ent = self.forward_fn(self.wrapped, mb.packed, with_entropy=True)
+                    logp, ent = self.forward_fn(self.wrapped, mb.packed, **fw)
+            if self.entropy_grad:
+                kw["entropy"] = ent
+            if self.reference is not None:
+                kw["ref_logprobs"] = mb.ref_logprobs
             if self.full and not self.kl_in_head:  # an objective without kl_exact: this micro-batch's [B, C, V]
                 every, own = slice(None), kw["logprobs_full"].detach()  # a top-k behaviour's reference is built from own
                 kw["behavior_logprobs_full"] = ref.logprobs[0].log_probs(every, own.dtype, own)

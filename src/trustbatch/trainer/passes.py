@@ -1,6 +1,7 @@
 """The learner's forward passes besides its training micro-step (``trainer.learner.Learner`` inherits them).
 
-Without gradient: the policy's log-probs (``logprobs``), the proximal snapshot, the batch statistics an
+Without gradient: the policy's log-probs (``logprobs``), the reference policy's (``reference_logprobs``, with the
+frozen reference ``_take_reference`` sets up), the proximal snapshot, the batch statistics an
 objective declares (``ObjectiveSpec.batch_stats``: Σρ, Σρ², n in float64 over every micro-batch, summed over
 ranks); with gradient, the empty micro-batch a rank runs so that every rank reaches the same collectives; and
 the reference the learner's LM head takes the exact KL against, rebuilt per micro-batch by teacher forcing the
@@ -9,7 +10,7 @@ all-gathers weights).
 
 They read the learner's settings: ``model``, ``wrapped``, ``world``, ``sharded``, ``device``, ``precision``,
 ``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``epochs``, ``minibatches``, ``spec``, ``full``,
-``kl_in_head``, ``version``, ``_pad`` and ``_snapshot``.
+``kl_in_head``, ``version``, ``options``, ``reference``, ``_pad`` and ``_snapshot``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import torch
 from ..objectives import RatioStats
 from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
+from ..policy.budget import vocab_size
 from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, TopKInput, logits_dtype
 from ..policy.forward import Recorded, Teacher, TopK, response_logprobs, teacher_forced
+from ..policy.lora import has_lora
 
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
@@ -46,13 +49,62 @@ class ForwardPasses:
         """Log-probs ``[B, C]`` of the batch's completions under the current policy (no gradient), on the
         learner's device. Under FSDP2 every rank must call it (each runs as many forwards as the rank with the
         most rows)."""
+        return self._no_grad_logprobs(self.model, batch)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π_ref ``[B, C]`` of the batch's completions under the frozen reference (``Learner``'s ``reference``),
+        through the learner's forward and chunked LM head without gradient, on the learner's device, in eval mode:
+        the frozen copy, or the LoRA policy with its adapters disabled (peft's ``disable_adapter()``). Under FSDP2
+        every rank must call it (the reference is sharded as the policy)."""
+        if not _is_peft(self.reference):
+            return self._no_grad_logprobs(self.reference, batch)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.reference.disable_adapter():
+                return self._no_grad_logprobs(self.model, batch)
+        finally:
+            self.model.train(was_training)
+
+    def _no_grad_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         packed = batch.packed.to(self.device)
         with self.autocast():
-            return torch.cat([self.forward_fn(self.model, packed.select(c))[0] for c in self._no_grad_chunks(batch)])
+            return torch.cat([self.forward_fn(model, packed.select(c))[0] for c in self._no_grad_chunks(batch, model)])
 
-    def _no_grad_chunks(self, batch: TrainBatch):
+    def _take_reference(self, reference: torch.nn.Module | None, strategy: str, param_dtype) -> torch.nn.Module | None:
+        """The reference ``reference_logprobs`` runs (``Learner``'s ``reference``, whose docstring says what it may
+        be), or None when the options set no reference KL (``ref_kl_coef``): a peft model wrapping the policy as it
+        is; a module (or a copy of the policy) frozen, in eval mode, on the learner's device, and under FSDP2 sharded
+        as the policy will be. Call before the policy is wrapped.
+
+        Raises:
+            ValueError: a LoRA policy without its peft model, a peft model of another module, a reference of
+                another output vocabulary size than the policy's.
+        """
+        if not self.options.get("ref_kl_coef"):
+            return None
+        if _is_peft(reference):
+            if reference.get_base_model() is not self.model:
+                raise ValueError("reference is a peft model of another module; pass the policy's own (policy.adapter)")
+            return reference
+        if reference is None:
+            if has_lora(self.model):  # a copy would duplicate the base the adapters already sit on
+                raise ValueError("a LoRA policy's reference is its base with the adapters disabled: pass "
+                                 "reference=policy.adapter (the peft model), not None")
+            reference = copy.deepcopy(self.model)
+        elif vocab_size(reference) != vocab_size(self.model):
+            raise ValueError(f"the reference model has {vocab_size(reference)} output logits, the policy "
+                             f"{vocab_size(self.model)}; the reference KL compares log-probs of the same tokens")
+        reference = reference.requires_grad_(False).eval().to(self.device)
+        if strategy == "fsdp2" and self.world.size > 1:  # its no-grad forwards all-gather as the policy's do
+            self.world.wrap(reference, "fsdp2", param_dtype=param_dtype)
+        return reference
+
+    def _no_grad_chunks(self, batch: TrainBatch, model: torch.nn.Module | None = None):
         """The micro-batches of a no-grad pass over ``batch``; under FSDP2 the generator then runs empty
-        forwards until this rank has run as many as the busiest rank (counted before any forward)."""
+        forwards of ``model`` (default: the policy) until this rank has run as many as the busiest rank (counted
+        before any forward)."""
         chunks = self._chunks(len(batch))
         extra = int(self.world.max([float(len(chunks))])[0]) - len(chunks) if self.sharded else 0
         yield from chunks
@@ -60,7 +112,8 @@ class ForwardPasses:
             pad = self._pad if self._pad is not None else empty_like(batch).to(self.device)
             for _ in range(extra):
                 with self.autocast():
-                    response_logprobs(self.model, pad.packed, chunk_size=self.logprob_chunk_size)
+                    response_logprobs(self.model if model is None else model, pad.packed,
+                                      chunk_size=self.logprob_chunk_size)
 
     @torch.no_grad()
     def batch_stats(self, batch: TrainBatch, names: tuple[str, ...]) -> dict[str, RatioStats]:
@@ -186,6 +239,11 @@ class ForwardPasses:
         e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
         log_w_b, log_w_p, log_w = anchor_log_weights(e_b, e_p, logits_dtype(next(self.model.parameters()).dtype))
         return KLReference((behaviour, proximal), m, (log_w_b, log_w_p), log_w)
+
+
+def _is_peft(module) -> bool:
+    """Whether ``module`` is a ``peft.PeftModel`` (read without importing peft: full fine-tuning never pays it)."""
+    return hasattr(module, "disable_adapter") and hasattr(module, "get_base_model")
 
 
 def empty_like(batch: TrainBatch) -> TrainBatch:
