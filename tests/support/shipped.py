@@ -11,11 +11,11 @@ from trustbatch.policy.shipped import SHIPPED_DIR
 
 def default_key() -> tuple[str, dict, dict]:
     """(key, task settings, model settings) of the default config: sha256 of the sorted-key JSON of the base format,
-    the task and the model settings (the held-out reserve, equal to the held-out size here, LoRA and a Hub revision
-    aside), first 16 hex digits, as ``policy.base`` documents it."""
+    the task and the model settings (the held-out reserve, equal to the held-out size here, LoRA, a Hub revision and
+    the reference policy of a reference KL aside), first 16 hex digits, as ``policy.base`` documents it."""
     cfg = load_config()
     task = {k: v for k, v in cfg.task.model_dump(mode="json").items() if k != "heldout_reserve"}
-    model = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in ("lora", "revision")}
+    model = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in ("lora", "revision", "reference")}
     blob = json.dumps({"format": base_mod.BASE_FORMAT, "task": task, "model": model}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], task, model
 

@@ -228,12 +228,7 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
                     truncate_records(run_dir / name, start if state is not None else -1)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)
-        console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
-                      f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
-        console.print(where_it_runs(cfg, world), highlight=False, markup=False)
-        if cfg.train.precision == "bf16-mixed" and world.device.type == "cpu":
-            console.print(f"[yellow]{BF16_ON_CPU}[/yellow]", highlight=False, soft_wrap=True)
-        console.print(f"run directory: {run_dir}")
+        _print_header(cfg, task, source, run_dir, world, console)
         if state is None:  # not when resuming from the step-0 checkpoint
             if world.is_main:
                 base_eval = hooks.evaluate(0)
@@ -258,6 +253,16 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
     summary = _summary(cfg, task, run_dir, last, hooks.wall_s(), learner_ranks(cfg, world), console)
     log.close(artifacts=(run_dir / "plot.png",))
     return summary
+
+
+def _print_header(cfg: Config, task, source: str, run_dir: Path, world: World, console) -> None:
+    """The run's header: objective, task and model; where it runs (``where_it_runs``); bf16 on a CPU; the run dir."""
+    console.print(f"[bold]trustbatch train[/bold] objective={cfg.objective.name} task={task.name} "
+                  f"({len(task.train)} train / {len(task.heldout)} held-out prompts) model={source}")
+    console.print(where_it_runs(cfg, world), highlight=False, markup=False)
+    if cfg.train.precision == "bf16-mixed" and world.device.type == "cpu":
+        console.print(f"[yellow]{BF16_ON_CPU}[/yellow]", highlight=False, soft_wrap=True)
+    console.print(f"run directory: {run_dir}")
 
 
 def _restore_state(parts, state: dict, model, version: int, world: World) -> None:

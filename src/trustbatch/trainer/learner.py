@@ -340,9 +340,7 @@ class Learner(ForwardPasses):
                 metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
             reducer.add(metrics, w)
         if record_ratios:
-            flat = torch.cat(step_log_ratios) if step_log_ratios else torch.zeros(0)
-            for fn in self.on_step_ratios:
-                fn(*self._step_tag, flat)
+            self._report_ratios(step_log_ratios)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         if self.world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")
@@ -358,6 +356,13 @@ class Learner(ForwardPasses):
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["nonfinite_skipped"] = 0.0
         return out
+
+    def _report_ratios(self, step_log_ratios: list[torch.Tensor]) -> None:
+        """Hand this step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]) to the
+        ``on_step_ratios`` callbacks with the step's tag."""
+        flat = torch.cat(step_log_ratios) if step_log_ratios else torch.zeros(0)
+        for fn in self.on_step_ratios:
+            fn(*self._step_tag, flat)
 
     def _plan(self, batch: TrainBatch) -> "_StepPlan":
         """The step's global counts, micro-batches, and the batch statistics its micro-batches share; ValueError
