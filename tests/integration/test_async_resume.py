@@ -16,6 +16,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from trustbatch.trainer.checkpoint import latest_checkpoint, load_trainer_state
 
 from runproc import (assert_same_weights, cache, descendants, n_records, records, resume_args, run,  # noqa: F401
@@ -33,10 +35,15 @@ def _records(run_dir) -> list[dict]:
 
 
 # support_on_pythonpath: the trainer and its spawned rollout workers import the scorer module
-def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, cache, support_on_pythonpath):
+# exact: the exact KL against each batch's stale behaviour, which the learner rebuilds from the pushed weights it keeps
+# (weight_sync.BehaviourVersions); a resume gets the versions of the batches in flight back from the checkpoint's
+# snapshots and policy (slow: the default suite runs the k3 case)
+@pytest.mark.parametrize("kl", ["k3", pytest.param("exact", marks=pytest.mark.slow)])
+def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, cache, support_on_pythonpath, kl):
     kill_after = random.Random(39).randint(2, STEPS - 1)  # rounds logged before the kill
     full, killed = tmp_path / "full", tmp_path / "killed"
-    proc = start(train_args(killed, *ASYNC), tmp_path / "killed.log")
+    args = [*ASYNC, f"objective.options={{kl: {kl}}}"]
+    proc = start(train_args(killed, *args), tmp_path / "killed.log")
     try:
         deadline = time.time() + 400
         while n_records(killed) < kill_after + 1:  # a sleeping poll: a round lasts far longer, and the run needs the cores
@@ -53,13 +60,16 @@ def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, c
 
     state = load_trainer_state(latest_checkpoint(killed))
     s = int(state["step"])
-    for args in (resume_args(killed), train_args(full, *ASYNC)):
-        done = run(args, timeout=600)
+    for cmd in (resume_args(killed), train_args(full, *args)):
+        done = run(cmd, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
 
     recs = _records(full)
     assert [r["step"] for r in recs] == list(range(STEPS + 1))
     assert any(abs(r.get("loss", 0.0)) > 1e-6 for r in recs)  # the comparison covers real updates
+    if kl == "exact":  # ≥ 0 up to float32 round-off (round 1 is on-policy), growing with the stale rounds' lag
+        kls = [r["kl_behavior"] for r in recs[1:]]
+        assert all(-1e-6 < x < float("inf") for x in kls) and kls[-1] > 1e-4 and recs[-1]["staleness"] == K
     assert _records(killed) == recs
     assert_same_weights(latest_checkpoint(full), latest_checkpoint(killed))  # torch.equal, tensor by tensor
     # round t trains on batch t − 1, sampled by policy version max(0, t − 1 − k) whichever worker made it

@@ -159,6 +159,25 @@ def test_ray_actors_in_deterministic_order_write_the_process_workers_metrics_thr
     _assert_ray_gone(ray, watch)
 
 
+@pytest.mark.ray
+def test_ray_workers_with_the_exact_kl_write_the_process_workers_metrics(tmp_path, cache):
+    # kl=exact at k = 2: the learner in the driver (ray_learners=0) rebuilds each batch's behaviour from the pushed
+    # weights of its version (weight_sync.BehaviourVersions), whatever carries the batch: the same KL, loss and weights
+    # path as process workers (their rebuilt log-probs against the recorded ones: test_async_exact_kl.py)
+    ray = pytest.importorskip("ray", reason=SKIP_REASON)
+    base = TINY + SIGNAL + ["eval.every=100", "rollout.mode=async", "rollout.max_staleness=2", "rollout.workers=2",
+                            "train.steps=4", "objective.options={kl: exact}"]
+    train(load_config(None, base + [f"run_dir={tmp_path / 'procs'}"]))
+    with _Watch() as watch:
+        train(load_config(None, base + RAY + ["ray_learners=0", f"run_dir={tmp_path / 'ray'}"]))
+    procs, viaray = records(tmp_path / "procs"), records(tmp_path / "ray")
+    assert [r["behaviour_version"] for r in procs[1:]] == [0, 0, 0, 1]
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in procs] == \
+           [{k: v for k, v in r.items() if k not in TIMING} for r in viaray]
+    assert all(-1e-6 < r["kl_behavior"] < float("inf") for r in viaray[1:]) and viaray[-1]["kl_behavior"] > 1e-6
+    _assert_ray_gone(ray, watch)
+
+
 def _swap_in_recording_sgd(learner):
     from grad_probe import sgd_recording_grads
 

@@ -240,14 +240,29 @@ def test_in_process_marker_is_gone_after_a_call_that_returns(tmp_path, completio
     assert not marker.exists()
 
 
-def test_padding_free_with_the_exact_kl_is_refused_before_any_work():
-    """The packed forward takes no rebuilt behaviour distribution yet: one line at the preflight, not a TypeError."""
+def test_padding_free_with_the_exact_kl_passes_the_preflight():
+    """The packed learner rebuilds the behaviour distribution in its own layout (tests/unit/test_packed_exact_kl.py):
+    the start-up check lets the pair through, with the top-p refusal still in front of it."""
     from trustbatch.errors import UserError
     from trustbatch.recipes.checks import check_objective
 
-    with pytest.raises(UserError, match="train.padding_free packs rows"):
-        check_objective(load_config(None, ["train.padding_free=true", "objective.options={kl: exact}"]))
+    check_objective(load_config(None, ["train.padding_free=true", "objective.options={kl: exact}"]))
     check_objective(load_config(None, ["train.padding_free=true"]))  # k3, the default, packs
+    with pytest.raises(UserError, match=r"top-p sampling"):
+        check_objective(load_config(None, ["train.padding_free=true", "objective.options={kl: exact}",
+                                           "rollout.top_p=0.9"]))
+
+
+def test_async_exact_kl_at_a_recorded_precision_is_one_line_exit_2(tmp_path):
+    """Rollout workers at bfloat16: teacher forcing the pushed weights would not rebuild what they sampled, and they
+    send no recorded distribution; refused in one line before the run directory exists (float32 async runs:
+    tests/integration/test_async_exact_kl.py)."""
+    rc, lines, _ = _cli(["train", *TINY, "train.steps=1", "threads=1", "rollout.mode=async", "rollout.precision=bfloat16",
+                         "objective.options={kl: exact}", f"run_dir={tmp_path / 'run'}"],
+                        {"TRUSTBATCH_CACHE": str(tmp_path / "cache")})
+    assert rc == 2 and len(lines) == 1, lines
+    assert "rollout.mode=async rebuilds each batch's behaviour" in lines[0] and "rollout.precision=float32" in lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- the reference KL's reference

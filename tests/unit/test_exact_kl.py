@@ -260,7 +260,12 @@ def test_validate_options_refuses_exact_without_full_behaviour_logprobs():
     (["rollout.engine=vllm", "objective.name=p3o_two_anchor"],
      r"rollout.engine=vllm returns top-k log-probs, whose lower bound does not carry over to the mixture"),
     (["rollout.top_p=0.9"], r"top-p sampling \(rollout.top_p=0.9\) gives π_b = 0 outside the nucleus"),
-    (["rollout.mode=async"], r"rollout.mode=async cannot hand the learner the behaviour model \(none\)"),
+    (["rollout.mode=async", "rollout.precision=bfloat16"],
+     r"rollout.mode=async rebuilds each batch's behaviour from the weights the learner pushed, which teacher forcing "
+     r"reproduces only where the engine declares full \(rollout.engine=transformers at rollout.precision=bfloat16 "
+     r"declares recorded"),
+    (["rollout.mode=async", "rollout.engine=vllm"], r"rollout.engine=vllm at rollout.precision=float32 declares top_k"),
+    (["rollout.mode=async", "orchestrator=ray"], r"Ray learner actors \(ray_learners=1\) are not handed the rebuilt"),
     (["objective.name=p3o_two_anchor", "train.strategy=fsdp2"], r"proximal model would be the FSDP2-sharded"),
 ])
 def test_preflight_refuses_exact_kl_where_the_rollout_cannot_supply_it(extra, match):
@@ -268,6 +273,9 @@ def test_preflight_refuses_exact_kl_where_the_rollout_cannot_supply_it(extra, ma
     from trustbatch.recipes.build import check_objective
 
     check_objective(load_config(None, ["objective.options={kl: exact}"]))  # the transformers engine can
+    for fine in (["rollout.mode=async"], ["rollout.mode=async", "orchestrator=ray", "ray_learners=0"],
+                 ["train.padding_free=true"]):  # the learner rebuilds the workers' behaviour; the packed one too
+        check_objective(load_config(None, ["objective.options={kl: exact}", *fine]))
     cfg = load_config(None, ["objective.options={kl: exact}", *extra])
     with pytest.raises(UserError, match=match) as e:
         check_objective(cfg)

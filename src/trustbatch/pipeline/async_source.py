@@ -169,6 +169,8 @@ class BoundedSource:
         self._last_ess: float | None = None
         # run by ``close`` after the transport's: parts that share its workers' lifetime (Ray learner ranks)
         self.on_close: list = []
+        # ``weight_sync.BehaviourVersions`` (the exact KL): names each batch's behaviour model; None: batches carry none
+        self.behaviour = None
 
     # ---- worker health ----------------------------------------------------------------------------
     def _restart(self, wid: int) -> None:
@@ -226,6 +228,8 @@ class BoundedSource:
                              "batches_dropped_stale": float(self.dropped), "worker_restarts": float(self.restarts)}
         if batch is not None:
             batch.metrics = dict(self.last_metrics)
+            if self.behaviour is not None:
+                self.behaviour.attach(batch)
         return batch
 
     def on_update(self, learner_metrics: dict[str, float]) -> None:
@@ -258,6 +262,9 @@ class BoundedSource:
                               "with a smaller max_staleness): those batches are sampled by the checkpoint's policy, "
                               "so this resume differs from an uninterrupted run", stacklevel=2)
             self.transport.preload(snapshots)
+            if self.behaviour is not None:  # the versions that sample the next batches, for their behaviour models
+                for version, weights in snapshots.values():
+                    self.behaviour.keep(version, weights)
 
     def close(self) -> None:
         try:

@@ -7,6 +7,9 @@ Three implementations, chosen once by the recipe (never by the loop):
   sharded by FSDP2); a push sends the full named state, which the engine casts or re-quantizes.
 - ``LaggedSync(k)``: the engine gets the weights of k optimizer steps ago (the lab's exact staleness);
   it records a snapshot after every optimizer step (``record``, registered with the learner).
+
+``BehaviourVersions`` wraps an async run's transport for the exact KL: it keeps the pushed weights a batch in flight
+may have been sampled with, and hands the learner each batch's behaviour model rebuilt from them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Iterator, Protocol
 import torch
 
 from ..parallel import full_tensor
-from ..policy.lora import has_lora, merged_state_dict
+from ..policy.forward import Teacher
+from ..policy.lora import has_lora, merged_copy, merged_state_dict
+from .batch import TrainBatch
 
 
 def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -129,3 +134,75 @@ class LaggedSync:
     def load_state_dict(self, state: dict) -> None:
         self.history._states.clear()
         self.history._states.update(sorted(state["snapshots"].items()))
+
+
+class BehaviourVersions:
+    """The behaviour model of each batch that rollout workers sample, rebuilt in the learner's process (exact KL).
+
+    A worker samples in another process (or machine), so its batch cannot carry its engine's module as
+    ``TrainBatch.behaviour``; but every version a worker samples with is one the learner pushed or started from, and
+    each row records its version. As the run's weight sync around ``inner`` (the transport), this keeps a host copy of
+    every pushed state while a batch sampled with it may still be trained on (versions ≥ the newest − ``max_lag``),
+    and one frozen copy of the policy, which ``attach`` loads with a batch's version and names that batch's
+    ``Teacher``: the learner teacher-forces it per chunk, as a sync run's engine module. Memory: one copy of the
+    policy on the learner's device, and at most ⌊max_lag / m⌋ + 1 state dicts on the host (m optimizer steps a
+    round; a version is pushed once a round).
+
+    Args:
+        inner: the transport's weight sync; every ``push`` goes on to it.
+        model: the learner's policy now, at ``version``: the workers' first weights (LoRA: merged, as pushed).
+        version: its policy version.
+        max_lag: the most versions a trained-on batch can lag the learner (the source's bound k; the controller's
+            k_max for ``max_staleness=auto``).
+        temperature: the workers' sampling temperature (1 when they decode greedily).
+    """
+
+    def __init__(self, inner: WeightSync, model: torch.nn.Module, *, version: int, max_lag: int, temperature: float):
+        self.inner, self.max_lag, self.temperature = inner, max_lag, temperature
+        self.frozen = merged_copy(model).requires_grad_(False)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self._loaded: int | None = None
+        self.record(version, model)
+
+    def record(self, version: int, model: torch.nn.Module) -> None:
+        """Keep ``model``'s weights (``named_weights``) as policy ``version``."""
+        if version not in self.states:
+            self.keep(version, dict(named_weights(model)))
+
+    def keep(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep ``state`` (named tensors) as policy ``version``, on the host; drop versions older than the newest
+        − ``max_lag``, which no batch the learner trains on can carry (``staleness.too_stale``)."""
+        self.states[version] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        newest = max(self.states)
+        for v in [v for v in self.states if v < newest - self.max_lag]:
+            del self.states[v]
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        self.record(version, model)
+        self.inner.push(model, version)
+
+    def state_dict(self) -> dict:
+        """The transport's: a resume gets the kept versions back from the source's snapshots and its own policy."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def attach(self, batch: TrainBatch) -> None:
+        """Set ``batch.behaviour`` to ``{v: Teacher(frozen copy at version v)}`` for the version v of its rows. The
+        copy holds v until the next ``attach``: the learner trains on one batch at a time.
+
+        Raises:
+            ValueError: rows of several versions (a worker samples a batch with one), or a version not kept.
+        """
+        versions = batch.policy_version.unique().tolist()
+        if len(versions) != 1:
+            raise ValueError(f"a rollout worker's batch has rows of policy versions {versions}; it samples with one")
+        v = int(versions[0])
+        if v not in self.states:
+            raise ValueError(f"the weights of policy version {v}, which sampled this batch, are not kept (kept: "
+                             f"{sorted(self.states)}); the exact KL cannot rebuild its behaviour distribution")
+        if self._loaded != v:
+            self.frozen.load_state_dict(self.states[v])
+            self._loaded = v
+        batch.behaviour = {v: Teacher(self.frozen, self.temperature, name=f"the behaviour policy (version {v})")}

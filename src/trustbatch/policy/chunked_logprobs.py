@@ -184,6 +184,19 @@ class TeacherForced:
         """Whether some rows' reference is built from their engine's top-k log-probs (``TopKInput``)."""
         return any(isinstance(p, TopKInput) for p in self.parts)
 
+    def at(self, mask: torch.Tensor) -> "Positions":
+        """This distribution at the positions where ``mask`` [B, C] bool is true, in row-major order, laid out as one
+        row ``[1, M]`` (M = mask.sum(): the packed learner's layout, ``policy.packed``). Each part keeps its states
+        at its rows' true positions; its rows become those positions' indices."""
+        flat = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        n = int(mask.sum())
+        flat[mask] = torch.arange(n, device=mask.device)
+        parts = []
+        for p in self.parts:
+            m = mask if p.rows is None else mask[p.rows]
+            parts.append(_take(p, lambda t: t[m][:, None], rows=None if p.rows is None else flat[p.rows][m]))
+        return Positions(TeacherForced(tuple(parts), n))
+
     def log_probs(self, cols: slice, dtype: torch.dtype, lsm: torch.Tensor | None = None) -> torch.Tensor:
         """log π [B, k, V] in ``dtype`` at columns ``cols`` (0 at rows no part covers). ``lsm`` [B, k, V]: the
         learner's log-softmax at those columns, which ``TopKInput`` parts need (ValueError without it)."""
@@ -198,6 +211,37 @@ class TeacherForced:
             out.index_copy_(0, p.rows, part)
             del part
         return out
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A ``TeacherForced`` read at M positions laid out as one row ``[1, M]`` (``TeacherForced.at``), in its place in a
+    ``KLReference``. ``inner`` holds the positions as M rows of one column, so that a chunk of the row's columns
+    is a block of ``inner``'s rows, read with the same code."""
+
+    inner: TeacherForced
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return 1, self.inner.n_rows
+
+    @property
+    def top_k(self) -> bool:
+        return self.inner.top_k
+
+    def columns(self, start: int) -> "Positions":
+        return Positions(self.inner.row_block(slice(start, None)))
+
+    def row_block(self, block: slice) -> "Positions":
+        """The one row (``block`` must cover it: ValueError otherwise)."""
+        if block.indices(1)[:2] != (0, 1):
+            raise ValueError("Positions is one row; its row block is the whole of it")
+        return self
+
+    def log_probs(self, cols: slice, dtype: torch.dtype, lsm: torch.Tensor | None = None) -> torch.Tensor:
+        """log π [1, k, V] in ``dtype`` at columns ``cols`` (a step-1 slice), as ``TeacherForced.log_probs``."""
+        own = None if lsm is None else lsm.transpose(0, 1)
+        return self.inner.row_block(cols).log_probs(slice(None), dtype, own).transpose(0, 1)
 
 
 def _narrow(t, start: int):

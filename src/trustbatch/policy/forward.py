@@ -14,6 +14,7 @@ enters the chunked op, so tied embeddings and data-parallel gradient hooks see i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -144,22 +145,33 @@ def teacher_forced(packed: Packed, teachers: Sequence[tuple[torch.Tensor | None,
         sub = packed if rows is None else packed.select(rows)
         inputs = dict(input_ids=sub.input_ids, attention_mask=sub.attention_mask, position_ids=sub.position_ids,
                       use_cache=False)
-        m = unwrap(t.model)
-        was_training = m.training
-        m.eval()
-        try:
-            with autocast_state(sub.input_ids.device.type, t.autocast):
-                split = head_parts(m, linear=False)
-                if split is None:
-                    states, head = m(**inputs, logits_to_keep=C + 1).logits[:, :-1], None
-                else:
-                    decoder, head = split
-                    out = decoder(**inputs)
-                    states = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -(C + 1):-1]
-        finally:
-            m.train(was_training)
+        with teaching(t, sub.input_ids.device.type) as m:
+            split = head_parts(m, linear=False)
+            if split is None:
+                states, head = m(**inputs, logits_to_keep=C + 1).logits[:, :-1], None
+            else:
+                decoder, head = split
+                states = last_hidden(decoder(**inputs))[:, -(C + 1):-1]
         parts.append(HeadInput(states, head, rows, t.temperature, t.autocast))
     return TeacherForced(tuple(parts), packed.response_mask.shape[0])
+
+
+@contextlib.contextmanager
+def teaching(teacher: Teacher, device_type: str):
+    """``teacher``'s model (unwrapped) in eval mode under the teacher's autocast state, its mode restored after."""
+    m = unwrap(teacher.model)
+    was_training = m.training
+    m.eval()
+    try:
+        with autocast_state(device_type, teacher.autocast):
+            yield m
+    finally:
+        m.train(was_training)
+
+
+def last_hidden(out) -> torch.Tensor:
+    """A decoder output's last hidden state ``[B, L, H]`` (a ``ModelOutput`` or a tuple)."""
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def decoder_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs):
@@ -172,7 +184,7 @@ def decoder_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs):
     seen = []
 
     def grab(_mod, _args, out):
-        seen.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+        seen.append(last_hidden(out))
 
     hook = decoder.register_forward_hook(grab)
     try:

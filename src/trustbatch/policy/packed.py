@@ -26,11 +26,13 @@ right-aligned layout of ``forward.response_logprobs``: a drop-in replacement for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from .chunked_logprobs import KLReference, full_logprobs, head_logprobs
-from .forward import Packed, decoder_hidden, head_parts, response_logprobs, unwrap
+from .chunked_logprobs import HeadInput, KLReference, TeacherForced, full_logprobs, head_logprobs
+from .forward import (Packed, Teacher, decoder_hidden, head_parts, last_hidden, response_logprobs, teacher_forced,
+                      teaching, unwrap)
 from .shared_prompt import split_prompts
 
 _TREE_MASK_ATTN = ("sdpa", "eager")  # attention implementations that take an arbitrary 4-D mask as given
@@ -170,6 +172,22 @@ def _spread(t: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _layout(model: torch.nn.Module, packed: Packed, share_prompts: bool, min_saving: float) -> _Rows | None:
+    """The packed rows ``model`` runs ``packed`` as: plain, or the prefix tree where ``model``'s attention takes
+    the 4-D mask and it saves ``min_saving`` of the tokens; None (the padded path) for a micro-batch without a valid
+    response position or not in ``pack``'s layout."""
+    tokens = _plain(packed) if bool(packed.response_mask.any()) else None
+    if tokens is None:
+        return None
+    inner = unwrap(model)
+    attn = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if share_prompts and attn in _TREE_MASK_ATTN:
+        tree = _tree(packed)
+        if tree is not None and tree.ids.shape[0] <= (1 - min_saving) * tokens.ids.shape[0]:
+            tokens = tree
+    return _rows(tokens, next(inner.parameters()).dtype if attn == "eager" else None)
+
+
 def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_entropy: bool = False,
                              temperature: float = 1.0, with_full: bool = False, chunk_size: int | None = None,
                              kl_reference: KLReference | None = None, share_prompts: bool = True,
@@ -199,22 +217,15 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
     if with_full and kl_reference is not None:
         raise ValueError("pass with_full or kl_reference, not both")
     m = packed.response_mask
-    tokens = _plain(packed) if bool(m.any()) else None
+    rows = _layout(model, packed, share_prompts, min_saving)
     kw = dict(with_entropy=with_entropy, temperature=temperature, with_full=with_full, entropy_grad=entropy_grad)
-    if tokens is None:
+    if rows is None:
         return response_logprobs(model, packed, chunk_size=chunk_size, kl_reference=kl_reference, **kw)
-    inner = unwrap(model)
-    attn = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    if share_prompts and attn in _TREE_MASK_ATTN:
-        tree = _tree(packed)
-        if tree is not None and tree.ids.shape[0] <= (1 - min_saving) * tokens.ids.shape[0]:
-            tokens = tree
-    rows = _rows(tokens, next(inner.parameters()).dtype if attn == "eager" else None)
-    B, C = m.shape
     inputs = dict(input_ids=rows.ids, position_ids=rows.pos, attention_mask=rows.mask, use_cache=False)
+    # the reference laid out as the predicted positions: a stored [B, C, V] by the mask, a rebuilt one by its parts
     ref = None if kl_reference is None else KLReference(
-        tuple(t[m][None] for t in kl_reference.logprobs), kl_reference.mask[m][None], kl_reference.log_weights,
-        kl_reference.log_norm)
+        tuple(t[m][None] if isinstance(t, torch.Tensor) else t.at(m) for t in kl_reference.logprobs),
+        kl_reference.mask[m][None], kl_reference.log_weights, kl_reference.log_norm)
     kw["kl_reference"] = ref
     parts = head_parts(model)
     if parts is None:  # a head the chunked path cannot take: the model's own logits at every packed position
@@ -230,3 +241,35 @@ def packed_response_logprobs(model: torch.nn.Module, packed: Packed, *, with_ent
         else:
             out = full_logprobs(head(hidden), rows.targets[None], **kw)
     return tuple(_spread(t, m) for t in out)
+
+
+@torch.no_grad()
+def packed_teacher_forced(packed: Packed, teachers: Sequence[tuple[torch.Tensor | None, Teacher]], *,
+                          share_prompts: bool = True, min_saving: float = 0.1) -> TeacherForced:
+    """``forward.teacher_forced`` through the padding-free forward: each teacher runs its rows of ``packed`` packed
+    (``_layout``: the rows, positions and mask ``packed_response_logprobs`` gives its own forward), without gradient,
+    in eval mode under its autocast state, and keeps the decoder's hidden states at the predicting positions.
+
+    Returns the same ``TeacherForced`` as ``teacher_forced`` (right-aligned ``[b, C, H]`` states per teacher, zero
+    outside ``response_mask``), equal at every valid position up to float summation order; the padded learner and
+    the packed one (``TeacherForced.at``) read it alike. A teacher whose rows have no packed layout is
+    teacher-forced padded; one whose head ``head_parts`` cannot split keeps its logits at the predicting positions.
+    """
+    parts = []
+    for rows, t in teachers:
+        sub = packed if rows is None else packed.select(rows)
+        layout = _layout(t.model, sub, share_prompts, min_saving)
+        if layout is None:
+            parts += teacher_forced(packed, [(rows, t)]).parts
+            continue
+        inputs = dict(input_ids=layout.ids, position_ids=layout.pos, attention_mask=layout.mask, use_cache=False)
+        with teaching(t, layout.ids.device.type) as model:
+            split = head_parts(model, linear=False)
+            if split is None:
+                states, head = model(**inputs).logits, None
+            else:
+                decoder, head = split
+                states = last_hidden(decoder(**inputs))
+        states = states.reshape(1, -1, states.shape[-1])[:, layout.predictor]
+        parts.append(HeadInput(_spread(states, sub.response_mask), head, rows, t.temperature, t.autocast))
+    return TeacherForced(tuple(parts), packed.response_mask.shape[0])

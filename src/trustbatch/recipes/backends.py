@@ -7,6 +7,7 @@ rollout source with its weight sync. A new backend is one more entry in ``BACKEN
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -20,7 +21,7 @@ from ..orchestration.rollout_worker import WorkerSpec
 from ..parallel import World
 from ..pipeline.async_source import BoundedSource
 from ..pipeline.source import RolloutSource, SourceSpec, SyncSource
-from ..pipeline.weight_sync import CopySync, LaggedSync, SharedSync, WeightSync
+from ..pipeline.weight_sync import BehaviourVersions, CopySync, LaggedSync, SharedSync, WeightSync
 from ..policy.lora import merged_copy
 from ..policy.reward_model import load_reward_model
 from ..rewards.spec import RewardSpec
@@ -59,8 +60,9 @@ class Backend:
     learner: Callable[[Inputs], LearnerProtocol]
     # (inputs, learner, evaluation engine) -> (source, weight sync, the evaluation engine's sync or None)
     source: Callable[[Inputs, LearnerProtocol, Engine], tuple[RolloutSource, WeightSync, CopySync | None]]
-    # what its source hands the learner of the behaviour distribution (rollout.spec.BEHAVIOUR_DISTRIBUTIONS):
-    # "full" when the engine's model lives in the learner's process; rollout workers send sampled log-probs only
+    # how its source hands the learner the behaviour distribution: "full" when the engine's model lives in the
+    # learner's process; "rebuilt": rollout workers send sampled log-probs and their version, and the learner rebuilds
+    # the model from the weights it pushed (weight_sync.BehaviourVersions: faithful for an engine declaring "full")
     behaviour: str = "none"
 
 
@@ -171,8 +173,10 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
         if bad:
             raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
     train = inp.task.train
+    # a worker's module stays in its process: the learner rebuilds each batch's behaviour (``_exact_behaviour``)
     return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
-                      references=[e.reference for e in train], engine=inp.engine, source=inp.source,
+                      references=[e.reference for e in train], engine=inp.engine,
+                      source=dataclasses.replace(inp.source, behaviour_models=False),
                       reward=inp.reward, contexts=[e.context() for e in train], long_prompts=inp.task.long_prompts)
 
 
@@ -183,10 +187,23 @@ def _bounds(inp: Inputs) -> dict:
                 steps_per_round=tr.epochs * tr.minibatches, worker_timeout_s=ro.worker_timeout_s)
 
 
+def _exact_behaviour(inp: Inputs, source: BoundedSource) -> WeightSync:
+    """The async source's weight sync: its transport, or where the objective needs the behaviour distribution
+    (kl=exact) ``BehaviourVersions`` around it, which keeps the pushed versions a batch in flight may carry and
+    names each batch's behaviour model (``source.behaviour``)."""
+    if not inp.source.behaviour_models:
+        return source.sync
+    sp = inp.source.sampling
+    source.behaviour = BehaviourVersions(source.sync, inp.policy.model, version=inp.version,
+                                         max_lag=source.controller.k_max if source.controller else source.k,
+                                         temperature=1.0 if sp.greedy else sp.temperature)
+    return source.behaviour
+
+
 def process_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     """Rollout workers in processes of this machine, bounded by ``rollout.max_staleness``."""
     source = AsyncSource(_worker_spec(inp), inp.policy, **_bounds(inp))
-    return source, source.sync, None
+    return source, _exact_behaviour(inp, source), None
 
 
 def ray_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
@@ -198,7 +215,7 @@ def ray_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     if isinstance(learner, RayLearnerGroup):  # the actors read learner rank 0's weights; they end together
         source.transport.weights_from = learner.weights_at
         source.on_close.append(learner.close)
-    return source, source.sync, None
+    return source, _exact_behaviour(inp, source), None
 
 
 def _check_ray_learners(cfg: Config) -> None:
@@ -221,8 +238,8 @@ def _refuse_sync_ray(cfg: Config) -> None:
 
 BACKENDS: dict[tuple[str, str], Backend] = {
     ("sync", "local"): Backend(lambda cfg: None, local_learner, sync_source, behaviour="full"),
-    ("async", "local"): Backend(lambda cfg: None, local_learner, process_source),
-    ("async", "ray"): Backend(_check_async_ray, ray_learner, ray_source),
+    ("async", "local"): Backend(lambda cfg: None, local_learner, process_source, behaviour="rebuilt"),
+    ("async", "ray"): Backend(_check_async_ray, ray_learner, ray_source, behaviour="rebuilt"),
     # Ray runs rollout workers, which a sync run has none of: refused by its check, before anything is built
     ("sync", "ray"): Backend(_refuse_sync_ray, ray_learner, sync_source, behaviour="full"),
 }

@@ -16,11 +16,13 @@ from .backends import backend_for
 
 def check_objective(cfg: Config) -> None:
     """Fail before any work when the objective's options or ESS scope are invalid, or need the behaviour policy's
-    whole distribution (kl="exact") where the run cannot give it. What an engine gives is read from its declaration
-    (``rollout.spec.behaviour_distribution``): ``full`` or ``recorded`` (the KL), ``top_k`` (its top-k lower bound;
-    not for a two-anchor mixture), ``none`` (refused); then a rollout backend that does not declare ``full``
-    (``backends.Backend.behaviour``), top-p < 1, and the layouts the learner does not take it in. Also refuses
-    ``rollout.logprobs_top_k`` set where nothing reads it.
+    whole distribution (kl="exact") where the run cannot give it (``_exact_kl_refusal``). What an engine gives is read
+    from its declaration (``rollout.spec.behaviour_distribution``): ``full`` or ``recorded`` (the KL), ``top_k`` (its
+    top-k lower bound; not for a two-anchor mixture), ``none`` (refused). How π_b reaches the learner is the rollout
+    backend's (``backends.Backend.behaviour``): ``full`` (the engine's module, in the learner's process) or
+    ``rebuilt`` (rollout workers: the learner rebuilds each batch's behaviour from the weights it pushed, faithful
+    only for an engine that declares ``full``, and not for Ray learner actors). Also refused: top-p < 1, two
+    anchors under FSDP2, and ``rollout.logprobs_top_k`` set where nothing reads it.
 
     Raises:
         UserError: one line naming the option and the fix.
@@ -43,24 +45,39 @@ def check_objective(cfg: Config) -> None:
         raise UserError(f"rollout.logprobs_top_k={ro.logprobs_top_k} is read only with objective kl=exact on an engine "
                         "that returns top-k log-probs (rollout.engine=vllm); drop it")
     if cause is not None:
-        backend = backend_for(cfg).behaviour
-        why = (f"rollout.engine={ro.engine} returns {engine} of its sampling distribution beyond the sampled tokens "
-               "(neither the whole distribution nor its top-k log-probs); use rollout.engine=transformers"
-               if engine not in KL_DISTRIBUTIONS else
-               f"top-p sampling (rollout.top_p={ro.top_p:g}) gives π_b = 0 outside the nucleus, where KL(π_θ‖π_b) is "
-               "infinite; set rollout.top_p=1.0" if ro.top_p < 1.0 else
-               f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
-               if backend != "full" else
-               f"rollout.engine={ro.engine} returns top-k log-probs, whose lower bound does not carry over to the "
-               f"mixture π_mix of {cfg.objective.name}; use objective.name=p3o or rollout.engine=transformers"
-               if engine == "top_k" and spec.needs_proximal else
-               "the proximal model would be the FSDP2-sharded module itself; use train.strategy=ddp"
-               if spec.needs_proximal and cfg.train.strategy == "fsdp2" else
-               "train.padding_free packs rows the rebuilt behaviour distribution is not laid out for yet; set "
-               "train.padding_free=false" if cfg.train.padding_free else None)
+        why = _exact_kl_refusal(cfg, engine, spec.needs_proximal)
         if why is not None:
             raise UserError(f"objective.options {cause} needs the behaviour policy's full log-probs: {why}, "
                             f"or use kl='k3'")
+
+
+def _exact_kl_refusal(cfg: Config, engine: str, needs_proximal: bool) -> str | None:
+    """Why the run cannot give the learner π_b for the exact KL (a clause of ``check_objective``'s line), or None.
+    ``engine``: what the engine declares it returns (``rollout.spec.behaviour_distribution``)."""
+    ro = cfg.rollout
+    backend = backend_for(cfg).behaviour
+    if engine not in KL_DISTRIBUTIONS:
+        return (f"rollout.engine={ro.engine} returns {engine} of its sampling distribution beyond the sampled tokens "
+                "(neither the whole distribution nor its top-k log-probs); use rollout.engine=transformers")
+    if ro.top_p < 1.0:
+        return (f"top-p sampling (rollout.top_p={ro.top_p:g}) gives π_b = 0 outside the nucleus, where KL(π_θ‖π_b) is "
+                "infinite; set rollout.top_p=1.0")
+    if backend not in ("full", "rebuilt"):
+        return f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
+    if backend == "rebuilt" and engine != "full":
+        return (f"rollout.mode={ro.mode} rebuilds each batch's behaviour from the weights the learner pushed, which "
+                f"teacher forcing reproduces only where the engine declares full (rollout.engine={ro.engine} at "
+                f"rollout.precision={ro.precision} declares {engine}, which its workers do not send); use "
+                "rollout.precision=float32 on rollout.engine=transformers, or rollout.mode=sync")
+    if backend == "rebuilt" and cfg.orchestrator == "ray" and cfg.ray_learners > 0:
+        return (f"Ray learner actors (ray_learners={cfg.ray_learners}) are not handed the rebuilt behaviour models; "
+                "set ray_learners=0 (the learner in the driver)")
+    if engine == "top_k" and needs_proximal:
+        return (f"rollout.engine={ro.engine} returns top-k log-probs, whose lower bound does not carry over to the "
+                f"mixture π_mix of {cfg.objective.name}; use objective.name=p3o or rollout.engine=transformers")
+    if needs_proximal and cfg.train.strategy == "fsdp2":
+        return "the proximal model would be the FSDP2-sharded module itself; use train.strategy=ddp"
+    return None
 
 
 def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS_BYTES) -> None:

@@ -61,9 +61,9 @@ from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
 from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
 from ..policy.budget import logit_tokens, vocab_size
-from ..policy.forward import TopK, response_logprobs, trimmed
+from ..policy.forward import TopK, response_logprobs, teacher_forced, trimmed
 from ..policy.model import enable_activation_checkpointing
-from ..policy.packed import packed_response_logprobs
+from ..policy.packed import packed_response_logprobs, packed_teacher_forced
 from ..policy.shared_prompt import grouped_response_logprobs
 from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
 from .schedule import lr_multiplier
@@ -208,9 +208,13 @@ class Learner(ForwardPasses):
         # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
         base = grouped_response_logprobs if shared_prompt else response_logprobs
         self.forward_fn = functools.partial(base, chunk_size=logprob_chunk_size)
+        # (packed, [(rows, Teacher)]) -> TeacherForced: the behaviour and proximal models' no-grad forward, laid
+        # out as the learner's own
+        self.teacher_forced = teacher_forced
         if padding_free:
             self.forward_fn = functools.partial(packed_response_logprobs, chunk_size=logprob_chunk_size,
                                                 share_prompts=shared_prompt)
+            self.teacher_forced = functools.partial(packed_teacher_forced, share_prompts=shared_prompt)
         elif trim_micro_batches:
             self.forward_fn = trimmed(self.forward_fn)
         self.bad_steps = 0  # consecutive skipped steps

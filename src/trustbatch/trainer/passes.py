@@ -10,7 +10,8 @@ all-gathers weights).
 
 They read the learner's settings: ``model``, ``wrapped``, ``world``, ``sharded``, ``device``, ``precision``,
 ``forward_fn``, ``micro_batch_size``, ``logprob_chunk_size``, ``epochs``, ``minibatches``, ``spec``, ``full``,
-``kl_in_head``, ``version``, ``options``, ``reference``, ``_pad`` and ``_snapshot``.
+``kl_in_head``, ``version``, ``options``, ``reference``, ``_pad``, ``_snapshot`` and ``teacher_forced`` (padded, or
+packed as ``forward_fn``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
 from ..policy.budget import vocab_size
 from ..policy.chunked_logprobs import KLReference, RecordedInput, TeacherForced, TopKInput, logits_dtype
-from ..policy.forward import Recorded, Teacher, TopK, response_logprobs, teacher_forced
+from ..policy.forward import Recorded, Teacher, TopK, response_logprobs
 from ..policy.lora import has_lora
 
 # batch-statistic keyword -> which log-probs the ratio's denominator comes from
@@ -223,7 +224,7 @@ class ForwardPasses:
                 raise ValueError(f"{kept[0].name} recorded its distribution, but the batch carries none ({fields[0]}); "
                                  "build it with build_batch from the engine's rollouts")
         forced = [(rows, t) for rows, t in groups if isinstance(t, Teacher)]
-        parts = () if not forced else teacher_forced(mb.packed, forced).parts
+        parts = () if not forced else self.teacher_forced(mb.packed, forced).parts
         for rows, t in groups:
             if not isinstance(t, Teacher):
                 tensors = [getattr(mb, f) if rows is None else getattr(mb, f)[rows] for f in given[type(t)]]
@@ -233,7 +234,7 @@ class ForwardPasses:
             return KLReference((behaviour,), m)
         if mb.proximal is None:
             raise ValueError(f"objective {self.spec.name!r} needs the proximal model; use train_on, which takes it")
-        proximal = teacher_forced(mb.packed, [(None, mb.proximal)])
+        proximal = self.teacher_forced(mb.packed, [(None, mb.proximal)])
         if not self.kl_in_head:  # the objective mixes the two itself
             return KLReference((behaviour, proximal), m, (0.0, 0.0))
         e_b, e_p = (torch.tensor(kw[k].ess()[0], dtype=torch.float64) for k in ("ess", "ess_proximal"))
