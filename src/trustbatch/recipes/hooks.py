@@ -103,6 +103,7 @@ class TrainHooks:
         if sync_state:  # only a sync that serves other weights than the learner's (lagged) has any
             state["sync"] = sync_state
         save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state, keep=self.cfg.checkpoint_keep)
+        self.log.checkpointed(round_)
 
     def before_train(self, round_: int, batch) -> None:
         learner = self.built.parts.learner
