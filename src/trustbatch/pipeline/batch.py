@@ -24,6 +24,10 @@ class TrainBatch:
     forcing does not rebuild: a precision other than float32) has its rows' distributions recorded at sampling
     in ``behavior_logprobs_full`` [B, C, V] float32 (right-aligned; 0 at padding and at rows of other versions);
     otherwise no ``[B, C, V]`` tensor is stored with the batch.
+
+    ``rewards`` [B] float32 (the scorers' rewards, before any shaping) and ``prompt_index`` [B] long (each row's
+    training prompt, an index into the source's prompts: the task's training examples) are what the run's sample
+    completions (``log.samples``) need besides the tensors; None where the source did not give them.
     """
 
     packed: Packed
@@ -35,6 +39,8 @@ class TrainBatch:
     behaviour: dict[int, Teacher] = field(default_factory=dict)
     proximal: Teacher | None = None
     behavior_logprobs_full: torch.Tensor | None = None  # [B, C, V] float32, for versions mapped to Recorded
+    rewards: torch.Tensor | None = None  # [B] float32, the scorers' rewards
+    prompt_index: torch.Tensor | None = None  # [B] long, the row's training prompt
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -45,21 +51,22 @@ class TrainBatch:
 
     def select(self, idx) -> "TrainBatch":
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
-        prox = None if self.proximal_logprobs is None else self.proximal_logprobs[idx]
-        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full[idx]
+        rows = lambda t: None if t is None else t[idx]  # noqa: E731
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], prox, behaviour=self.behaviour, proximal=self.proximal,
-                          behavior_logprobs_full=full)
+                          self.policy_version[idx], rows(self.proximal_logprobs), behaviour=self.behaviour,
+                          proximal=self.proximal, behavior_logprobs_full=rows(self.behavior_logprobs_full),
+                          rewards=rows(self.rewards), prompt_index=rows(self.prompt_index))
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
         if self.advantages.device == torch.device(device):
             return self
-        prox = None if self.proximal_logprobs is None else self.proximal_logprobs.to(device)
-        full = None if self.behavior_logprobs_full is None else self.behavior_logprobs_full.to(device)
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
-                          self.policy_version.to(device), prox, metrics=self.metrics, behaviour=self.behaviour,
-                          proximal=self.proximal, behavior_logprobs_full=full)
+                          self.policy_version.to(device), moved(self.proximal_logprobs), metrics=self.metrics,
+                          behaviour=self.behaviour, proximal=self.proximal,
+                          behavior_logprobs_full=moved(self.behavior_logprobs_full), rewards=moved(self.rewards),
+                          prompt_index=moved(self.prompt_index))
 
     def behaviour_versions(self) -> torch.Tensor:
         """Versions of the rows sampled by the policy itself (foreign rows left out), long [≤ B]."""
@@ -67,11 +74,13 @@ class TrainBatch:
 
 
 def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
-                behaviour: dict[int, Teacher | Recorded] | None = None) -> TrainBatch:
+                behaviour: dict[int, Teacher | Recorded] | None = None, rewards: list[float] | None = None,
+                prompt_index: list[int] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
     advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``) of each policy version among the
     rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give ``behavior_logprobs_full``.
+    rewards, prompt_index: one per rollout (``TrainBatch.rewards``, ``TrainBatch.prompt_index``), or None.
 
     Raises:
         ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
@@ -90,7 +99,9 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
     recorded = {v for v, t in (behaviour or {}).items() if isinstance(t, Recorded)}
     return TrainBatch(packed=packed, behavior_logprobs=blp, advantages=advantages.float(), policy_version=versions,
                       metrics=dict(metrics or {}), behaviour=dict(behaviour or {}),
-                      behavior_logprobs_full=_recorded(rollouts, recorded, C) if recorded else None)
+                      behavior_logprobs_full=_recorded(rollouts, recorded, C) if recorded else None,
+                      rewards=None if rewards is None else torch.tensor(rewards, dtype=torch.float32),
+                      prompt_index=None if prompt_index is None else torch.tensor(prompt_index, dtype=torch.long))
 
 
 def _recorded(rollouts, versions: set, C: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..trainer.runlog import MetricsLog
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
 RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "checkpoint_keep", "threads", "reward.workers", "reward.timeout_s",
-                  "run_dir", "log.trackers")
+                  "run_dir", "log.trackers", "log.samples.every", "log.samples.train", "log.samples.heldout")
 
 # errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
 # permissions / not a folder / no such parent when the path is the run directory, inside it or above it

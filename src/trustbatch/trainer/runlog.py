@@ -11,8 +11,8 @@ from .trackers.held import Held
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors its finite scalars to the trackers; an
-    evaluation's sample completions go to ``samples.jsonl`` and the trackers' text (TensorBoard's text tab).
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors its finite scalars to the trackers; sample
+    completions (``log.samples``) go to ``samples.jsonl`` and to the trackers.
 
     ``metrics.jsonl`` is the record: a tracker is sent a round only once the file holds it. ``trackers``: started
     ``trackers.Tracker`` runs (``open`` starts them, or ``trackers.open_trackers``), closed by ``close``; ``held``:
@@ -60,21 +60,21 @@ class MetricsLog:
         return log
 
     def _backfill(self, upto: int) -> None:
-        """Send each tracker the records up to round ``upto`` after the last it holds (``tracked.json``)."""
+        """Send each tracker the records up to round ``upto`` after the last it holds (``tracked.json``): each round's
+        samples (``samples.jsonl``), then the rounds' metrics."""
         records = [r for r in iter_metrics(self.path) if r.get("step", 0) <= upto] if self.path.exists() else []
-        samples: dict[int, list[dict]] = {}
-        if self.samples_path.exists():
-            for smp in iter_metrics(self.samples_path):
-                samples.setdefault(smp.pop("step", 0), []).append(smp)
+        samples: dict[tuple[int, str], list[dict]] = {}
+        for row in iter_metrics(self.samples_path) if self.samples_path.exists() else ():
+            row = {"round": row.pop("round", row.pop("step", 0)), "split": row.pop("split", "heldout"), **row}
+            samples.setdefault((row["round"], row["split"]), []).append(row)
         for tracker in self.trackers:
             after = self.held.entry(tracker.name)["through"]
-            later = [r for r in records if r.get("step", 0) > after]
             with kept_random():
-                for r in later:
-                    if r.get("step", 0) in samples:
-                        tracker.log_text("samples", samples_text(samples[r["step"]]), r["step"])
+                for (round_, split), rows in sorted(samples.items()):
+                    if after < round_ <= upto:
+                        tracker.log_samples(rows, round_, split)
                 tracker.log_rounds([(r["step"], scalars({k: v for k, v in r.items() if k != "step"}))
-                                    for r in later])
+                                    for r in records if r.get("step", 0) > after])
         self._sent = upto
         self.held.advance(upto, [t.name for t in self.trackers if t.durable])
 
@@ -93,7 +93,7 @@ class MetricsLog:
         resume); trackers keep what they were sent (``open`` makes them agree with the record)."""
         if self.enabled:
             truncate_records(self.path, step)
-            truncate_records(self.samples_path, step)
+            truncate_records(self.samples_path, step, key="round")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -108,19 +108,20 @@ class MetricsLog:
                 tracker.log(values, step)
         self._sent = step
 
-    def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Append one line per sample (``{"step", "prompt", "completion", "reward"}``) to ``samples.jsonl``, and the
-        evaluation's samples as one text (tag ``samples``) at ``step`` to each tracker (``Tracker.log_text``)."""
+    def log_samples(self, round_: int, split: str, samples: list[dict]) -> None:
+        """Append one line per sample to ``samples.jsonl``, ``{"round", "split", **sample}`` (``split``: ``train``
+        for a training rollout's, ``heldout`` for an evaluation's; ``eval.sampling.sample_row``'s fields), and send
+        the lines to each tracker (``Tracker.log_samples``: a W&B table, an MLflow JSON artifact, TensorBoard text)."""
         if not self.enabled or not samples:
             return
+        rows = [{"round": round_, "split": split, **smp} for smp in samples]
         with open(self.samples_path, "a") as f:
-            for smp in samples:
-                f.write(json.dumps({"step": step, **smp}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
             f.flush()
-        text = samples_text(samples)
         with kept_random():
             for tracker in self.trackers:
-                tracker.log_text("samples", text, step)
+                tracker.log_samples(rows, round_, split)
 
     def close(self, artifacts: tuple[Path, ...] = (), failed: bool = False) -> None:
         """Attach ``artifacts`` (the final plot) to every tracker and end their runs; once (later calls do nothing).
@@ -134,13 +135,6 @@ class MetricsLog:
                 if self.held is not None:
                     self.held.advance(self._sent, [tracker.name] if tracker.durable else [])
                     self.held.save()
-
-
-def samples_text(samples: list[dict]) -> str:
-    """An evaluation's samples as markdown: TensorBoard's text plugin renders it; the fences keep a completion's own
-    characters."""
-    return "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
-                         for smp in samples)
 
 
 def plot_run(records: list[dict], path: Path, title: str = "") -> None:

@@ -54,9 +54,10 @@ class Tracker(Protocol):
         """``log`` each ``(round, metrics)`` in order: a resume's backfill (MLflow sends them in few calls)."""
         ...
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        """Record a markdown text at round ``step`` (an evaluation's sample completions); TensorBoard's text tab
-        shows it, W&B and MLflow ignore it (the same text is in ``samples.jsonl``)."""
+    def log_samples(self, rows: list[dict], round_: int, split: str) -> None:
+        """Record sample completions of round ``round_``: ``rows`` are their ``samples.jsonl`` lines (``round``,
+        ``split``, prompt, completion, reward, reference, behaviour log-prob sum); ``split``: ``train`` or
+        ``heldout``. W&B: a table, MLflow: a JSON artifact, TensorBoard: markdown text."""
         ...
 
     def close(self, failed: bool = False) -> None:

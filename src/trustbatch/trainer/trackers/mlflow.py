@@ -119,8 +119,8 @@ class MlflowTracker:
         for i in range(0, len(metrics), MAX_METRICS):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS], synchronous=True)
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        pass  # the samples are in samples.jsonl; a text per evaluation would clutter this tracker's run
+    def log_samples(self, rows: list[dict], round_: int, split: str) -> None:
+        self.client.log_dict(self.run_id, rows, samples_artifact(round_, split))
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
@@ -135,6 +135,12 @@ def default_store(run_dir: Path) -> tuple[str, str]:
     store and the runs are in one folder (git-ignored) and not scattered in each working directory."""
     folder = Path(run_dir).resolve().parent
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlruns").as_uri()
+
+
+def samples_artifact(round_: int, split: str) -> str:
+    """The artifact path of a round's sample completions: ``samples/train/round_000010.json`` (a list of
+    ``samples.jsonl``'s lines; a resume that sends a round again overwrites it)."""
+    return f"samples/{split}/round_{round_:06d}.json"
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, object]:

@@ -1,8 +1,10 @@
 """TensorBoard: scalars as event files in ``RUN_DIR/tensorboard`` (a resume adds an event file beside the first).
 
-A resume's event file starts with TensorBoard's purge mark (``SummaryWriter(purge_step=...)``) at the round after the
-last one the earlier files hold as ``metrics.jsonl`` does: TensorBoard's readers then drop every earlier event from
-that round on, so a round the killed run had logged and the resume redid shows once, with the resume's values.
+Each start's event file begins with TensorBoard's purge mark (``SummaryWriter(purge_step=...)``, a ``SessionLog``
+START) at the round after the last one the earlier files hold as ``metrics.jsonl`` does: TensorBoard's readers then
+drop every earlier event from that round on, so a round the killed run had logged and the resume redid shows once,
+with the resume's values. (TensorBoard's Rust data server instead drops, per tag, the points at or after a step
+logged again: the rounds a resume sends again have the same effect there.)
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ class TensorBoardTracker:
     def start(self, config: dict, run_dir: Path, resume_id: str | None, held: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        folder = Path(run_dir) / "tensorboard"
-        # the purge mark hides the earlier files' events from round through + 1 on (nothing there: it hides nothing)
-        purge = held["through"] + 1 if folder.is_dir() and any(folder.iterdir()) else None
-        self._writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+        # the purge mark hides the earlier files' events from round through + 1 on; a new run's file starts with one
+        # too (at 0, hiding nothing): TensorBoard's server takes a run's first mark for its start, not a restart
+        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=held["through"] + 1)
         held.pop("stale", None)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -42,8 +43,12 @@ class TensorBoardTracker:
     def log_artifact(self, path: Path) -> None:
         pass
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        self._writer.add_text(tag, text, step)
+    def log_samples(self, rows: list[dict], round_: int, split: str) -> None:
+        # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
+        text = "\n\n".join(f"**reward {r['reward']:g}** · reference `{r['reference']}` · behaviour log-prob "
+                             f"{r['behaviour_logprob_sum']:.3f}\n\n```\n{r['prompt']}{r['completion']}\n```"
+                             for r in rows)
+        self._writer.add_text(f"samples/{split}", text, round_)
         self._writer.flush()
 
     def close(self, failed: bool = False) -> None:

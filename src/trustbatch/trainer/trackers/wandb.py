@@ -95,15 +95,20 @@ class WandbTracker:
         return self.run.id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        self._last = max(self._last, step)  # sent, or maybe: a folder that may hold it counts it (keep_finished)
         self.run.log({**metrics, STEP_KEY: step})
-        self._last = step
 
     def log_rounds(self, rounds: list[tuple[int, dict[str, float]]]) -> None:
         for step, metrics in rounds:
             self.log(metrics, step)
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        pass  # the samples are in samples.jsonl; a text per evaluation would clutter this tracker's run
+    def log_samples(self, rows: list[dict], round_: int, split: str) -> None:
+        import wandb
+
+        self._last = max(self._last, round_)
+        # one row of its own, at the round: W&B stores the table as a file in the run folder (media/table/samples)
+        table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows], allow_mixed_types=True)
+        self.run.log({f"samples/{split}": table, STEP_KEY: round_})
 
     def log_artifact(self, path: Path) -> None:
         import wandb
