@@ -80,8 +80,9 @@ def atomic_write(path: Path, data: bytes | str) -> None:
         raise
 
 
-def truncate_records(path: Path, step: int) -> None:
-    """Drop the JSONL records of ``path`` past ``step`` and any torn line (a resume redoes those rounds)."""
+def truncate_records(path: Path, step: int, key: str = "step") -> None:
+    """Drop the JSONL records of ``path`` past ``step`` and any torn line (a resume redoes those rounds); ``key``:
+    the field that holds a record's round (``step`` where a record lacks it: a file from before the field)."""
     path = Path(path)
     if not path.exists():
         return
@@ -91,7 +92,7 @@ def truncate_records(path: Path, step: int) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("step", 0) <= step:
+        if rec.get(key, rec.get("step", 0)) <= step:
             keep.append(line)
     atomic_write(path, "".join(k + "\n" for k in keep))
 

@@ -13,15 +13,13 @@ timing; seen on the run that introduced the order, see docs/guide/async-ray.md).
 """
 
 import random
-import signal
-import time
 
 import pytest
 
 from trustbatch.trainer.checkpoint import latest_checkpoint, load_trainer_state
 
-from runproc import (assert_same_weights, cache, descendants, n_records, records, resume_args, run,  # noqa: F401
-                     start, survivors, train_args)
+from runproc import (assert_same_weights, cache, kill_at_round, records, resume_args, run, start,  # noqa: F401
+                     survivors, train_args)
 
 K, WORKERS, STEPS = 2, 2, 8
 ORDER = "deterministic"
@@ -43,17 +41,7 @@ def test_async_runs_at_k2_are_reproducible_across_a_kill9_and_resume(tmp_path, c
     kill_after = random.Random(39).randint(2, STEPS - 1)  # rounds logged before the kill
     full, killed = tmp_path / "full", tmp_path / "killed"
     args = [*ASYNC, f"objective.options={{kl: {kl}}}"]
-    proc = start(train_args(killed, *args), tmp_path / "killed.log")
-    try:
-        deadline = time.time() + 400
-        while n_records(killed) < kill_after + 1:  # a sleeping poll: a round lasts far longer, and the run needs the cores
-            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before round {kill_after}"
-            assert time.time() < deadline, f"timed out waiting for round {kill_after}"
-            time.sleep(0.02)
-        kids = descendants(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kids = kill_at_round(start(train_args(killed, *args), tmp_path / "killed.log"), killed, kill_after)
     assert len(kids) >= WORKERS, "the run had no rollout worker processes"
     assert not survivors(kids, within=10), "processes of the killed run outlived it"
     assert not (killed / "summary.json").exists(), "killed after the run had finished"

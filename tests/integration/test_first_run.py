@@ -79,19 +79,20 @@ def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(
     assert all("ETA" in l and "elapsed" in l for l in rounds)
 
     samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4  # eval.every=2: rounds 0, 2, 4
+    assert [(s["round"], s["split"]) for s in samples] == [(r, "heldout") for r in (0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4)]
     heldout = configured_task(load_config(None, TINY)).heldout
     score = reasoning_gym.get_score_answer_fn("chain_sum")
     for s in samples:
         i = [e.prompt for e in heldout].index(s["prompt"])
         assert i < 4  # the same first prompts at every evaluation
         assert s["reward"] == score(s["completion"].strip(), json.loads(heldout[i].reference))
+        assert s["reference"] == heldout[i].reference and s["behaviour_logprob_sum"] < 0
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0}).Reload()
-    texts = acc.Tensors("samples/text_summary")
+    texts = acc.Tensors("samples/heldout/text_summary")
     assert [t.step for t in texts] == [0, 2, 4]
     last = texts[-1].tensor_proto.string_val[0].decode()
-    assert all(s["prompt"] + s["completion"] in last for s in samples if s["step"] == 4)
+    assert all(s["prompt"] + s["completion"] in last for s in samples if s["round"] == 4)
 
 
 def test_a_start_refused_for_its_input_leaves_no_directory_to_call_interrupted(tmp_path, cache):

@@ -1,5 +1,7 @@
 """Weights & Biases and MLflow as trackers (issue 37 item 1): a real tiny run and a ``--resume`` of it, read back
-through each package's own reader, against ``metrics.jsonl``.
+through each package's own reader, against ``metrics.jsonl`` and (issue 45 item 5) ``samples.jsonl``; and (issue 46
+item 1) a run killed with SIGKILL, or stopped, after its last checkpoint and resumed: every tracker then holds each
+round of ``metrics.jsonl`` and its sample completions once.
 
 W&B runs offline; its ``.wandb`` transaction logs are read with ``wandb leet inspect --json`` (W&B's own reader of
 its own format). MLflow writes to a temporary SQLite store, read with ``MlflowClient``. Run with
@@ -30,6 +32,8 @@ from tiny import TINY
 
 SKIP = "needs trustbatch[wandb,mlflow] (`make test-trackers` builds an environment with them)"
 RUN = TINY + ["threads=1", "reward.workers=0"]
+# training-rollout samples every round (3 of the 16 rows), held-out ones (2) at each evaluation (eval.every=2)
+SAMPLES = ["log.samples.every=1", "log.samples.train=3", "log.samples.heldout=2"]
 pytestmark = pytest.mark.trackers
 
 
@@ -49,7 +53,7 @@ def tracked(tmp_path_factory, cache):
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
         run_dir = tmp / "tracked"
         train(load_config(None, RUN + ["train.steps=2", f"run_dir={run_dir}", f"log.mlflow_uri={uri}",
-                                       "log.trackers=[tensorboard, wandb, mlflow]"]))
+                                       "log.trackers=[tensorboard, wandb, mlflow]", *SAMPLES]))
         first_ids = json.loads((run_dir / "trackers.json").read_text())
         train(resume=str(run_dir), overrides=["train.steps=4"])
     return run_dir, uri, first_ids
@@ -78,20 +82,18 @@ def test_wandb_offline_run_holds_every_round_and_the_resume_appends_to_it(tracke
     assert len(run_files) == 2  # one per process: the first segment and the resume
     ids = json.loads((run_dir / "trackers.json").read_text())
     assert ids["wandb"] == first_ids["wandb"]
-    history, config = {}, {}
+    config = {}
     for run_file in run_files:
         recs = _wandb_records(run_file)
         run = next(r["run"] for r in recs if r["type"] == "run")
         assert run["run_id"] == ids["wandb"] and run["display_name"] == run_dir.name and run["project"] == "trustbatch"
         for r in recs:
-            if r["type"] == "history":
-                item = {k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
-                history[item.pop("round")] = item
-            elif r["type"] == "config":
+            if r["type"] == "config":
                 config.update(r["config"]["update"])
         assert [r["exit"]["exit_code"] for r in recs if r["type"] == "exit"] == [0]
-        artifacts = [r["artifact"] for r in recs if r["type"] == "artifact"]
+        artifacts = [r["artifact"] for r in recs if r["type"] == "artifact" and r["artifact"]["type"] == "run-output"]
         assert [c["path"] for a in artifacts for c in a["manifest"]["contents"]] == ["plot.png"]
+    history = dict(_wandb_history(run_dir)[0])
     expected = _expected(run_dir)
     assert sorted(history) == [0, 1, 2, 3, 4] == sorted(expected)
     for step, metrics in expected.items():
@@ -123,6 +125,35 @@ def test_mlflow_run_holds_every_round_and_the_resume_appends_to_it(tracked, tmp_
     assert config["train"]["steps"] == 4
     plot = Path(client.download_artifacts(run_id, "plot.png", str(tmp_path)))
     assert plot.read_bytes() == (run_dir / "plot.png").read_bytes()
+
+
+def test_samples_hold_the_rounds_rollouts_with_their_reward_and_reference_once_in_every_tracker(tracked):
+    """Issue 45 item 5: log.samples writes, for each round, 3 of the round's training rollouts and, at each
+    evaluation, 2 held-out ones, each with its round (never "step"), reward, reference answer and behaviour log-prob
+    sum; checked against the task's examples and the task's own scorer (which rows, and the log-prob sums, against
+    rollouts made by hand: tests/unit/test_samples.py). The trackers hold the same rows (W&B's tables, MLflow's
+    artifacts, TensorBoard's text), each (round, split) once, across the resume."""
+    import reasoning_gym
+
+    from trustbatch.recipes import prepare_run
+
+    run_dir, uri, _ = tracked
+    rows = _samples(run_dir)
+    assert sorted(rows) == sorted([(r, "train") for r in (1, 2, 3, 4)] + [(r, "heldout") for r in (0, 2, 4)])
+    assert all(len(v) == (3 if split == "train" else 2) for (_, split), v in rows.items())
+    task, _, pool, _ = prepare_run(load_config(None, RUN))
+    pool.close()
+    score = reasoning_gym.get_score_answer_fn("chain_sum")
+    references = {e.prompt: e.reference for e in task.train + task.heldout}
+    for group in rows.values():
+        for row in group:
+            assert set(row) == {"round", "split", "prompt", "completion", "reward", "reference",
+                                "behaviour_logprob_sum"}
+            assert row["reference"] == references[row["prompt"]]
+            assert row["reward"] == score(row["completion"].strip(), json.loads(row["reference"]))
+            assert -math.inf < row["behaviour_logprob_sum"] < 0
+    assert all([r["prompt"] for r in rows[k, "heldout"]] == [e.prompt for e in task.heldout[:2]] for k in (0, 2, 4))
+    _assert_every_tracker_holds_the_samples_once(run_dir, uri)
 
 
 def test_trackers_do_not_move_the_run(tracked, tmp_path):
@@ -250,3 +281,189 @@ def test_mlflow_default_store_is_beside_the_run_directory_not_in_the_working_dir
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(1, 1.0)]
     stored = [p for p in (runs / "mlruns").rglob("plot.png")]
     assert len(stored) == 1 and stored[0].read_bytes() == b"a plot"
+
+
+
+KILL_STEPS, KILL_EVERY = 8, 4  # checkpoints at rounds 0, 4 and 8
+
+
+def _tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's own reading of RUN_DIR/tensorboard: every event file, purges applied, as the UI shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _wandb_history(run_dir: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str, list[dict]]]]:
+    """The history rows of the W&B run folders `wandb sync RUN_DIR/wandb/offline-run-*` would upload, in order:
+    (round, the row's metrics) for the rounds' metrics, and (round, split, its rows) for the sample tables, each
+    read from the table file W&B stored in the folder."""
+    metrics, tables = [], []
+    for run_file in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for r in _wandb_records(run_file):
+            if r["type"] == "history":
+                item = {k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
+                round_ = item.pop("round")
+                paths = {k[:-len(".path")]: v for k, v in item.items() if k.endswith(".path")}
+                if not paths:
+                    metrics.append((round_, item))
+                for key, path in paths.items():  # samples/train, samples/heldout
+                    stored = json.loads((run_file.parent / "files" / path).read_text())
+                    tables.append((round_, key.split("/")[1], [dict(zip(stored["columns"], row))
+                                                               for row in stored["data"]]))
+    return metrics, tables
+
+
+def _offline_wandb_and_mlflow_env(monkeypatch, tmp: Path, mode: str | None) -> None:
+    """W&B offline with its folders in ``tmp``, its own service (not one an earlier test's run left in this process:
+    a killed trainer must take its service with it), and MLflow's store where the run directory puts it.
+    ``mode``: ``WANDB_MODE`` (None: unset, the tracker then asks for offline itself; a run in this process must leave
+    it so, W&B reads the environment once per process)."""
+    for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_SERVICE", "WANDB_MODE", "MLFLOW_TRACKING_URI",
+                "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    if mode:
+        monkeypatch.setenv("WANDB_MODE", mode)
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(var, str(tmp / var.lower()))
+
+
+def _assert_every_tracker_holds_the_record_once(run_dir: Path, mlflow_uri: str) -> None:
+    """TensorBoard, MLflow and W&B (offline), each read back through its own reader, hold every round of
+    metrics.jsonl exactly once, with its values (TensorBoard's as float32, the others' exactly)."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    expected = _expected(run_dir)
+    keys = {k for m in expected.values() for k in m}
+    f32 = lambda x: float(np.float32(x))  # noqa: E731  TensorBoard stores float32
+    scalars = _tensorboard_scalars(run_dir)
+    assert set(scalars) == keys
+    for key in keys:
+        assert scalars[key] == [(s, f32(m[key])) for s, m in sorted(expected.items()) if key in m], key
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for key in keys:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key.replace("@", "_at_")))
+        assert history == [(s, m[key]) for s, m in sorted(expected.items()) if key in m], key
+
+    history = _wandb_history(run_dir)[0]
+    assert sorted(r for r, _ in history) == sorted(expected), [r for r, _ in history]
+    for round_, item in history:
+        assert item == expected[round_], round_
+    _assert_every_tracker_holds_the_samples_once(run_dir, mlflow_uri)
+
+
+def _samples(run_dir: Path) -> dict[tuple[int, str], list[dict]]:
+    """samples.jsonl's lines by (round, split)."""
+    out: dict[tuple[int, str], list[dict]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault((row["round"], row["split"]), []).append(row)
+    return out
+
+
+def _assert_every_tracker_holds_the_samples_once(run_dir: Path, mlflow_uri: str) -> None:
+    """Each (round, split) of samples.jsonl once in each tracker, read back through its own reader: W&B's table
+    (the table file in its run folder), MLflow's JSON artifact (downloaded with the client), TensorBoard's text
+    (tag samples/SPLIT, through the plugin event accumulator TensorBoard's server reads it with)."""
+    from mlflow.tracking import MlflowClient
+    # the loader TensorBoard's text tab reads through (the legacy EventAccumulator applies no purge to tensors)
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    expected = _samples(run_dir)
+    tables = _wandb_history(run_dir)[1]
+    assert sorted((r, s) for r, s, _ in tables) == sorted(expected)
+    for round_, split, rows in tables:
+        assert rows == expected[round_, split], (round_, split)
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    stored = {}
+    for split in {s for _, s in expected}:
+        for f in client.list_artifacts(run_id, f"samples/{split}"):
+            round_ = int(f.path.rsplit("round_", 1)[1].removesuffix(".json"))
+            stored[round_, split] = json.loads(Path(client.download_artifacts(run_id, f.path, str(run_dir.parent)))
+                                               .read_text())
+    assert stored == expected
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    for split in {s for _, s in expected}:
+        texts = events.Tensors(f"samples/{split}/text_summary")
+        assert [t.step for t in texts] == sorted(r for r, s in expected if s == split), split
+        for t in texts:
+            text = t.tensor_proto.string_val[0].decode()
+            assert all(row["prompt"] + row["completion"] in text for row in expected[t.step, split])
+
+
+def test_a_kill9_and_resume_leave_every_tracker_holding_each_round_of_metrics_jsonl_once(tmp_path, cache, monkeypatch):
+    """Issue 46 item 1: `trustbatch train` with TensorBoard, W&B (offline) and MLflow, killed with SIGKILL at a round
+    drawn by a seeded random choice (W&B's service dies before it writes its buffer; MLflow and TensorBoard hold the
+    rounds past the last checkpoint, which the resume redoes), then `--resume`d to the end. Each tracker, read back
+    through its own reader, holds every round of metrics.jsonl exactly once, with metrics.jsonl's values."""
+    pytest.importorskip("wandb", reason=SKIP)
+    pytest.importorskip("mlflow", reason=SKIP)
+    pytest.importorskip("tensorboard", reason=SKIP)
+    import random
+
+    from runproc import kill_at_round, outlived, resume_args, run, start, train_args
+
+    _offline_wandb_and_mlflow_env(monkeypatch, tmp_path, "offline")
+    run_dir = tmp_path / "runs" / "killed"  # MLflow's store: tmp_path/runs/mlflow.db, beside the run directory
+    # the last round every tracker was sent before the kill (it comes once the next round is in metrics.jsonl): past
+    # the round-4 checkpoint, so the resume keeps rounds 0-4 (which W&B's killed segment never wrote) and redoes the
+    # rounds after it (which TensorBoard and MLflow hold already)
+    kill_after = random.Random(46).randint(KILL_EVERY + 1, KILL_STEPS - 2)
+    args = ["reward.workers=0", f"train.steps={KILL_STEPS}", f"checkpoint_every={KILL_EVERY}",
+            "log.trackers=[tensorboard, wandb, mlflow]", *SAMPLES]
+    kids = kill_at_round(start(train_args(run_dir, *args), tmp_path / "killed.log"), run_dir, kill_after + 1)
+    assert not outlived(kids), "a process of the killed run (W&B's service) outlived it"
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    done = run(resume_args(run_dir), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed_from = json.loads((run_dir / "segments.jsonl").read_text().splitlines()[-1])["start_round"]
+    assert resumed_from < kill_after < logged[-1], (resumed_from, logged)  # the resume redid rounds trackers held
+    assert sorted(_expected(run_dir)) == list(range(KILL_STEPS + 1))
+    _assert_every_tracker_holds_the_record_once(run_dir, f"sqlite:///{run_dir.parent / 'mlflow.db'}")
+
+
+def test_a_stopped_run_resumed_before_its_last_rounds_and_a_tracker_added_keep_each_round_once(tmp_path, monkeypatch):
+    """A Ctrl-C: every tracker is closed, W&B's folder holding every round it was sent, rounds 3 and 4 among them,
+    which the resume from the round-2 checkpoint redoes (with other values here); MLflow's run then holds them too
+    and is replaced, TensorBoard (added on the resume) is sent every earlier round. Each holds metrics.jsonl once."""
+    pytest.importorskip("wandb", reason=SKIP)
+    pytest.importorskip("mlflow", reason=SKIP)
+    from mlflow.tracking import MlflowClient
+
+    _offline_wandb_and_mlflow_env(monkeypatch, tmp_path, None)
+    monkeypatch.chdir(tmp_path)
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "stopped"
+    run_dir.mkdir()
+    log = MetricsLog.open(run_dir, ["wandb", "mlflow"], {"a": 1}, resume_round=None, mlflow_uri=uri)
+    row = {"prompt": "p", "completion": "c", "reward": 1.0, "reference": "r", "behaviour_logprob_sum": -0.5}
+    for r in range(5):
+        log.log_samples(r, "train", [{**row, "completion": f"c{r}"}])
+        log.log(r, {"x": float(r), "y": 10.0 * r})
+    log.close(failed=True)
+    first = json.loads((run_dir / "trackers.json").read_text())
+    log = MetricsLog.open(run_dir, ["tensorboard", "wandb", "mlflow"], {"a": 2}, resume_round=2, mlflow_uri=uri)
+    for r in range(3, 6):
+        log.log_samples(r, "train", [{**row, "completion": f"redone {r}"}])
+        log.log(r, {"x": r + 0.5})
+    log.close()
+    assert sorted(_expected(run_dir)) == [0, 1, 2, 3, 4, 5] and _expected(run_dir)[4] == {"x": 4.5}
+    assert _samples(run_dir)[4, "train"][0]["completion"] == "redone 4"
+    _assert_every_tracker_holds_the_record_once(run_dir, uri)
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    assert ids["wandb"] == first["wandb"]  # the same W&B run, its stopped folder set aside
+    assert [p.parent.name for p in (run_dir / "wandb-superseded").glob("*/run-*.wandb")] != []
+    client = MlflowClient(tracking_uri=uri)
+    old, new = client.get_run(first["mlflow"]), client.get_run(ids["mlflow"])
+    assert new.info.run_id != old.info.run_id and old.info.lifecycle_stage == "deleted"
+    assert new.data.tags["trustbatch.replaces"] == old.info.run_id and new.data.params == old.data.params == {"a": "1"}
+    assert new.info.run_name == old.info.run_name == run_dir.name

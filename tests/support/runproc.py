@@ -107,6 +107,22 @@ def wait_until(proc: subprocess.Popen, cond, what: str, timeout: float = 180) ->
             raise AssertionError(f"timed out waiting for {what}")
 
 
+def kill_at_round(proc: subprocess.Popen, run_dir: Path, round_: int, timeout: float = 400) -> list[int]:
+    """SIGKILL ``proc`` once ``run_dir``'s metrics.jsonl holds round ``round_`` (a sleeping poll: a round lasts far
+    longer, and the run needs the cores); returns its descendants at that moment. Fails if the run ends or time runs
+    out first (killed then too)."""
+    try:
+        deadline = time.time() + timeout
+        while n_records(run_dir) < round_ + 1:
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before round {round_}"
+            assert time.time() < deadline, f"timed out waiting for round {round_}"
+            time.sleep(0.01)
+        return descendants(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):

@@ -368,6 +368,17 @@ class EvalConfig(_Strict):
     temperature: Float = Field(1.0, gt=0, description="sampling temperature of the evaluation")
 
 
+class SamplesConfig(_Strict):
+    """Sample completions in ``samples.jsonl`` and the trackers (``log.samples={every: 10, train: 4, heldout: 4}``):
+    prompt, completion, reward, reference answer and behaviour log-prob sum, with the round."""
+
+    every: Int = Field(10, ge=1, description="training-rollout samples every N rollout rounds")
+    train: Int = Field(4, ge=0, description="training-rollout samples from each such round's batch: the first "
+                                            "completion of the batch's first N prompts (then the second, ...); 0: none")
+    heldout: Int = Field(4, ge=0, description="held-out samples at each evaluation: the first sampled completion of "
+                                              "the first N held-out prompts (the same prompts each time); 0: none")
+
+
 class LogConfig(_Strict):
     """Where each round's metrics go besides ``metrics.jsonl`` (docs/guide/trackers.md)."""
 
@@ -380,6 +391,9 @@ class LogConfig(_Strict):
         None, description="mlflow: the tracking store, e.g. sqlite:///mlflow.db or http://host:5000 (default "
                           "MLFLOW_TRACKING_URI, else mlflow.db beside the run directory: runs/mlflow.db, artifacts in "
                           "runs/mlruns)")
+    samples: SamplesConfig = Field(default_factory=SamplesConfig,
+                                   description="sample completions written to samples.jsonl and every tracker (W&B: a "
+                                               "table, MLflow: a JSON artifact, TensorBoard: text)")
 
 
 ModelConfig.model_rebuild()

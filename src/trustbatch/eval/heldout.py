@@ -17,8 +17,8 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
     standard deviation of the per-prompt mean rewards over √P; NaN for one prompt), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
     ``heldout_greedy_accuracy``, ``heldout_reward_errors`` and ``heldout_reward_timeouts``.
     ``check`` and ``max_failure_rate`` judge each scoring call as a rollout round's (``sample_and_score``).
-    With ``keep_samples`` > 0 the dict also holds ``samples``: a list of ``{"prompt", "completion", "reward"}``, the
-    first sampled completion of each of the first ``keep_samples`` prompts (the same prompts at every call).
+    With ``keep_samples`` > 0 the dict also holds ``samples``: the first sampled completion of each of the first
+    ``keep_samples`` prompts (the same prompts at every call), as ``sampling.sample_row`` makes them.
 
     Raises:
         UserError: from ``check`` (the scorer failed on more than ``reward.max_failure_rate`` of a call).

@@ -24,7 +24,7 @@ class Scored:
     response_tokens: float  # mean completion length
     truncated_fraction: float
     reward_se: float = math.nan  # standard error over prompts of the per-prompt mean reward (NaN when P = 1)
-    samples: list[dict] = field(default_factory=list)  # ``keep_samples`` of them: prompt, completion, reward
+    samples: list[dict] = field(default_factory=list)  # ``keep_samples`` of them (``sample_and_score``)
 
     def pass_at(self, k: int) -> tuple[float, float]:
         """(mean over prompts of the unbiased pass@k, its standard error over prompts).
@@ -52,8 +52,9 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     a warning on any failure, a UserError past ``reward.max_failure_rate``); with ``max_failure_rate`` (the
     check's rate) the pool stops scoring a chunk as soon as the check's refusal is certain.
     ``keep_samples``: ``Scored.samples`` holds the first sample of each of the first ``keep_samples`` prompts
-    (``{"prompt", "completion", "reward"}``), the same prompts at every call, so a run's samples can be read side
-    by side across evaluations.
+    (``{"prompt", "completion", "reward", "reference", "behaviour_logprob_sum"}``: the example's reference answer and
+    the sum over the completion's tokens of the log-prob the engine sampled each with), the same prompts at every
+    call, so a run's samples can be read side by side across evaluations.
 
     Raises:
         UserError: from ``check``.
@@ -83,7 +84,8 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         tokens += sum(len(x.completion_ids) for x in ro)
         truncated += sum(x.truncated for x in ro)
         for i in range(min(len(part), keep_samples - len(kept))):
-            kept.append({"prompt": part[i].prompt, "completion": completions[i * n], "reward": float(res.rewards[i * n])})
+            kept.append(sample_row(part[i].prompt, completions[i * n], res.rewards[i * n], part[i].reference,
+                                   sum(ro[i * n].behavior_logprobs)))
         for i in range(len(part)):
             correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= 0.5))
             prompt_means.append(sum(res.rewards[i * n:(i + 1) * n]) / n)
@@ -93,6 +95,14 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     return Scored(n=n, correct=correct, reward_mean=total / m, reward_errors=errors, reward_timeouts=timeouts,
                   response_tokens=tokens / m, truncated_fraction=truncated / m, reward_se=_standard_error(prompt_means),
                   samples=kept)
+
+
+def sample_row(prompt: str, completion: str, reward: float, reference, logprob_sum: float) -> dict:
+    """One sample completion as ``samples.jsonl`` and the trackers show it (``log.samples``): ``reference`` is the
+    example's answer as the task stores it; ``logprob_sum`` the completion's log-probability under the distribution
+    it was sampled from (nats, the sum of its tokens' behaviour log-probs)."""
+    return {"prompt": prompt, "completion": completion, "reward": float(reward), "reference": reference,
+            "behaviour_logprob_sum": float(logprob_sum)}
 
 
 def _standard_error(xs: list[float]) -> float:

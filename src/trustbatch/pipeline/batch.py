@@ -29,6 +29,10 @@ class TrainBatch:
 
     ``ref_logprobs`` [B, C] are the frozen reference policy's log-probs of the sampled tokens (the reference KL,
     ``objective.ref_kl_coef``), filled by the learner once per batch (``Learner.train_on``), never [B, C, V].
+
+    ``rewards`` [B] float32 (the scorers' rewards, before any shaping) and ``prompt_index`` [B] long (each row's
+    training prompt, an index into the source's prompts: the task's training examples) are what the run's sample
+    completions (``log.samples``) need besides the tensors; None where the source did not give them.
     """
 
     packed: Packed
@@ -43,6 +47,8 @@ class TrainBatch:
     behavior_top_logprobs: torch.Tensor | None = None  # [B, C, k] float32, for versions mapped to TopK
     behavior_top_ids: torch.Tensor | None = None  # [B, C, k] long, their token ids
     ref_logprobs: torch.Tensor | None = None  # [B, C], log π_ref of the sampled tokens (the learner fills it)
+    rewards: torch.Tensor | None = None  # [B] float32, the scorers' rewards
+    prompt_index: torch.Tensor | None = None  # [B] long, the row's training prompt
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -61,7 +67,8 @@ class TrainBatch:
         """The per-row tensors a batch may lack, by keyword."""
         return dict(proximal_logprobs=self.proximal_logprobs, behavior_logprobs_full=self.behavior_logprobs_full,
                     behavior_top_logprobs=self.behavior_top_logprobs, behavior_top_ids=self.behavior_top_ids,
-                    ref_logprobs=self.ref_logprobs)
+                    ref_logprobs=self.ref_logprobs, rewards=self.rewards,
+                    prompt_index=self.prompt_index)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on ``device`` (the learner's); ``metrics`` are kept. No copy where it is already."""
@@ -78,12 +85,14 @@ class TrainBatch:
 
 
 def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
-                behaviour: dict[int, Teacher | Recorded | TopK] | None = None) -> TrainBatch:
+                behaviour: dict[int, Teacher | Recorded | TopK] | None = None, rewards: list[float] | None = None,
+                prompt_index: list[int] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
     advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``, ``TopK``) of each policy version
     among the rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give
     ``behavior_logprobs_full``, those of a ``TopK`` version ``behavior_top_logprobs`` and ``behavior_top_ids``.
+    rewards, prompt_index: one per rollout (``TrainBatch.rewards``, ``TrainBatch.prompt_index``), or None.
 
     Raises:
         ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
@@ -105,6 +114,8 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
     return TrainBatch(packed=packed, behavior_logprobs=blp, advantages=advantages.float(), policy_version=versions,
                       metrics=dict(metrics or {}), behaviour=dict(behaviour or {}),
                       behavior_logprobs_full=_right_aligned(rollouts, kept[Recorded], C, "behavior_logprobs_full"),
+                      rewards=None if rewards is None else torch.tensor(rewards, dtype=torch.float32),
+                      prompt_index=None if prompt_index is None else torch.tensor(prompt_index, dtype=torch.long),
                       **top)
 
 

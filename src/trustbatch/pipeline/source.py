@@ -179,7 +179,7 @@ class SyncSource:
         """
         t0 = time.time()
         G = self.G
-        rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn = [], [], [], 0, 0, 0, {}, []
+        rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             rng = random.Random(row_seed(self.seed, b, refill))
@@ -198,6 +198,7 @@ class SyncSource:
                     continue
                 rollouts += new[g]
                 rew += r[g]
+                where += [idx[x.prompt_index] for x in new[g]]
             if len(rollouts) // G >= self.P:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
@@ -222,7 +223,8 @@ class SyncSource:
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )
-        return build_batch(rollouts, adv, self.pad_id, self.last_metrics, self._teachers())
+        return build_batch(rollouts, adv, self.pad_id, self.last_metrics, self._teachers(), rewards=rew,
+                           prompt_index=where)
 
     def _teachers(self) -> dict | None:
         """The engines' ``teacher`` by the policy version their rows carry, when the spec asks for them."""

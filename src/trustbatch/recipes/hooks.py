@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..eval import evaluate_heldout
+from ..eval.sampling import sample_row
 from ..parallel import World, full_model_state
 from ..records import read_metrics
 from ..seeding import row_seed
@@ -20,7 +21,6 @@ from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records
 from .build import scoring_check
 
 EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
-SAMPLES_PER_EVAL = 4  # sample completions each evaluation writes to samples.jsonl and TensorBoard
 TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
 
 
@@ -44,6 +44,23 @@ def heldout_by_round(run_dir: Path) -> dict[int, float]:
     path = Path(run_dir) / "metrics.jsonl"
     recs = read_metrics(path) if path.is_file() else []
     return {int(r["step"]): float(r["heldout_accuracy"]) for r in recs if "heldout_accuracy" in r}
+
+
+def batch_samples(batch, n: int, group_size: int, examples: list, decode) -> list[dict]:
+    """``n`` sample completions of a round's batch (``TrainBatch`` with ``rewards`` and ``prompt_index``): the first
+    completion of each of the batch's first ``n`` groups of ``group_size`` rows, then the second of each, ...;
+    ``examples``: the task's training examples (prompt text, reference answer), ``decode``: token ids -> text.
+    Each as ``eval.sampling.sample_row``: the behaviour log-prob sum is over the completion's tokens (float64)."""
+    C = batch.packed.response_mask.shape[1]
+    rows = sorted(range(len(batch)), key=lambda r: (r % group_size, r // group_size))[:n]
+    out = []
+    for r in rows:
+        mask = batch.packed.response_mask[r].cpu()
+        example = examples[int(batch.prompt_index[r])]
+        out.append(sample_row(example.prompt, decode(batch.packed.input_ids[r, -C:].cpu()[mask].tolist()),
+                              float(batch.rewards[r]), example.reference,
+                              float(batch.behavior_logprobs[r].cpu()[mask].double().sum())))
+    return out
 
 
 class TrainHooks:
@@ -78,8 +95,8 @@ class TrainHooks:
             m = evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
                                  samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
                                  max_new_tokens=c.rollout.max_new_tokens, check=check,
-                                 max_failure_rate=c.reward.max_failure_rate, keep_samples=SAMPLES_PER_EVAL)
-        self.log.log_samples(round_, m.pop("samples"))
+                                 max_failure_rate=c.reward.max_failure_rate, keep_samples=c.log.samples.heldout)
+        self.log.log_samples(round_, "heldout", m.pop("samples", []))
         return m
 
     @property
@@ -113,8 +130,13 @@ class TrainHooks:
             state["sync"] = sync_state
         save_checkpoint(self.run_dir, round_, self.policy, state, model_state=model_state, keep=self.cfg.checkpoint_keep,
                         best_of=heldout_by_round(self.run_dir) if self.cfg.checkpoint_keep_best else None)
+        self.log.checkpointed(round_)
 
     def before_train(self, round_: int, batch) -> None:
+        want = self.cfg.log.samples
+        if self.world.is_main and want.train and round_ % want.every == 0 and batch.prompt_index is not None:
+            self.log.log_samples(round_, "train", batch_samples(batch, want.train, self.cfg.rollout.group_size,
+                                                                self.task.train, self.policy.decode))
         learner = self.built.parts.learner
         record = self.is_eval(round_) or round_ == 1
         if record and (self.world.is_main or self.sharded):  # a sharded forward needs every rank

@@ -18,12 +18,11 @@ from ..config import Config
 from ..errors import UserError
 from ..records import git_commit, package_version
 from ..trainer.runlog import MetricsLog
-from ..trainer.trackers import open_trackers
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
 RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "checkpoint_keep",
                   "checkpoint_keep_best", "threads", "reward.workers", "reward.timeout_s",
-                  "run_dir", "log.trackers")
+                  "run_dir", "log.trackers", "log.samples.every", "log.samples.train", "log.samples.heldout")
 
 # errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
 # permissions / not a folder / no such parent when the path is the run directory, inside it or above it
@@ -130,9 +129,11 @@ def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) 
         f.write(json.dumps(rec) + "\n")
 
 
-def open_metrics_log(cfg: Config, run_dir: Path, resuming: bool, enabled: bool = True) -> MetricsLog:
+def open_metrics_log(cfg: Config, run_dir: Path, resume_round: int | None, enabled: bool = True) -> MetricsLog:
     """``metrics.jsonl`` with the trackers of ``log.trackers``, fed the config as ``config.yaml`` holds it; a resume
-    continues the trackers' runs. ``enabled=False`` (data-parallel ranks other than 0) opens nothing.
+    (``resume_round``: the round of the checkpoint it starts from, -1 for none; None: a new run) cuts the records back
+    to it and continues the trackers' runs, made to agree with the record (``MetricsLog.open``). ``enabled=False``
+    (data-parallel ranks other than 0) opens nothing.
 
     Raises:
         UserError: a tracker whose package is not installed.
@@ -140,5 +141,5 @@ def open_metrics_log(cfg: Config, run_dir: Path, resuming: bool, enabled: bool =
     if not enabled:
         return MetricsLog(run_dir, enabled=False)
     config = cfg.model_copy(update={"run_dir": str(run_dir)}).model_dump(mode="json")
-    return MetricsLog(run_dir, open_trackers(cfg.log.trackers, run_dir, config, resuming=resuming,
-                                             mlflow_uri=cfg.log.mlflow_uri))
+    return MetricsLog.open(run_dir, cfg.log.trackers, config, resume_round=resume_round,
+                           mlflow_uri=cfg.log.mlflow_uri)

@@ -201,7 +201,9 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         _in_process_scoring(cfg, run_dir, pool, console)
     built = log = None
     try:
-        log = open_metrics_log(cfg, run_dir, resuming, enabled=world.is_main)
+        # the checkpoint resumed from (-1: none) is known before anything runs: the trackers agree with the record first
+        resume_round = (int(found[2]["step"]) if found is not None else -1) if resuming else None
+        log = open_metrics_log(cfg, run_dir, resume_round, enabled=world.is_main)
         policy.model.to(world.device)
         foreign = foreign_engine(cfg, task, policy) if cfg.rollout.foreign_fraction > 0 else None  # the base, not a checkpoint
         reference = reference_policy(cfg, policy)  # likewise the initial policy, before a checkpoint's weights
@@ -221,11 +223,9 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if state is not None:
             _restore_state(parts, state, policy.model, version, world)
             console.print(f"resuming {run_dir} from {ckpt.name}")
-        if resuming:  # records past the checkpoint (or all of them, without one) are redone
-            log.truncate_after(start if state is not None else -1)
-            if world.is_main:
-                for name in ("ratios.jsonl", "steps.jsonl", "samples.jsonl"):
-                    truncate_records(run_dir / name, start if state is not None else -1)
+        if resuming and world.is_main:  # records past the checkpoint (or all of them, without one) are redone
+            for name in ("ratios.jsonl", "steps.jsonl"):  # metrics.jsonl and samples.jsonl: open_metrics_log
+                truncate_records(run_dir / name, start if state is not None else -1)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)
         _print_header(cfg, task, source, run_dir, world, console)

@@ -5,27 +5,95 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..records import atomic_write, truncate_records
-from .trackers import kept_random, scalars
+from ..records import atomic_write, iter_metrics, truncate_records
+from .trackers import kept_random, open_trackers, scalars, stored_ids
+from .trackers.held import Held
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors its finite scalars to the trackers; an
-    evaluation's sample completions go to ``samples.jsonl`` and the trackers' text (TensorBoard's text tab).
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors its finite scalars to the trackers; sample
+    completions (``log.samples``) go to ``samples.jsonl`` and to the trackers.
 
-    ``trackers``: started ``trackers.Tracker`` runs (``trackers.open_trackers``), closed by ``close``.
-    ``enabled=False`` (data-parallel ranks other than 0) writes nothing.
+    ``metrics.jsonl`` is the record: a tracker is sent a round only once the file holds it. ``trackers``: started
+    ``trackers.Tracker`` runs (``open`` starts them, or ``trackers.open_trackers``), closed by ``close``; ``held``:
+    what each holds (``RUN_DIR/tracked.json``; None: not kept). ``enabled=False`` (data-parallel ranks other than 0)
+    writes nothing.
     """
 
-    def __init__(self, run_dir: Path, trackers: list = (), enabled: bool = True):
+    def __init__(self, run_dir: Path, trackers: list = (), enabled: bool = True, held: Held | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.trackers = list(trackers) if enabled else []
+        self.held = held if enabled else None
+        self._sent = -1  # the last round every tracker returned from (tracked.json's through at a checkpoint, the end)
+
+    @classmethod
+    def open(cls, run_dir: Path, names: list[str], config: dict, *, resume_round: int | None,
+             mlflow_uri: str | None = None) -> MetricsLog:
+        """The run's log with the trackers ``names`` started and made to agree with ``metrics.jsonl``.
+
+        ``resume_round``: None for a new run; on a resume, the round of the checkpoint it starts from (-1: none).
+        ``metrics.jsonl`` and ``samples.jsonl`` are cut back to it (the rounds after are redone), each tracker drops
+        what it holds after the last round it holds as the record does (``Tracker.start``), and is sent the rounds
+        of the record it then lacks, samples included, before the first new round.
+
+        Raises:
+            UserError: a tracker whose package is not installed.
+        """
+        log = cls(run_dir)
+        resuming = resume_round is not None
+        held = Held(run_dir, fresh=not resuming)
+        if resuming:
+            last = max((r.get("step", 0) for r in iter_metrics(log.path)), default=-1) if log.path.exists() else -1
+            log.truncate_after(resume_round)
+            held.redo_after(resume_round, last, stored_ids(run_dir))
+        log.trackers = open_trackers(names, run_dir, config, resuming=resuming, mlflow_uri=mlflow_uri, held=held)
+        log.held = held
+        log._sent = min((held.entry(t.name)["through"] for t in log.trackers), default=-1)
+        try:
+            held.opened([t.name for t in log.trackers])
+            if resuming:
+                log._backfill(resume_round)
+        except BaseException:
+            log.close(failed=True)
+            raise
+        return log
+
+    def _backfill(self, upto: int) -> None:
+        """Send each tracker the records up to round ``upto`` after the last it holds (``tracked.json``): each round's
+        samples (``samples.jsonl``), then the rounds' metrics."""
+        records = [r for r in iter_metrics(self.path) if r.get("step", 0) <= upto] if self.path.exists() else []
+        samples: dict[tuple[int, str], list[dict]] = {}
+        for row in iter_metrics(self.samples_path) if self.samples_path.exists() else ():
+            row = {"round": row.pop("round", row.pop("step", 0)), "split": row.pop("split", "heldout"), **row}
+            samples.setdefault((row["round"], row["split"]), []).append(row)
+        for tracker in self.trackers:
+            after = self.held.entry(tracker.name)["through"]
+            with kept_random():
+                for (round_, split), rows in sorted(samples.items()):
+                    if after < round_ <= upto:
+                        tracker.log_samples(rows, round_, split)
+                tracker.log_rounds([(r["step"], scalars({k: v for k, v in r.items() if k != "step"}))
+                                    for r in records if r.get("step", 0) > after])
+        self._sent = upto
+        self.held.advance(upto, [t.name for t in self.trackers if t.durable])
+
+    def checkpointed(self, round_: int) -> None:
+        """The checkpoint of ``round_`` is written: a resume from it finds every tracker holding the rounds up to it
+        (they were sent before; ``tracked.json`` says so from here on)."""
+        if self.held is not None:
+            self.held.advance(min(round_, self._sent), [t.name for t in self.trackers if t.durable])
+
+    @property
+    def samples_path(self) -> Path:
+        return self.path.parent / "samples.jsonl"
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` and any torn last line (used on resume); trackers keep what they were sent."""
+        """Drop records past ``step`` and any torn last line of ``metrics.jsonl`` and ``samples.jsonl`` (used on
+        resume); trackers keep what they were sent (``open`` makes them agree with the record)."""
         if self.enabled:
             truncate_records(self.path, step)
+            truncate_records(self.samples_path, step, key="round")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -38,31 +106,35 @@ class MetricsLog:
         with kept_random():
             for tracker in self.trackers:
                 tracker.log(values, step)
+        self._sent = step
 
-    def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Append one line per sample (``{"step", "prompt", "completion", "reward"}``) to ``samples.jsonl``, and the
-        evaluation's samples as one text (tag ``samples``) at ``step`` to each tracker (``Tracker.log_text``)."""
+    def log_samples(self, round_: int, split: str, samples: list[dict]) -> None:
+        """Append one line per sample to ``samples.jsonl``, ``{"round", "split", **sample}`` (``split``: ``train``
+        for a training rollout's, ``heldout`` for an evaluation's; ``eval.sampling.sample_row``'s fields), and send
+        the lines to each tracker (``Tracker.log_samples``: a W&B table, an MLflow JSON artifact, TensorBoard text)."""
         if not self.enabled or not samples:
             return
-        with open(self.path.parent / "samples.jsonl", "a") as f:
-            for smp in samples:
-                f.write(json.dumps({"step": step, **smp}) + "\n")
+        rows = [{"round": round_, "split": split, **smp} for smp in samples]
+        with open(self.samples_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
             f.flush()
-        # markdown: TensorBoard's text plugin renders it; the fences keep a completion's own characters
-        text = "\n\n".join(f"**reward {smp['reward']:g}**\n\n```\n{smp['prompt']}{smp['completion']}\n```"
-                            for smp in samples)
         with kept_random():
             for tracker in self.trackers:
-                tracker.log_text("samples", text, step)
+                tracker.log_samples(rows, round_, split)
 
     def close(self, artifacts: tuple[Path, ...] = (), failed: bool = False) -> None:
-        """Attach ``artifacts`` (the final plot) to every tracker and end their runs; once (later calls do nothing)."""
+        """Attach ``artifacts`` (the final plot) to every tracker and end their runs; once (later calls do nothing).
+        ``tracked.json`` then records what each holds (W&B offline: its folder, stored once closed)."""
         trackers, self.trackers = self.trackers, []
         with kept_random():
             for tracker in trackers:
                 for path in artifacts:
                     tracker.log_artifact(path)
                 tracker.close(failed=failed)
+                if self.held is not None:
+                    self.held.advance(self._sent, [tracker.name] if tracker.durable else [])
+                    self.held.save()
 
 
 def plot_run(records: list[dict], path: Path, title: str = "") -> None:

@@ -3,7 +3,10 @@
 The tracking store is ``log.mlflow_uri``, else ``MLFLOW_TRACKING_URI``, else ``default_store``: ``mlflow.db`` in the
 folder that holds the run directory (``runs/mlflow.db`` for the default ``run_dir``), not MLflow's own default in the
 working directory; an experiment created there keeps its artifacts in ``mlruns/`` beside it. A resumed run sets the
-stored run back to RUNNING and appends to it.
+stored run back to RUNNING and appends to it. MLflow cannot delete a metric: when the stored run may hold rounds the
+resume redoes (it was sent rounds past the checkpoint resumed from), the resume continues in a new run instead, with
+the same name, parameters and tags, sent every round of ``metrics.jsonl`` once, and deletes the old one (MLflow keeps
+a deleted run until ``mlflow gc``: ``MlflowClient.restore_run`` brings it back).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 MAX_PARAM = 6000  # MLflow's longest parameter value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH)
 BATCH = 100  # MLflow's most parameters in one log_batch call
+MAX_METRICS = 1000  # MLflow's most metrics in one log_batch call (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 
 
 def check_store(uri: str | None) -> None:
@@ -45,54 +49,78 @@ def check_store(uri: str | None) -> None:
 class MlflowTracker:
     """An MLflow run through ``MlflowClient`` (no fluent active-run state in the trainer's process)."""
 
+    name = "mlflow"
+    durable = True  # log_batch returns once the store holds the metrics (synchronous=True)
+
     def __init__(self, uri: str | None = None):
         self.uri, self.client, self.run_id = uri, None, None
         self._artifacts: str | None = None  # the artifact location of an experiment this tracker creates
 
-    def start(self, config: dict, run_dir: Path, resume_id: str | None) -> str:
+    def start(self, config: dict, run_dir: Path, resume_id: str | None, held: dict) -> str:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         uri = self.uri or os.environ.get("MLFLOW_TRACKING_URI")
         self._artifacts = None if uri else default_store(Path(run_dir))[1]
         self.client = MlflowClient(tracking_uri=uri or default_store(Path(run_dir))[0])
+        old = None
         if resume_id is not None:
             try:
-                self.client.update_run(resume_id, status="RUNNING")
-                self.run_id = resume_id
+                old = self.client.get_run(resume_id)
             except MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
                 warnings.warn(f"MLflow run {resume_id} (RUN_DIR/trackers.json) is not in the tracking store "
-                              f"{self.client.tracking_uri}; the resumed rounds go to a new run", stacklevel=2)
-        if self.run_id is None:
-            self.run_id = self._create(Path(run_dir), config)
+                              f"{self.client.tracking_uri}; the run goes on in a new run, sent every round of "
+                              "metrics.jsonl", stacklevel=2)
+        if old is not None and not held.get("stale"):
+            self.client.update_run(resume_id, status="RUNNING")
+            self.run_id = resume_id
+        else:  # a new run, or one that replaces a run holding redone rounds: sent every round from the first
+            self.run_id = self._create(Path(run_dir), config, replaces=old)
+            held.update(through=-1, stale=False)
         # parameters cannot change once logged; the config artifact holds a resume's latest values
         self.client.log_dict(self.run_id, config, "config.json")
         return self.run_id
 
-    def _create(self, run_dir: Path, config: dict) -> str:
+    def _create(self, run_dir: Path, config: dict, replaces=None) -> str:
+        """A new run named after ``run_dir`` with ``config`` as parameters; ``replaces``: the stored run it takes the
+        place of (its experiment, parameters and tags are kept, and it is deleted)."""
         from mlflow.entities import Param
 
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "trustbatch")
-        experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-            name, artifact_location=self._artifacts)
-        run = self.client.create_run(experiment_id, run_name=run_dir.name,
-                                     tags={"trustbatch.run_dir": str(run_dir.resolve())})
-        params = [Param(k, str(v)[:MAX_PARAM]) for k, v in flat_config(config).items()]
+        tags = {"trustbatch.run_dir": str(run_dir.resolve())}
+        if replaces is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "trustbatch")
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                name, artifact_location=self._artifacts)
+            params = [Param(k, str(v)[:MAX_PARAM]) for k, v in flat_config(config).items()]
+        else:
+            experiment_id = replaces.info.experiment_id
+            params = [Param(k, v) for k, v in replaces.data.params.items()]
+            tags = {**{k: v for k, v in replaces.data.tags.items() if not k.startswith("mlflow.")}, **tags,
+                    "trustbatch.replaces": replaces.info.run_id}
+        run = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
         for i in range(0, len(params), BATCH):
-            self.client.log_batch(run.info.run_id, params=params[i:i + BATCH])
+            self.client.log_batch(run.info.run_id, params=params[i:i + BATCH], synchronous=True)
+        if replaces is not None and replaces.info.lifecycle_stage != "deleted":
+            self.client.set_terminated(replaces.info.run_id, status="KILLED")
+            self.client.delete_run(replaces.info.run_id)
         return run.info.run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        self.log_rounds([(step, metrics)])
+
+    def log_rounds(self, rounds: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), v, now, step) for k, v in metrics.items()])
+        metrics = [Metric(mlflow_key(k), v, now, step) for step, m in rounds for k, v in m.items()]
+        for i in range(0, len(metrics), MAX_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS], synchronous=True)
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        pass  # the samples are in samples.jsonl; a text per evaluation would clutter this tracker's run
+    def log_samples(self, rows: list[dict], round_: int, split: str) -> None:
+        self.client.log_dict(self.run_id, rows, samples_artifact(round_, split))
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
@@ -107,6 +135,12 @@ def default_store(run_dir: Path) -> tuple[str, str]:
     store and the runs are in one folder (git-ignored) and not scattered in each working directory."""
     folder = Path(run_dir).resolve().parent
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlruns").as_uri()
+
+
+def samples_artifact(round_: int, split: str) -> str:
+    """The artifact path of a round's sample completions: ``samples/train/round_000010.json`` (a list of
+    ``samples.jsonl``'s lines; a resume that sends a round again overwrites it)."""
+    return f"samples/{split}/round_{round_:06d}.json"
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
