@@ -1,0 +1,191 @@
+"""The static-cache decode loop (``rollout.decode=static``): the dynamic loop's samples, log-probs to round-off.
+
+Reference: the same engine with ``decode="dynamic"`` (transformers' ``generate``) on the same model, prompts and
+seeds. Both draw the same Gumbel noise from the same per-row streams, so every sampled token must be equal; the
+log-probs may differ by float round-off only: the static loop's attention reduces over a fixed number of key
+positions (the masked ones weigh exactly 0) and computes the last prompt token in its own step, which may group
+sums differently. Tolerance, float32: ``TOL`` = 1e-5 absolute. Measured on this model: the two loops differ by
+≤ 1.9e-6, while each loop's own float32 error against a float64 forward of the same samples is 3–4.4e-6 (the
+logits pass through two layers of std-0.3 weights); 1e-5 is about twice that own error, and three orders below what
+a wrong position or mask gives (the perturbation tests: > 1e-2 or other tokens). float64 model: 1e-9 (``generate``
+casts each step's logits to float32, so both loops round the same float64 logits to float32: equal up to a rare
+one-ulp tie).
+
+The learner check: the static engine's behaviour log-probs against the float32 learner's (``Learner.logprobs``,
+teacher forcing the whole sequence): on-policy ESS 1 within float32 round-off (1 − ESS ≈ Var(Δ log p) ~ 1e-12).
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from trustbatch.errors import UserError
+from trustbatch.rollout import EngineSpec, SamplingParams, TransformersEngine, check_engine
+from trustbatch.rollout import static_decode
+
+TOL = 1e-5
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 3, 3, 3, 3, 3, 4], [1, 5, 6, 7, 8]]  # left padding; a repeated prompt
+SEEDS = [11, 12, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A random Llama with grouped-query attention whose next-token distributions are peaked (block weights std
+    0.3, final norm gain 8, as tests/integration/test_engine_contract.py): samples vary between rows, and EOS (id 2)
+    ends some completions but not all."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    m = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.model.layers.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3, generator=g)
+        m.model.norm.weight.fill_(8.0)
+    return m
+
+
+def sample(model, decode, sp, prompts=PROMPTS, seeds=SEEDS, n=4, **kw):
+    return TransformersEngine(model, 2, 0, decode=decode, **kw).generate(prompts, n, sp, seeds=seeds)
+
+
+def worst_difference(a, b) -> float:
+    """Largest |Δ behaviour log-prob|; asserts the same prompts, tokens and truncation."""
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    assert [r.truncated for r in a] == [r.truncated for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.behavior_logprobs, rb.behavior_logprobs))
+
+
+def forward_shapes(model, run):
+    """``run()``'s result and the input_ids shape of each forward of ``model`` during it."""
+    shapes = []
+    h = model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    try:
+        return run(), shapes
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("prefill_once", [True, False])
+@pytest.mark.parametrize("temperature,top_p,greedy", [(1.0, 1.0, False), (0.7, 0.9, False), (1.0, 1.0, True)])
+def test_static_samples_what_dynamic_samples(model, prefill_once, temperature, top_p, greedy):
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=20, greedy=greedy)
+    dynamic = sample(model, "dynamic", sp, prefill_once=prefill_once)
+    static, shapes = forward_shapes(model, lambda: sample(model, "static", sp, prefill_once=prefill_once))
+    worst = worst_difference(dynamic, static)
+    print(f"\nT={temperature} top_p={top_p} greedy={greedy} prefill_once={prefill_once}: max |Δ logprob| {worst:.1e}")
+    assert worst <= TOL
+    # the prefill ran the distinct prompts (or every row) without their last token, then one token per row per step
+    assert shapes[0] == ((3 if prefill_once else 16), 6) and set(shapes[1:]) == {(16, 1)}
+    ends = [r.truncated for r in static]
+    assert any(ends) and not all(ends)  # EOS stopped some rows, the budget others
+    if not greedy:
+        assert len({tuple(r.completion_ids) for r in static}) > 3  # real samples, not one sequence per prompt
+
+
+def test_float64_static_samples_what_dynamic_samples(model):
+    m = copy.deepcopy(model).double()
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20)
+    assert worst_difference(sample(m, "dynamic", sp), sample(m, "static", sp)) <= 1e-9
+
+
+def test_one_token_prompts_and_chunks(model):
+    """One-token prompts (nothing to prefill: the first step allocates the cache) and a batch split in chunks, whose
+    static chunks are made equal (12 rows at batch_size 5: 3 × 4 instead of 5 + 5 + 2) and reuse one cache."""
+    sp = SamplingParams(max_new_tokens=12)
+    prompts, seeds = [[1], [7], [9]], [3, 4, 5]
+    dynamic = sample(model, "dynamic", sp, prompts, seeds, batch_size=5)
+    static, shapes = forward_shapes(model, lambda: sample(model, "static", sp, prompts, seeds, batch_size=5))
+    assert worst_difference(dynamic, static) <= TOL
+    assert set(shapes) == {(4, 1)}
+
+
+def test_a_group_does_not_depend_on_the_rest_of_the_batch(model):
+    eng = TransformersEngine(model, 2, 0, decode="static")
+    sp = SamplingParams(max_new_tokens=10)
+    alone = eng.generate([[1, 9]], 4, sp, seeds=[12])
+    mixed = eng.generate(PROMPTS, 4, sp, seeds=SEEDS)[4:8]
+    assert worst_difference(alone, mixed) <= TOL
+
+
+def _off_by_one_position(step):
+    return lambda model, name, cache, ids, pos, *a: step(model, name, cache, ids, pos + 1, *a)
+
+
+def _last_prompt_token_hidden(step):
+    def run(model, name, cache, ids, pos, mask, *a):
+        masked = mask.clone()
+        masked[:, int(cache.get_seq_length())] = 0  # the column this step writes: the query cannot see itself
+        return step(model, name, cache, ids, pos, masked, *a)
+    return run
+
+
+@pytest.mark.parametrize("perturb", [_off_by_one_position, _last_prompt_token_hidden])
+def test_the_comparison_catches_a_wrong_position_or_mask(model, monkeypatch, perturb):
+    """The tests above can fail: a decode step one position off, or one that hides the token it writes, samples
+    other tokens or moves the log-probs far past TOL."""
+    sp = SamplingParams(max_new_tokens=20)
+    dynamic = sample(model, "dynamic", sp)
+    monkeypatch.setattr(static_decode, "_step", perturb(static_decode._step))
+    static = sample(model, "static", sp)
+    tokens_differ = [r.completion_ids for r in dynamic] != [r.completion_ids for r in static]
+    assert tokens_differ or worst_difference(dynamic, static) > 1e-2
+
+
+def _on_policy_ess(model, decode):
+    from trustbatch.objectives import RatioStats
+    from trustbatch.pipeline.batch import build_batch
+    from trustbatch.trainer import Learner
+
+    learner = Learner(model, "grpo")
+    was = model.training
+    rollouts = sample(model, decode, SamplingParams(max_new_tokens=16))
+    model.train(was)
+    batch = build_batch(rollouts, torch.zeros(len(rollouts)), pad_id=0)
+    logp = learner.logprobs(batch)
+    return float(RatioStats.from_logprobs(logp, batch.behavior_logprobs, batch.packed.response_mask).ess()[0])
+
+
+def test_on_policy_ess_is_one(model, monkeypatch):
+    ess = _on_policy_ess(model, "static")
+    assert 1.0 - ess < 1e-10, ess
+    monkeypatch.setattr(static_decode, "_step", _off_by_one_position(static_decode._step))
+    broken = _on_policy_ess(model, "static")
+    assert 1.0 - broken > 1e-4, broken  # the ESS check can fail: a wrong position is far off-policy
+
+
+@pytest.mark.slow
+def test_compiled_samples_what_dynamic_samples(model):
+    """``static_compiled`` on this CPU (inductor): one compiled graph for every step of both calls, the same samples.
+    The compile takes ~10 s (warm inductor cache) to ~60 s (cold) on a shared 2-core CPU, hence slow."""
+    torch._dynamo.reset()
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20)
+    eng = TransformersEngine(model, 2, 0, decode="static_compiled")
+    for _ in range(2):  # the second call reuses the cache and the graph
+        assert worst_difference(sample(model, "dynamic", sp), eng.generate(PROMPTS, 4, sp, seeds=SEEDS)) <= TOL
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_refusals(model):
+    with pytest.raises(ValueError, match="decode='bogus'"):
+        TransformersEngine(model, 2, 0, decode="bogus")
+    with pytest.raises(ValueError, match="int8"):
+        TransformersEngine(model, 2, 0, decode="static", precision="int8", share=False)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
+    assert "sliding" in static_decode.static_decode_unsupported(mistral)
+    with pytest.raises(ValueError, match="sliding"):
+        TransformersEngine(mistral, 2, 0, decode="static")
+    assert static_decode.static_decode_unsupported(model) is None
+    with pytest.raises(UserError, match="rollout.decode=static does not run rollout.precision=fp8_e4m3"):
+        check_engine(EngineSpec(decode="static", precision="fp8_e4m3"))
+    with pytest.raises(UserError, match="vLLM runs its own"):
+        check_engine(EngineSpec(name="vllm", decode="static_compiled"))
+    check_engine(EngineSpec(decode="static_compiled", precision="bfloat16"))
