@@ -88,6 +88,18 @@ def test_static_samples_what_dynamic_samples(model, prefill_once, temperature, t
         assert len({tuple(r.completion_ids) for r in static}) > 3  # real samples, not one sequence per prompt
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_philox_noise_in_both_loops(model, decode):
+    """noise="philox": the static loop samples what the dynamic loop samples with it; the samples are other than the
+    generator streams' (another stream) and a group still depends only on its own seed."""
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20)
+    philox = sample(model, decode, sp, noise="philox")
+    assert worst_difference(sample(model, "dynamic", sp, noise="philox"), philox) <= TOL
+    assert [r.completion_ids for r in philox] != [r.completion_ids for r in sample(model, decode, sp)]
+    alone = TransformersEngine(model, 2, 0, decode=decode, noise="philox").generate([[1, 9]], 4, sp, seeds=[12])
+    assert worst_difference(alone, philox[4:8]) <= TOL
+
+
 def test_float64_static_samples_what_dynamic_samples(model):
     m = copy.deepcopy(model).double()
     sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20)
@@ -161,8 +173,9 @@ def test_on_policy_ess_is_one(model, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_samples_what_dynamic_samples(model):
-    """``static_compiled`` on this CPU (inductor): one compiled graph for every step of both calls, the same samples.
-    The compile takes ~10 s (warm inductor cache) to ~60 s (cold) on a shared 2-core CPU, hence slow."""
+    """``static_compiled`` on this CPU (inductor): one compiled graph for every step of both calls, the same samples;
+    with noise="philox" a second graph computes the stream inside. The compiles take ~10 s (warm inductor cache) to
+    ~60 s (cold) each on a shared 2-core CPU, hence slow."""
     torch._dynamo.reset()
     sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20)
     eng = TransformersEngine(model, 2, 0, decode="static_compiled")
@@ -171,6 +184,56 @@ def test_compiled_samples_what_dynamic_samples(model):
     from torch._dynamo.utils import counters
 
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    philox = TransformersEngine(model, 2, 0, decode="static_compiled", noise="philox")  # the stream inside the graph
+    reference = sample(model, "dynamic", sp, noise="philox")
+    assert worst_difference(reference, philox.generate(PROMPTS, 4, sp, seeds=SEEDS)) <= TOL
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+# Random123's published known answers for Philox4x32-10 (its tests/kat_vectors; also TensorFlow's
+# stateful_random_ops_test): (counter, key, output words)
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def _philox_python(ctr, key):
+    """Philox4x32-10 on Python integers (exact products, no splitting): the textbook definition."""
+    (c0, c1, c2, c3), (k0, k1) = ctr, key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1, p0 & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def test_philox_matches_its_known_answers_and_the_integer_definition():
+    from trustbatch.rollout.gumbel import philox4x32, philox_uniforms
+
+    for ctr, key, want in PHILOX_KAT:
+        got = philox4x32(tuple(torch.tensor(c) for c in ctr), tuple(torch.tensor(k) for k in key))
+        assert tuple(int(w) for w in got) == want == _philox_python(ctr, key)
+    # the engine's layout: row seed -> key, (token block, step, 0, 0) -> counter, word v % 4 -> token v
+    seeds, step, V = [5, 2**62 + 7, 123456789], 3, 10
+    u = philox_uniforms(torch.tensor(seeds), torch.tensor(step), V)
+    for r, seed in enumerate(seeds):
+        words = [w for b in range(3) for w in _philox_python((b, step, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))][:V]
+        assert u[r].tolist() == [((w >> 9) + 0.5) / 2**23 for w in words]
+    big = philox_uniforms(torch.arange(64) * 7919, 0, 4096)
+    assert 0 < big.min() and big.max() < 1 and abs(big.mean().item() - 0.5) < 0.005  # 262,144 draws: se 5.6e-4
+
+
+def test_generator_stream_draws_row_uniforms_on_several_threads():
+    from trustbatch.rollout.gumbel import GeneratorStream, row_uniforms
+
+    gens = [torch.Generator().manual_seed(s) for s in range(7)]
+    stream = GeneratorStream(list(range(7)), 1000, "cpu", threads=3, min_parallel=0)
+    assert stream.threads == 3
+    assert all(torch.equal(stream.next(), row_uniforms(gens, 1000)) for _ in range(4))
 
 
 def test_refusals(model):
@@ -188,4 +251,8 @@ def test_refusals(model):
         check_engine(EngineSpec(decode="static", precision="fp8_e4m3"))
     with pytest.raises(UserError, match="vLLM runs its own"):
         check_engine(EngineSpec(name="vllm", decode="static_compiled"))
+    with pytest.raises(UserError, match="rollout.noise=philox sets"):
+        check_engine(EngineSpec(name="vllm", noise="philox"))
+    with pytest.raises(ValueError, match="noise='mt'"):
+        TransformersEngine(model, 2, 0, noise="mt")
     check_engine(EngineSpec(decode="static_compiled", precision="bfloat16"))

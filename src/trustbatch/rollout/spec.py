@@ -31,6 +31,7 @@ class EngineSpec:
     behavior_top_logprobs``); set only where an objective needs it (kl="exact"), as it is V (k) times the log-probs.
     top_k: that k (``rollout.logprobs_top_k``).
     decode: the transformers engine's decoding loop (``rollout.static_decode.DECODES``; ``TransformersEngine``).
+    noise: its per-completion random streams (``rollout.gumbel.NOISES``).
     """
 
     name: str = "transformers"
@@ -41,6 +42,7 @@ class EngineSpec:
     record: bool = False
     top_k: int = 20
     decode: str = "dynamic"
+    noise: str = "generator"
 
 
 # What an engine can hand the learner of the distribution it sampled from, beyond the sampled tokens' log-probs:
@@ -149,8 +151,12 @@ def _check_transformers(spec: EngineSpec) -> None:
     from .static_decode import DECODES
     from .transformers_engine import BATCH_SCALED
 
+    from .gumbel import NOISES
+
     if spec.decode not in DECODES:
         raise UserError(f"rollout.decode={spec.decode} is not one of {', '.join(DECODES)}")
+    if spec.noise not in NOISES:
+        raise UserError(f"rollout.noise={spec.noise} is not one of {', '.join(NOISES)}")
     if spec.decode != "dynamic" and spec.precision in BATCH_SCALED:
         raise UserError(f"rollout.decode={spec.decode} does not run rollout.precision={spec.precision} (its activation "
                         "scales are taken over each forward's whole batch); use rollout.decode=dynamic")
@@ -170,13 +176,15 @@ def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share,
                         "use rollout.decode=dynamic")
     return TransformersEngine(model, policy.eos_id, policy.pad_id, precision=spec.precision, share=share,
                               version=version, autocast=autocast,
-                              record=spec.record and behaviour_distribution(spec) == "recorded", decode=spec.decode)
+                              record=spec.record and behaviour_distribution(spec) == "recorded", decode=spec.decode,
+                              noise=spec.noise)
 
 
 def _check_vllm(spec: EngineSpec) -> None:
-    if spec.decode != "dynamic":
-        raise UserError(f"rollout.decode={spec.decode} is the transformers engine's decoding loop; vLLM runs its own: "
-                        "drop rollout.decode, or use rollout.engine=transformers")
+    for key, value, default in (("decode", spec.decode, "dynamic"), ("noise", spec.noise, "generator")):
+        if value != default:
+            raise UserError(f"rollout.{key}={value} sets the transformers engine's sampler; vLLM runs its own: "
+                            f"drop rollout.{key}, or use rollout.engine=transformers")
     if importlib.util.find_spec("vllm") is None:
         from .vllm_engine import MISSING_VLLM  # imports no vllm
 

@@ -18,7 +18,8 @@ cache rows are copied to the rows of its samples (prefill once, as ``Transformer
 
 Sampling is the dynamic path's, computed from the same functions (``rollout.gumbel``): the same processors
 (transformers' ``TemperatureLogitsWarper``/``TopPLogitsWarper``) on the float32 last-position logits, the same
-per-row uniforms, Gumbel-max, and the log-softmax of the processed scores at the sampled token. Stopping is
+per-row uniforms (a stream of either kind; a ``philox`` step is computed inside the compiled step), Gumbel-max, and
+the log-softmax of the processed scores at the sampled token. Stopping is
 ``generate``'s: a row that sampled EOS gets the pad token from then on (it keeps being computed, masked out by its
 EOS cut), and the loop ends when every row has finished (checked every step on a CPU, every ``CHECK_EVERY`` steps
 on a GPU, where the check waits for the device) or after ``max_new_tokens`` steps.
@@ -38,7 +39,7 @@ import torch
 from ..policy.budget import vocab_size
 from ..policy.kv_cache import cache_kwarg, growing_cache_fits, output_cache
 from ..policy.shared_prompt import shared_prompt_unsupported
-from .gumbel import gumbel_pick, row_uniforms
+from .gumbel import gumbel_pick, noise_stream, uniforms
 
 DECODES = ("dynamic", "static", "static_compiled")
 BUCKET = 64  # cache positions are rounded up to a multiple of this: fewer distinct compiled shapes
@@ -63,20 +64,22 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     if "cumulative_length" not in vars(StaticLayer(max_cache_len=1)):
         import transformers
 
-        return f"transformers {transformers.__version__}'s StaticLayer takes cache positions from the model (5.x keeps its own)"
+        return (f"transformers {transformers.__version__}'s StaticLayer takes cache positions from the model "
+                "(5.x keeps its own)")
     return None
 
 
-def _step(model, name: str, cache, ids, pos, mask, u, procs, record: bool):
+def _step(model, name: str, cache, ids, pos, mask, noise, procs, record: bool):
     """One decoding step at fixed shapes: the model on ``ids`` [N, 1] at ``pos`` [N, 1] (mask [N, L], ``cache``
-    written in place), then ``generate``'s float32 last-position logits, the processors and Gumbel-max.
+    written in place), then ``generate``'s float32 last-position logits, the processors and Gumbel-max with the
+    stream step ``noise`` (``rollout.gumbel.uniforms``; None: greedy).
     Returns (token [N, 1], logp [N], lsm [N, V] or None)."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **{name: cache})
     scores = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
     for p in procs:
         scores = p(ids, scores)
-    _, token, logp, lsm = gumbel_pick(scores, u, record)
+    _, token, logp, lsm = gumbel_pick(scores, uniforms(noise, scores.shape[-1]), record)
     return token, logp, lsm
 
 
@@ -123,12 +126,13 @@ class StaticDecoder:
 
     def decode(self, model, ids: torch.Tensor, att: torch.Tensor, procs, seeds: list[int] | None, *,
                max_new_tokens: int, eos_id: int, pad_id: int, row_slot: list[int] | None = None,
-               record: bool = False):
+               record: bool = False, noise: str = "generator", noise_threads: int | None = None):
         """Sample up to ``max_new_tokens`` tokens after each row of ``ids`` [N, P] (left-padded, ``att`` its mask).
 
         Args:
             procs: the score processors, applied in order as ``p(input_ids, scores)`` (transformers' warpers).
-            seeds: one random stream per row (``rollout.gumbel.row_uniforms``), or None for greedy decoding.
+            seeds: one random stream per row, of kind ``noise`` (``rollout.gumbel.noise_stream``; ``noise_threads``
+                CPU threads draw a generator stream), or None for greedy decoding.
             row_slot: prefill once: row j's prompt is distinct prompt ``row_slot[j]`` (equal ids); None: every row.
             record: also keep each step's whole log-softmax.
 
@@ -148,8 +152,7 @@ class StaticDecoder:
             self._prefill(model, name, cache, ids[:, :P - 1], mask, pos_all[:, :P - 1], row_slot)
         cur.copy_(ids[:, P - 1:])
         pos.copy_(pos_all[:, P - 1:])
-        gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-        vocab = None
+        stream = noise_stream(noise, seeds, vocab_size(model), device, noise_threads)
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
         full = [] if record else None
@@ -159,13 +162,10 @@ class StaticDecoder:
         for t in range(max_new_tokens):
             # the first step of an unfilled cache (one-token prompts) runs eagerly: it allocates the cache
             step = self._step_fn(device) if cache.layers[0].is_initialized else _step
-            u = None
-            if gens is not None:
-                vocab = vocab or vocab_size(model)
-                u = row_uniforms(gens, vocab, device)
+            noise_t = None if stream is None else stream.next()
             if step is not _step and device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
-            tok, lp, lsm = step(model, name, cache, cur, pos, mask, u, tuple(procs), record)
+            tok, lp, lsm = step(model, name, cache, cur, pos, mask, noise_t, tuple(procs), record)
             tok = torch.where(unfinished, tok, pad_id)
             tokens[:, t:t + 1] = tok
             logp[:, t] = lp

@@ -48,7 +48,7 @@ from ..policy.forward import Recorded, Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
-from .gumbel import gumbel_pick, row_uniforms
+from .gumbel import NOISES, gumbel_pick, noise_stream, uniforms
 from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
 from .static_decode import DECODES, StaticDecoder, static_decode_unsupported
 
@@ -66,17 +66,22 @@ class _GumbelPerRow(LogitsProcessor):
     ``generate`` (``do_sample=False``) takes the argmax of the scores this returns, so the token is known here:
     ``logprobs`` gets, per step, log_softmax(clean processed scores) at that token ([N], float32), and no step's
     [N, V] scores outlive the step, unless ``record``: then ``full`` keeps each step's whole log_softmax [N, V]
-    (the distribution sampled from, whose values at the tokens are ``logprobs``). The noise and the pick are
-    ``rollout.gumbel``'s, shared with the static decode loop.
+    (the distribution sampled from, whose values at the tokens are ``logprobs``). The noise (``noise``: the
+    streams' kind, ``rollout.gumbel.NOISES``) and the pick are ``rollout.gumbel``'s, shared with the static loop.
     """
 
-    def __init__(self, seeds: list[int] | None, record: bool = False):
-        self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+    def __init__(self, seeds: list[int] | None, record: bool = False, noise: str = "generator",
+                 threads: int | None = None):
+        self.seeds, self.noise, self.threads = seeds, noise, threads
+        self.stream = None
         self.logprobs: list[torch.Tensor] = []
         self.full: list[torch.Tensor] | None = [] if record else None
 
     def __call__(self, input_ids, scores):
-        u = None if self.gens is None else row_uniforms(self.gens, scores.shape[-1], scores.device)  # else greedy
+        V = scores.shape[-1]
+        if self.stream is None:
+            self.stream = noise_stream(self.noise, self.seeds, V, scores.device, self.threads)
+        u = None if self.stream is None else uniforms(self.stream.next(), V)  # None: greedy
         noisy, _, logp, lsm = gumbel_pick(scores, u, record=self.full is not None)
         self.logprobs.append(logp)
         if self.full is not None:
@@ -120,21 +125,29 @@ class TransformersEngine:
     back to the plain path. ``grow_cache`` (set from ``growing_cache_fits``) says whether generation
     uses a ``GrowingCache``.
 
+    ``noise``: the kind of per-row random stream (``rollout.gumbel.NOISES``: ``"generator"``, every earlier run's
+    streams, or ``"philox"``, counter-based on the model's device); ``noise_threads``: CPU threads that draw a
+    generator stream's step (None: ``torch.get_num_threads()``; the numbers do not depend on it).
+
     ``decode``: ``"dynamic"`` (``generate``), ``"static"`` or ``"static_compiled"`` (``rollout.static_decode``; there
     a batch the row bounds split is split into equal chunks, so they share one compiled shape, and prefill once
     applies to chunks with a repeated prompt as above). Raises ValueError for an unknown ``decode``, a static one at a
-    batch-scaled precision (int8, fp8_e4m3) or for a model it cannot run (``static_decode_unsupported``).
+    batch-scaled precision (int8, fp8_e4m3) or for a model it cannot run (``static_decode_unsupported``), and for an
+    unknown ``noise``.
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
                  logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
                  prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False,
-                 decode: str = "dynamic"):
+                 decode: str = "dynamic", noise: str = "generator", noise_threads: int | None = None):
         if record and precision == "float32":
             raise ValueError("a float32 engine's distribution is rebuilt by the learner (teacher); record=False")
         if decode not in DECODES:
             raise ValueError(f"decode={decode!r} is not one of {DECODES}")
+        if noise not in NOISES:
+            raise ValueError(f"noise={noise!r} is not one of {NOISES}")
+        self.noise, self.noise_threads = noise, noise_threads
         if decode != "dynamic" and precision in BATCH_SCALED:
             raise ValueError(f"decode={decode!r} does not run precision={precision!r}: its activation scales are taken "
                              "over each forward's whole batch (rollout.shifts); use decode='dynamic'")
@@ -231,7 +244,7 @@ class TransformersEngine:
             new, logp, full = self._static.decode(
                 self.model, ids, att, procs, seeds, max_new_tokens=sp.max_new_tokens, eos_id=self.eos_id,
                 pad_id=self.pad_id, row_slot=None if slot is None or max(slot) + 1 == len(items) else slot,
-                record=self.record)
+                record=self.record, noise=self.noise, noise_threads=self.noise_threads)
         else:
             new, logp, full = self._generate(ids, att, items, procs, seeds, sp)
         new, logp = new.cpu(), logp.cpu()  # [N, steps]; logp processed (T, top-p), no noise
@@ -254,7 +267,7 @@ class TransformersEngine:
         P = ids.shape[1]
         # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
         # HF's own sampler would draw every row from one global stream.
-        noise = _GumbelPerRow(seeds, record=self.record)
+        noise = _GumbelPerRow(seeds, record=self.record, noise=self.noise, threads=self.noise_threads)
         # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
         # whole cache at every token (policy.kv_cache)
         reserve = P + sp.max_new_tokens
