@@ -187,7 +187,8 @@ class GeneratorStream:
                 f.result()
             return buf.to(self.device)
         if not self._bufs:
-            self._bufs = [torch.empty(len(self.gens), self.vocab, pin_memory=True) for _ in range(2)]
+            pin = self.device.type == "cuda"  # page-locked: the copy to the device does not block this thread
+            self._bufs = [torch.empty(len(self.gens), self.vocab, pin_memory=pin) for _ in range(2)]
             self._pending = self._draw(self._bufs[0])
         i, j = self._i, 1 - self._i
         for f in self._pending:
