@@ -21,10 +21,11 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from trustbatch.rollout import SamplingParams, TransformersEngine
 from trustbatch.rollout.gumbel import GeneratorStream, philox_uniforms, row_uniforms
+
+from peaked_llama import peaked_llama
 
 TOL_F32 = 5e-5
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 3, 3, 3, 3, 3, 4], [1, 5, 6, 7, 8]]
@@ -32,18 +33,7 @@ SEEDS = [11, 12, 13, 14]
 
 
 def _llama(vocab=40, hidden=32, layers=2):
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
-    m = LlamaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.model.layers.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3, generator=g)
-        m.model.norm.weight.fill_(8.0)
-    return m.cuda()
+    return peaked_llama(vocab, hidden, layers).cuda()
 
 
 def _worst(a, b) -> float:
