@@ -105,6 +105,24 @@ def test_one_token_prompts_and_chunks(model):
     assert set(shapes) == {(4, 1)}
 
 
+def test_caches_are_kept_per_shape(model):
+    """A chunk shape seen before gets its cache (and buffers) back, zeroed, so a CUDA graph sees the same addresses;
+    at most KEEP shapes are held, the least recently used dropped first."""
+    eng = TransformersEngine(model, 2, 0, decode="static")
+    held = eng._static._held
+
+    def run(tokens):
+        eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=tokens), seeds=SEEDS)
+        return next(reversed(held.values()))[0]
+
+    first = run(10)  # 6 − 1 + 10 positions: the bucket of 64
+    second = run(100)  # 128
+    assert second is not first and run(10) is first and len(held) == 2
+    run(150), run(250)  # two more buckets: the 128-position cache was used longest ago
+    kept = [c for c, *_ in held.values()]
+    assert len(kept) == static_decode.KEEP and first in kept and second not in kept
+
+
 def test_a_group_does_not_depend_on_the_rest_of_the_batch(model):
     eng = TransformersEngine(model, 2, 0, decode="static")
     sp = SamplingParams(max_new_tokens=10)

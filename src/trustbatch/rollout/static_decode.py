@@ -34,6 +34,8 @@ CUDA (``static_compiled``): untested here (no GPU was lent to the session that w
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ..policy.budget import vocab_size
@@ -44,6 +46,7 @@ from .gumbel import gumbel_pick, noise_stream, uniforms
 DECODES = ("dynamic", "static", "static_compiled")
 BUCKET = 64  # cache positions are rounded up to a multiple of this: fewer distinct compiled shapes
 CHECK_EVERY = 8  # on a GPU, steps between checks that every row has finished (each check waits for the device)
+KEEP = 3  # chunk shapes whose caches a decoder keeps (each at most the engine's kv_bytes, 4 GiB by default)
 
 
 def static_decode_unsupported(model: torch.nn.Module) -> str | None:
@@ -102,14 +105,16 @@ class StaticDecoder:
 
     ``compiled``: the step goes through ``torch.compile`` (``dynamic=False``: one graph per chunk shape; on CUDA
     with CUDA graphs, as ``mode="reduce-overhead"``; ``compile_options``). The cache and the step's input
-    buffers are kept for the last (model, rows, positions, dtype, device) and reused (zeroed) by the next chunk of
-    that shape, so a compiled graph sees the same tensors again instead of recompiling; a new shape replaces them.
+    buffers are kept per (model, rows, positions, dtype, autocast, device), for the ``KEEP`` shapes used last, and
+    reused (zeroed) by the next chunk of that shape: a CUDA graph then sees the same addresses again, where new ones
+    would make it re-record (transformers marks the cache's tensors static without a guard), and a run whose prompt
+    widths alternate between a few buckets re-records nothing.
     """
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
         self._compiled = {}  # device type -> compiled step
-        self._held = None  # (key, cache, mask, cur, pos)
+        self._held: collections.OrderedDict = collections.OrderedDict()  # key -> (cache, mask, cur, pos), LRU
 
     def _step_fn(self, device: torch.device):
         if not self.compiled:
@@ -124,18 +129,20 @@ class StaticDecoder:
         dtype = next(model.parameters()).dtype
         amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         key = (id(model), rows, positions, dtype, amp, device)
-        if self._held is None or self._held[0] != key:
-            self._held = None  # free the old cache first
-            cache = StaticCache(config=model.config, max_cache_len=positions)
-            bufs = (torch.zeros(rows, positions, dtype=torch.long, device=device),
-                    torch.zeros(rows, 1, dtype=torch.long, device=device),
-                    torch.zeros(rows, 1, dtype=torch.long, device=device))
-            for b in bufs:  # fixed addresses: a CUDA graph reads them in place instead of copying them in
-                torch._dynamo.mark_static_address(b)
-            self._held = (key, cache, *bufs)
-        else:
-            self._held[1].reset()
-        return self._held[1:]
+        if key in self._held:
+            self._held.move_to_end(key)
+            self._held[key][0].reset()
+            return self._held[key]
+        while len(self._held) >= KEEP:  # free the least recently used first
+            self._held.popitem(last=False)
+        cache = StaticCache(config=model.config, max_cache_len=positions)
+        bufs = (torch.zeros(rows, positions, dtype=torch.long, device=device),
+                torch.zeros(rows, 1, dtype=torch.long, device=device),
+                torch.zeros(rows, 1, dtype=torch.long, device=device))
+        for b in bufs:  # fixed addresses: a CUDA graph reads them in place instead of copying them in
+            torch._dynamo.mark_static_address(b)
+        self._held[key] = (cache, *bufs)
+        return self._held[key]
 
     def decode(self, model, ids: torch.Tensor, att: torch.Tensor, procs, seeds: list[int] | None, *,
                max_new_tokens: int, eos_id: int, pad_id: int, row_slot: list[int] | None = None,
