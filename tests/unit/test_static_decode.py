@@ -105,6 +105,19 @@ def test_one_token_prompts_and_chunks(model):
     assert set(shapes) == {(4, 1)}
 
 
+def test_a_checkpointed_training_module(model):
+    """The learner's module as a run hands it over (train mode, activation checkpointing on): the engine decodes it in
+    eval mode, where checkpointing is off, so the static loop takes it and samples what the dynamic loop samples."""
+    from trustbatch.policy.model import enable_activation_checkpointing
+
+    m = copy.deepcopy(model)
+    enable_activation_checkpointing(m)
+    m.train()
+    sp = SamplingParams(max_new_tokens=12)
+    assert worst_difference(sample(m, "dynamic", sp), sample(m, "static", sp)) <= TOL
+    assert m.training
+
+
 def test_caches_are_kept_per_shape(model):
     """A chunk shape seen before gets its cache (and buffers) back, zeroed, so a CUDA graph sees the same addresses;
     at most KEEP shapes are held, the least recently used dropped first."""

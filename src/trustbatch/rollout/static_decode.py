@@ -57,7 +57,7 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     cache ``generate`` would build has only plain full-attention layers (``policy.kv_cache.growing_cache_fits``), and a
     transformers whose ``StaticLayer`` keeps its own write position (``cumulative_length``, transformers 5.x).
     """
-    reason = shared_prompt_unsupported(model)
+    reason = shared_prompt_unsupported(model, inference=True)  # decoding runs in eval mode: checkpointing is off
     if reason is not None:
         return reason
     if not growing_cache_fits(model):
