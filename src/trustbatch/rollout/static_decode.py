@@ -1,8 +1,8 @@
 """Static-cache decoding for the transformers engine: one fixed-shape decode step, optionally ``torch.compile``d.
 
 ``generate`` with a dynamic cache runs a Python loop of ~10 kernel launches per layer per token, at shapes that
-grow by one position per token; on a GPU a 0.5B model's decoding is then bound by launch overhead (658 new
-tokens/s on an H100, docs/performance.md). This loop keeps every shape fixed for a whole chunk instead, so the decode
+grow by one position per token; on a GPU a 0.5B model's decoding is then bound by launch overhead and by the CPU's
+per-row noise draws (658 new tokens/s on an H200, docs/performance.md). This loop keeps every shape fixed for a whole chunk instead, so the decode
 step can be compiled, on CUDA into a CUDA graph (``mode="reduce-overhead"``):
 
 * the key/value cache is a transformers ``StaticCache`` of ``L`` positions (prompt − 1 + new tokens, rounded up to a
@@ -13,7 +13,7 @@ step can be compiled, on CUDA into a CUDA graph (``mode="reduce-overhead"``):
 * every step feeds one token per row [N, 1] at position (real prompt length − 1 + step), as ``generate`` does.
 
 Prompt: its first P − 1 columns are prefilled (eagerly), then the decode loop starts from the last prompt token, as
-the dynamic engine's prefill-once path does. With ``share`` the prefill runs each distinct prompt once and its
+the dynamic engine's prefill-once path does. Given ``row_slot`` the prefill runs each distinct prompt once and its
 cache rows are copied to the rows of its samples (prefill once, as ``TransformersEngine._shared_prefill``).
 
 Sampling is the dynamic path's, computed from the same functions (``rollout.gumbel``): the same processors
@@ -25,8 +25,8 @@ EOS cut), and the loop ends when every row has finished (checked every step on a
 on a GPU, where the check waits for the device) or after ``max_new_tokens`` steps.
 
 What differs from the dynamic path is float round-off only: attention runs over L key positions, the masked ones
-weighted exactly 0, so its reductions may group the sums differently (float32 on CPU: ≤ ~1e-6 in the log-probs,
-``tests/unit/test_static_decode.py``).
+weighted exactly 0, so its reductions may group the sums differently (float32 on the CPU: ≤ 1.9e-6 in the log-probs,
+below either loop's own float32 error; the same tokens; ``tests/unit/test_static_decode.py``).
 
 CUDA (``static_compiled``): untested here (no GPU was lent to the session that wrote it); prepared in
 ``tests/gpu/test_static_decode_cuda.py`` and the ``engine`` section of ``bench/gpu_check.py``.
@@ -109,6 +109,7 @@ class StaticDecoder:
     reused (zeroed) by the next chunk of that shape: a CUDA graph then sees the same addresses again, where new ones
     would make it re-record (transformers marks the cache's tensors static without a guard), and a run whose prompt
     widths alternate between a few buckets re-records nothing.
+    CUDA (CUDA graphs, the buffers' static addresses): untested (no GPU was lent to the session that wrote it).
     """
 
     def __init__(self, compiled: bool = False):
