@@ -134,6 +134,23 @@ def test_a_checkpointed_training_module(model):
     assert m.training
 
 
+def test_a_lora_module(model):
+    """A peft LoRA wrapper (``model.lora`` on policy): the static loop decodes the transformers model inside it, whose
+    layers carry the adapters, and samples what the wrapper's generate samples. The adapters' B is made non-zero,
+    so a loop that bypassed them would sample other tokens (checked)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    sp = SamplingParams(max_new_tokens=12)
+    static = sample(lora, "static", sp)
+    assert worst_difference(sample(lora, "dynamic", sp), static) <= TOL
+    assert [r.completion_ids for r in static] != [r.completion_ids for r in sample(model, "static", sp)]
+
+
 def test_caches_are_kept_per_shape(model):
     """A chunk shape seen before gets its cache (and buffers) back, zeroed, so a CUDA graph sees the same addresses;
     at most KEEP shapes are held, the least recently used dropped first."""

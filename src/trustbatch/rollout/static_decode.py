@@ -49,14 +49,23 @@ CHECK_EVERY = 8  # on a GPU, steps between checks that every row has finished (e
 KEEP = 3  # chunk shapes whose caches a decoder keeps (each at most the engine's kv_bytes, 4 GiB by default)
 
 
+def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model a peft wrapper holds (its adapters are injected into that model's own layers, so its
+    forward computes W x + (α/r)·B A x as the wrapper's does), else ``model``."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
 def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot decode with a ``StaticCache`` here, or None if it can.
 
     Needs what the shared-prompt forward needs (``policy.shared_prompt.shared_prompt_unsupported``: a decoder-only
     transformers model taking ``position_ids``, ``attention_mask`` and a cache, full attention, no ALiBi), that the
     cache ``generate`` would build has only plain full-attention layers (``policy.kv_cache.growing_cache_fits``), and a
-    transformers whose ``StaticLayer`` keeps its own write position (``cumulative_length``, transformers 5.x).
+    transformers whose ``StaticLayer`` keeps its own write position (``cumulative_length``, transformers 5.x). A peft
+    model is judged (and decoded) by the transformers model inside (``transformers_model``).
     """
+    model = transformers_model(model)
     reason = shared_prompt_unsupported(model, inference=True)  # decoding runs in eval mode: checkpointing is off
     if reason is not None:
         return reason
@@ -161,6 +170,7 @@ class StaticDecoder:
             (tokens [N, S] long, logp [N, S] float32, lsm [N, S, V] float32 or None) on the model's device, S ≤
             ``max_new_tokens`` the steps run; after a row's EOS its tokens are ``pad_id`` (``generate``'s rule).
         """
+        model = transformers_model(model)
         device = ids.device
         N, P = ids.shape
         positions = -(-(P - 1 + max_new_tokens) // BUCKET) * BUCKET
