@@ -148,10 +148,9 @@ def make_engine(spec: EngineSpec, policy, *, model: torch.nn.Module | None = Non
 # dynamic scales from the learner's batch instead of each decoding step's rows. There the engine records; a
 # precision is rebuilt only where declared faithful (a new precision records until measured).
 def _check_transformers(spec: EngineSpec) -> None:
+    from .gumbel import NOISES
     from .static_decode import DECODES
     from .transformers_engine import BATCH_SCALED
-
-    from .gumbel import NOISES
 
     if spec.decode not in DECODES:
         raise UserError(f"rollout.decode={spec.decode} is not one of {', '.join(DECODES)}")
