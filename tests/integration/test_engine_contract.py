@@ -103,16 +103,18 @@ def need_vllm():
 
 
 def make_engine(kind, policy, model_dir, **kw):
-    """A TransformersEngine on the loaded ``policy``, or a VLLMEngine on ``model_dir`` (skipped without vLLM)."""
-    if kind == "transformers":
-        return TransformersEngine(policy.model, policy.eos_id, policy.pad_id, **kw)
+    """A TransformersEngine on the loaded ``policy`` ("transformers", or "transformers-static": its static-cache
+    decode loop), or a VLLMEngine on ``model_dir`` (skipped without vLLM)."""
+    if kind.startswith("transformers"):
+        return TransformersEngine(policy.model, policy.eos_id, policy.pad_id,
+                                  decode="static" if kind == "transformers-static" else "dynamic", **kw)
     need_vllm()
     from trustbatch.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, policy.eos_id, policy.pad_id, kv_cache_bytes=64 << 20, seed=0, **kw)
 
 
-ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
+ENGINES = ["transformers", "transformers-static", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -134,16 +136,17 @@ def test_behaviour_logprobs_match_a_float32_forward(base_engine, base_policy, te
         assert max_abs_diff(base_policy.model, ro, 1.0, 1.0) > 10 * TOL
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
 @pytest.mark.parametrize("temperature,top_p", SETTINGS)
-def test_transformers_engine_on_stories260k(shared_dir, temperature, top_p):
+def test_transformers_engine_on_stories260k(shared_dir, temperature, top_p, decode):
     stories = load_policy(shared_dir / "models" / "stories260K-hf")
     torch.manual_seed(0)
-    eng = TransformersEngine(stories.model, stories.eos_id, stories.pad_id)
+    eng = TransformersEngine(stories.model, stories.eos_id, stories.pad_id, decode=decode)
     prompts = [stories.encode_prompt("Once upon a time"), stories.encode_prompt("Lily saw a big dog")]
     ro = eng.generate(prompts, 3, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12))
     check_rollouts(ro, prompts, 3, stories.eos_id, 12, 0)
     diff = max_abs_diff(stories.model, ro, temperature, top_p)
-    print(f"\nTransformersEngine stories260K T={temperature} top_p={top_p}: max |diff| = {diff:.2e}")
+    print(f"\nTransformersEngine ({decode}) stories260K T={temperature} top_p={top_p}: max |diff| = {diff:.2e}")
     assert diff <= TOL
 
 

@@ -30,7 +30,7 @@ def test_learner_profile_runs_on_the_cpu_and_its_shares_cover_the_step():
     assert line["params"] > 10_000_000  # Qwen2.5-0.5B's layer shape (hidden 896, intermediate 4,864), one layer
 
 
-@pytest.mark.slow  # 1–2.5 min on 2 shared cores: every section of the GPU check at toy sizes
+@pytest.mark.slow  # 1–3 min on 2 shared cores: every section of the GPU check at toy sizes
 def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out",
                         str(tmp_path / "out"), "--work", str(tmp_path / "work")],

@@ -1,4 +1,4 @@
-"""The transformers engine's sampler: Gumbel-max with one stream per completion.
+"""The transformers engine's sampler: Gumbel-max with one stream per completion (either kind, rollout.gumbel).
 
 It must draw from softmax(processed logits) (checked by frequency against the model's own
 distribution), and a completion must depend only on its seed, prompt and weights (not on the batch).
@@ -23,8 +23,9 @@ def tiny_lm():
     return m
 
 
+@pytest.mark.parametrize("noise", ["generator", "philox"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
-def test_first_tokens_follow_the_processed_distribution(tiny_lm, temperature, top_p):
+def test_first_tokens_follow_the_processed_distribution(tiny_lm, temperature, top_p, noise):
     prompt = [2, 5, 7]
     with torch.no_grad():
         logits = tiny_lm(torch.tensor([prompt])).logits[0, -1].double() / temperature
@@ -40,7 +41,7 @@ def test_first_tokens_follow_the_processed_distribution(tiny_lm, temperature, to
                 break
         p = torch.where(keep, p, 0.0)
         p = p / p.sum()
-    eng = TransformersEngine(tiny_lm, eos_id=1, pad_id=0)
+    eng = TransformersEngine(tiny_lm, eos_id=1, pad_id=0, noise=noise)
     n = 4000
     ro = eng.generate([prompt], n, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1), seeds=[11])
     counts = torch.bincount(torch.tensor([r.completion_ids[0] for r in ro]), minlength=12).double()

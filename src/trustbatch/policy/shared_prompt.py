@@ -60,12 +60,13 @@ _RUNTIME_REFUSALS: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.W
 _ALIBI_TYPES = ("bloom", "mpt")
 
 
-def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
+def shared_prompt_unsupported(model: torch.nn.Module, inference: bool = False) -> str | None:
     """Why ``model`` cannot reuse a prompt's key/value cache for its completions, or None if it can.
 
     Decided from the model's class and config (cheap; called per micro-batch); a cache type found
     unsuitable at run time is remembered here too. Llama-family models (Llama, Qwen2/3 without
-    sliding window, Mistral-like with ``sliding_window=None``) are supported.
+    sliding window, Mistral-like with ``sliding_window=None``) are supported. ``inference``: for a caller that runs
+    the model in eval mode without gradient (generation), where gradient checkpointing is off whatever is set.
     """
     m = unwrap(model)
     if m in _RUNTIME_REFUSALS:
@@ -99,7 +100,7 @@ def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
     ckpt = getattr(m, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
     if ckpt is None:
         ckpt = getattr(m, "is_gradient_checkpointing", False)
-    if ckpt and m.training:
+    if ckpt and m.training and not inference:
         return "gradient checkpointing turns the cache off in training"
     return None
 

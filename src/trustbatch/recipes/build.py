@@ -39,12 +39,13 @@ __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "che
 
 
 def engine_spec(cfg: Config) -> EngineSpec:
-    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``)."""
+    """The rollout engine's settings (``rollout.engine``, ``precision``, ``quantization``, ``decode``, ``noise``)."""
     ro = cfg.rollout
     # record where the exact KL needs the whole distribution and teacher forcing would not rebuild it (the engine
     # declares "recorded" at this precision; check_recorded_behaviour bounds its size), or the top-k ("top_k")
     return EngineSpec(name=ro.engine, precision=ro.precision, quantization=ro.quantization,
-                      seed=cfg.train.seed, threads=cfg.threads or None, top_k=ro.logprobs_top_k,
+                      seed=cfg.train.seed, threads=cfg.threads or None, top_k=ro.logprobs_top_k, decode=ro.decode,
+                      noise=ro.noise,
                       record=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options))
 
 

@@ -30,6 +30,8 @@ class EngineSpec:
     behavior_logprobs_full``), one that declares ``top_k`` its ``top_k`` largest log-probs (``Rollout.
     behavior_top_logprobs``); set only where an objective needs it (kl="exact"), as it is V (k) times the log-probs.
     top_k: that k (``rollout.logprobs_top_k``).
+    decode: the transformers engine's decoding loop (``rollout.static_decode.DECODES``; ``TransformersEngine``).
+    noise: its per-completion random streams (``rollout.gumbel.NOISES``).
     """
 
     name: str = "transformers"
@@ -39,6 +41,8 @@ class EngineSpec:
     threads: int | None = None
     record: bool = False
     top_k: int = 20
+    decode: str = "dynamic"
+    noise: str = "generator"
 
 
 # What an engine can hand the learner of the distribution it sampled from, beyond the sampled tokens' log-probs:
@@ -143,19 +147,43 @@ def make_engine(spec: EngineSpec, policy, *, model: torch.nn.Module | None = Non
 # a whole-sequence forward rounds differently from step-by-step decoding, and int8 / per-tensor FP8 take their
 # dynamic scales from the learner's batch instead of each decoding step's rows. There the engine records; a
 # precision is rebuilt only where declared faithful (a new precision records until measured).
-@register_engine("transformers", shares_module=True, behaviour="recorded", by_precision={"float32": "full"})
+def _check_transformers(spec: EngineSpec) -> None:
+    from .gumbel import NOISES
+    from .static_decode import DECODES
+    from .transformers_engine import BATCH_SCALED
+
+    if spec.decode not in DECODES:
+        raise UserError(f"rollout.decode={spec.decode} is not one of {', '.join(DECODES)}")
+    if spec.noise not in NOISES:
+        raise UserError(f"rollout.noise={spec.noise} is not one of {', '.join(NOISES)}")
+    if spec.decode != "dynamic" and spec.precision in BATCH_SCALED:
+        raise UserError(f"rollout.decode={spec.decode} does not run rollout.precision={spec.precision} (its activation "
+                        "scales are taken over each forward's whole batch); use rollout.decode=dynamic")
+
+
+@register_engine("transformers", check=_check_transformers, shares_module=True, behaviour="recorded",
+                 by_precision={"float32": "full"})
 def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
+    from .static_decode import static_decode_unsupported
     from .transformers_engine import TransformersEngine
 
     model = policy.model if model is None else model
     if device is not None:
         model = model.to(device)
+    if spec.decode != "dynamic" and (reason := static_decode_unsupported(model)) is not None:
+        raise UserError(f"rollout.decode={spec.decode} cannot run {type(model).__name__}: {reason}; "
+                        "use rollout.decode=dynamic")
     return TransformersEngine(model, policy.eos_id, policy.pad_id, precision=spec.precision, share=share,
                               version=version, autocast=autocast,
-                              record=spec.record and behaviour_distribution(spec) == "recorded")
+                              record=spec.record and behaviour_distribution(spec) == "recorded", decode=spec.decode,
+                              noise=spec.noise)
 
 
 def _check_vllm(spec: EngineSpec) -> None:
+    for key, value, default in (("decode", spec.decode, "dynamic"), ("noise", spec.noise, "generator")):
+        if value != default:
+            raise UserError(f"rollout.{key}={value} sets the transformers engine's sampler; vLLM runs its own: "
+                            f"drop rollout.{key}, or use rollout.engine=transformers")
     if importlib.util.find_spec("vllm") is None:
         from .vllm_engine import MISSING_VLLM  # imports no vllm
 

@@ -28,6 +28,11 @@ quantized kernels, where they cannot be carried over, and keeps the plain path.
 The key/value cache is a ``policy.kv_cache.GrowingCache`` (appends into spare room, no re-copy of
 the whole cache per token) wherever it fits the model; its samples and log-probs equal those with
 ``generate``'s own cache bit for bit (``tests/unit/test_kv_cache.py``; speed: ``bench/kv_cache.py``).
+
+``decode="static"`` replaces ``generate``'s loop by ``rollout.static_decode``'s: a ``StaticCache`` and fixed shapes
+for a whole chunk, the same processors, noise and stopping rule; ``"static_compiled"`` also compiles its step
+(CUDA graphs on a GPU). Samples equal the dynamic loop's, log-probs to float round-off
+(``tests/unit/test_static_decode.py``). Not for the batch-scaled precisions (int8, fp8_e4m3).
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from ..policy.forward import Recorded, Teacher
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams
+from .gumbel import NOISES, gumbel_pick, noise_stream, uniforms
 from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
+from .static_decode import DECODES, StaticDecoder, static_decode_unsupported
 
 
 # Rollout precisions whose activation quantization scale is taken over the whole batch tensor
@@ -59,23 +66,24 @@ class _GumbelPerRow(LogitsProcessor):
     ``generate`` (``do_sample=False``) takes the argmax of the scores this returns, so the token is known here:
     ``logprobs`` gets, per step, log_softmax(clean processed scores) at that token ([N], float32), and no step's
     [N, V] scores outlive the step, unless ``record``: then ``full`` keeps each step's whole log_softmax [N, V]
-    (the distribution sampled from, whose values at the tokens are ``logprobs``).
+    (the distribution sampled from, whose values at the tokens are ``logprobs``). The noise (``noise``: the
+    streams' kind, ``rollout.gumbel.NOISES``) and the pick are ``rollout.gumbel``'s, shared with the static loop.
     """
 
-    def __init__(self, seeds: list[int] | None, record: bool = False):
-        self.gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+    def __init__(self, seeds: list[int] | None, record: bool = False, noise: str = "generator",
+                 threads: int | None = None):
+        self.seeds, self.noise, self.threads = seeds, noise, threads
+        self.stream = None
         self.logprobs: list[torch.Tensor] = []
         self.full: list[torch.Tensor] | None = [] if record else None
 
     def __call__(self, input_ids, scores):
-        noisy = scores
-        if self.gens is not None:  # else greedy
-            u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.gens]).to(scores.device)
-            noisy = scores - torch.log(-torch.log(u.clamp_min(1e-20)))
-        token = noisy.argmax(-1, keepdim=True)
-        # generate's scores are float32 whatever the model (it casts each step's logits); promote in case it changes
-        lsm = torch.log_softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        self.logprobs.append(lsm.gather(-1, token).squeeze(-1))
+        V = scores.shape[-1]
+        if self.stream is None:
+            self.stream = noise_stream(self.noise, self.seeds, V, scores.device, self.threads)
+        u = None if self.stream is None else uniforms(self.stream.next(), V)  # None: greedy
+        noisy, _, logp, lsm = gumbel_pick(scores, u, record=self.full is not None)
+        self.logprobs.append(logp)
         if self.full is not None:
             self.full.append(lsm)
         return noisy
@@ -116,14 +124,33 @@ class TransformersEngine:
     no ``transformers.Cache`` falls
     back to the plain path. ``grow_cache`` (set from ``growing_cache_fits``) says whether generation
     uses a ``GrowingCache``.
+
+    ``noise``: the kind of per-row random stream (``rollout.gumbel.NOISES``: ``"generator"``, every earlier run's
+    streams, or ``"philox"``, counter-based on the model's device); ``noise_threads``: CPU threads that draw a
+    generator stream's step (None: ``torch.get_num_threads()``; the numbers do not depend on it).
+
+    ``decode``: ``"dynamic"`` (``generate``), ``"static"`` or ``"static_compiled"`` (``rollout.static_decode``; there
+    a batch the row bounds split is split into equal chunks, so they share one compiled shape, and prefill once
+    applies to chunks with a repeated prompt as above). Raises ValueError for an unknown ``decode``, a static one at a
+    batch-scaled precision (int8, fp8_e4m3) or for a model it cannot run (``static_decode_unsupported``), and for an
+    unknown ``noise``.
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
                  logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
-                 prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False):
+                 prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False,
+                 decode: str = "dynamic", noise: str = "generator", noise_threads: int | None = None):
         if record and precision == "float32":
             raise ValueError("a float32 engine's distribution is rebuilt by the learner (teacher); record=False")
+        if decode not in DECODES:
+            raise ValueError(f"decode={decode!r} is not one of {DECODES}")
+        if noise not in NOISES:
+            raise ValueError(f"noise={noise!r} is not one of {NOISES}")
+        self.noise, self.noise_threads = noise, noise_threads
+        if decode != "dynamic" and precision in BATCH_SCALED:
+            raise ValueError(f"decode={decode!r} does not run precision={precision!r}: its activation scales are taken "
+                             "over each forward's whole batch (rollout.shifts); use decode='dynamic'")
         self.precision = precision
         self.record = record
         # the learner's bf16-mixed autocast, for an engine that samples from the learner's own module: the
@@ -143,6 +170,14 @@ class TransformersEngine:
         self.prefill_once = precision not in PLAIN_ONLY if prefill_once is None else prefill_once
         # decided once: load_weights may replace self.model, but only by a copy of the same architecture
         self.grow_cache = growing_cache_fits(self.model)
+        self.decode = decode
+        self._static = None
+        if decode != "dynamic":
+            reason = static_decode_unsupported(self.model)
+            if reason is not None:
+                raise ValueError(f"decode={decode!r} cannot run {type(self.model).__name__}: {reason}; "
+                                 "use decode='dynamic'")
+            self._static = StaticDecoder(compiled=decode == "static_compiled")
 
     def load_weights(self, weights, version: int) -> None:
         """Load named float tensors (the full state) as policy ``version``; see ``Engine.load_weights``.
@@ -183,6 +218,8 @@ class TransformersEngine:
         ctx = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
         rows = generate_rows(self.model, max(map(len, prompts), default=0) + sampling.max_new_tokens,
                              max_rows=self.batch_size, logits_bytes=self.logits_bytes, kv_bytes=self.kv_bytes)
+        if self._static is not None and flat:  # equal chunks: one shape (one compiled graph) for all of them
+            rows = -(-len(flat) // -(-len(flat) // rows))
         try:
             with ctx:
                 for s in range(0, len(flat), rows):
@@ -199,11 +236,38 @@ class TransformersEngine:
             ids[j, P - len(p):] = torch.tensor(p)
             att[j, P - len(p):] = 1
         ids, att = ids.to(device), att.to(device)
-        # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
-        # HF's own sampler would draw every row from one global stream.
-        noise = _GumbelPerRow(None if sp.greedy else [s for _, _, s in items], record=self.record)
+        seeds = None if sp.greedy else [s for _, _, s in items]
         procs = [] if sp.greedy else [TemperatureLogitsWarper(sp.temperature)] + (
             [TopPLogitsWarper(sp.top_p)] if sp.top_p < 1.0 else [])
+        if self._static is not None:
+            slot = _prompt_slots(items) if self.prefill_once else None
+            new, logp, full = self._static.decode(
+                self.model, ids, att, procs, seeds, max_new_tokens=sp.max_new_tokens, eos_id=self.eos_id,
+                pad_id=self.pad_id, row_slot=None if slot is None or max(slot) + 1 == len(items) else slot,
+                record=self.record, noise=self.noise, noise_threads=self.noise_threads)
+        else:
+            new, logp, full = self._generate(ids, att, items, procs, seeds, sp)
+        new, logp = new.cpu(), logp.cpu()  # [N, steps]; logp processed (T, top-p), no noise
+        full = None if full is None else full.cpu()  # [N, steps, V]: the distributions sampled from
+        rows = []
+        for j, (i, p, _) in enumerate(items):
+            toks = new[j].tolist()
+            end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
+            rows.append(Rollout(
+                prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
+                behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
+                policy_version=self.version,
+                behavior_logprobs_full=None if full is None else full[j, :end].clone(),
+            ))
+        return rows
+
+    def _generate(self, ids, att, items, procs, seeds, sp: SamplingParams):
+        """``generate``'s decode loop (dynamic cache): (new tokens [N, steps], logp [N, steps], lsm [N, steps, V]
+        or None) on the model's device."""
+        P = ids.shape[1]
+        # Greedy decoding over processed scores plus per-row Gumbel noise is sampling (module docstring);
+        # HF's own sampler would draw every row from one global stream.
+        noise = _GumbelPerRow(seeds, record=self.record, noise=self.noise, threads=self.noise_threads)
         # GrowingCache: the same attention numbers as generate's own DynamicCache, without re-copying the
         # whole cache at every token (policy.kv_cache)
         reserve = P + sp.max_new_tokens
@@ -221,23 +285,11 @@ class TransformersEngine:
         finally:
             for m in scaled:  # a scale left pending (generate failed before its first forward) must not leak
                 m.reuse_scale(False)
-        new = gen.sequences[:, P:].cpu()
-        logp = torch.stack(noise.logprobs, dim=1).cpu()  # [N, steps], processed (T, top-p), no noise
         full = None
         if noise.full is not None:
-            full = torch.stack(noise.full, dim=1).cpu()  # [N, steps, V]: the distributions sampled from
+            full = torch.stack(noise.full, dim=1)
             noise.full.clear()
-        rows = []
-        for j, (i, p, _) in enumerate(items):
-            toks = new[j].tolist()
-            end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
-            rows.append(Rollout(
-                prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
-                behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
-                policy_version=self.version,
-                behavior_logprobs_full=None if full is None else full[j, :end].clone(),
-            ))
-        return rows
+        return gen.sequences[:, P:], torch.stack(noise.logprobs, dim=1), full
 
     def teacher(self, sampling: SamplingParams) -> Teacher | Recorded:
         """What the learner takes this engine's sampling distribution from: ``Recorded`` when the engine records
@@ -274,14 +326,8 @@ class TransformersEngine:
         Run on CPU only (tests/unit/test_prefill_once.py); untested on a GPU (none was available).
         """
         P = ids.shape[1]
-        slot: dict[tuple[int, ...], int] = {}
-        first: list[int] = []  # a row of each distinct prompt
-        row_slot = []
-        for j, (_, p, _) in enumerate(items):
-            if tuple(p) not in slot:
-                slot[tuple(p)] = len(first)
-                first.append(j)
-            row_slot.append(slot[tuple(p)])
+        row_slot = _prompt_slots(items)
+        first = [row_slot.index(s) for s in range(max(row_slot) + 1)]  # a row of each distinct prompt
         if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None:
             return None
         if scaled:
@@ -302,3 +348,9 @@ class TransformersEngine:
         for m in scaled:  # generate's first forward, each row's last prompt token, takes the same scales
             m.reuse_scale()
         return cache
+
+
+def _prompt_slots(items) -> list[int]:
+    """Row j's distinct prompt, numbered in order of first appearance (equal token ids, equal number)."""
+    slot: dict[tuple[int, ...], int] = {}
+    return [slot.setdefault(tuple(p), len(slot)) for _, p, _ in items]
