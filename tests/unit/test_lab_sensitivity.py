@@ -136,3 +136,12 @@ def test_the_report_says_when_the_signed_rank_test_and_the_interval_disagree(tmp
     # eight steady gains: both reject, no disagreement is reported
     text, line = _two_arm_report(tmp_path / "b", [0.01 + i / 1000 for i in range(8)])
     assert "**p ahead**" in text and "disagree" not in line
+
+
+def test_the_rules_table_lists_the_opt_in_rule_only_for_the_experiments_that_ask_for_it(tmp_path):
+    text, _ = _two_arm_report(tmp_path, [0.05, 0.051, 0.052])
+    assert "| Wilcoxon sensitivity and interaction | `" in text  # e asks for wilcoxon
+    spec_path = tmp_path / "runs" / "e" / "experiment.yaml"
+    spec_path.write_text(yaml.safe_dump({"arms": {"p": {}, "g": {}}, "compare": [["p", "g"]]}))
+    text = write_report(tmp_path / "runs", tmp_path / "r2", figures="none").read_text()
+    assert "Wilcoxon sensitivity and interaction" not in text and "| equivalence (TOST) | `" in text

@@ -78,6 +78,8 @@ SENSITIVITY_RULE = "1f80936"
 RULES = {"primary score, collapse, paired intervals and verdicts": SCORE_RULES, "both collapse": BOTH_COLLAPSE_RULE,
          "equivalence (TOST)": EQUIVALENCE_RULE, "tuned baseline": TUNED_RULE,
          "Wilcoxon sensitivity and interaction": SENSITIVITY_RULE}
+# rules that judge only the experiments that ask for them (``wilcoxon``, ``interaction`` in their YAML)
+OPT_IN_RULES = {"Wilcoxon sensitivity and interaction"}
 POWER = 0.8
 COLLAPSE_FRACTION = 0.5
 REWARD_WINDOW = 10

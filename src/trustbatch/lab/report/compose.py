@@ -190,7 +190,7 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *,
     if not names:
         raise UserError(f"no experiments under {str(runs)!r}")
     out.mkdir(parents=True, exist_ok=True)
-    sections, findings, commits = [], [], {}
+    sections, findings, commits, opted_in = [], [], {}, set()
     for n in names:
         if not (runs / n).is_dir():
             raise UserError(f"experiment {n!r} has no runs in {str(runs)!r}")
@@ -199,12 +199,14 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *,
         findings += f
         spec = yaml.safe_load((runs / n / "experiment.yaml").read_text()) if (runs / n / "experiment.yaml").exists() else {}
         commits[n] = run_commits(spec or {}, load_calls(runs / n))
+        if (spec or {}).get("wilcoxon") or (spec or {}).get("interaction"):
+            opted_in.add(n)
     command = (f"trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}"
                + (" --text-only" if figures == "none" else ""))
     head = [
         "# Off-policy lab report", "",
         f"Generated {datetime.now():%Y-%m-%d %H:%M} from `{runs}` at commit `{git_commit()}` by `{command}`.", "",
-        *header_lines(runs, names, commits, figures=figures != "none"),
+        *header_lines(runs, names, commits, figures=figures != "none", opted_in=opted_in),
         *preflight_summary(runs),
         *base_table({n: base_fingerprints(runs / n) for n in names}),
         "## All findings", "",

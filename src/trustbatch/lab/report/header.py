@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import records
-from ..stats import BOTH_COLLAPSE_RULE, MARGIN, RULES, SCORE_RULES
+from ..stats import BOTH_COLLAPSE_RULE, MARGIN, OPT_IN_RULES, RULES, SCORE_RULES
 from .provenance import rule_standing
 from .runs import run_config
 
@@ -48,21 +48,27 @@ def _span(seeds: list[int]) -> str:
     return ", ".join(map(str, seeds))
 
 
-def rules_table(commits: dict[str, list[str | None]]) -> list[str]:
+def rules_table(commits: dict[str, list[str | None]], opted_in: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Markdown lines: each rule of ``stats.RULES`` with the experiments whose runs it was fixed before, those for
     which it is post hoc, and those where that is not known (``provenance.rule_standing`` on each experiment's
-    recorded commits, ``commits``: {experiment: commits})."""
+    recorded commits, ``commits``: {experiment: commits}). A rule of ``stats.OPT_IN_RULES`` judges only the
+    experiments in ``opted_in`` (those whose YAML asks for it), and has no row when none does."""
     lines = ["| rule | commit | fixed before the runs of | post hoc for | not known for |", "|---|---|---|---|---|"]
     for rule, commit in RULES.items():
+        judged = {n: cs for n, cs in commits.items() if rule not in OPT_IN_RULES or n in opted_in}
+        if not judged:
+            continue
         by: dict[bool | None, list[str]] = {True: [], False: [], None: []}
-        for name, cs in commits.items():
+        for name, cs in judged.items():
             by[rule_standing(commit, cs)].append(name)
         lines.append(f"| {rule} | `{commit}` | " + " | ".join(", ".join(by[k]) or "–" for k in (True, False, None)) + " |")
     return lines + [""]
 
 
-def header_lines(runs: Path, names: list[str], commits: dict[str, list[str | None]], *, figures: bool) -> list[str]:
-    """The report's opening paragraphs after its title and "Generated" line (``figures``: the report links figures)."""
+def header_lines(runs: Path, names: list[str], commits: dict[str, list[str | None]], *, figures: bool,
+                 opted_in: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The report's opening paragraphs after its title and "Generated" line (``figures``: the report links figures;
+    ``opted_in``: the experiments that ask for ``stats.OPT_IN_RULES``, ``rules_table``)."""
     trace = (["The trace figures (`*_traces.png`) are drawn against the optimizer step. A run with several optimizer steps "
               "per round that has `steps.jsonl` shows every step; one from before that file existed shows its round "
               "means, each at the round's last step.", ""] if figures else
@@ -81,7 +87,7 @@ def header_lines(runs: Path, names: list[str], commits: dict[str, list[str | Non
         "commit is an ancestor of every commit the experiment's `lab run` calls recorded, post hoc when it is not an "
         "ancestor of one of them, and not known when a call recorded no commit; this table is computed from git "
         "history, not written by hand:", "",
-        *rules_table(commits),
+        *rules_table(commits, opted_in),
         f"Beside each verdict that 'both collapse' (`{BOTH_COLLAPSE_RULE}`) decided, the report prints what the rules "
         f"of `{SCORE_RULES}` alone read: 'both collapse' was written after the first runs in which every arm "
         "collapsed had been seen (runs no archive holds).", "",
