@@ -33,9 +33,9 @@ def test_bundled_experiments_load_with_their_seeds(name):
     assert len(exp.seeds) >= FEW_SEEDS.get(name, 6) and len(exp.arms) >= (1 if name in ONE_ARM else 2)
     assert all(len(a.split("@")) <= 2 for a in exp.arms)  # family@dose
     # confirm_fp8 (a registered design with one primary comparison) and temperature_t12_steps (budget-bound): no
-    # on-policy arm (docs/lab3)
+    # on-policy arm (docs/lab3); confirm_t12's on-policy arms are both objectives at T = 1.0 (its interaction)
     if name not in FEW_SEEDS and name not in ("two_anchor", "ess_scope", "reference", "reference_steps", "confirm_fp8",
-                                                                    "temperature_t12_steps"):
+                                              "temperature_t12_steps", "confirm_t12"):
         assert "onpolicy" in exp.arms  # every shift experiment has the on-policy reference
 
 
