@@ -80,6 +80,10 @@ def test_the_figure_has_a_panel_per_logged_metric(two_runs, tmp_path):
     assert {"reward_mean", "heldout_accuracy", "ess", "kl_behavior", "clip_fraction", "cap_fraction",
             "response_length", "tokens_per_s"} <= set(panels)
     assert "kl_ref" not in panels  # P3O without a reference KL does not log it: no empty panel
+    assert "kl_behavior_bound" not in panels  # a transformers-engine run logs the exact KL, not vLLM's bound
+    for r in runs[0].records[1:]:  # as a vLLM run with kl=exact logs it
+        r["kl_behavior_bound"] = 0.01
+    assert "kl_behavior_bound" in plot_runs(runs, tmp_path / "g.png")
 
 
 def test_identical_configs_say_so(two_runs, tmp_path):

@@ -25,6 +25,7 @@ PANELS = [
     (HELDOUT, "held-out pass@1 (± standard error)"),
     ("ess", "batch ESS"),
     ("kl_behavior", "KL(behaviour ‖ policy), k3"),
+    ("kl_behavior_bound", "KL to the behaviour, top-k lower bound (vLLM)"),
     ("kl_ref", "KL to the reference"),
     ("clip_fraction", "clip fraction"),
     ("cap_fraction", "cap fraction (P3O)"),
