@@ -256,7 +256,13 @@ def test_padding_free_with_the_exact_kl_passes_the_preflight():
 def test_async_exact_kl_at_a_recorded_precision_is_one_line_exit_2(tmp_path):
     """Rollout workers at bfloat16: teacher forcing the pushed weights would not rebuild what they sampled, and they
     send no recorded distribution; refused in one line before the run directory exists (float32 async runs:
-    tests/integration/test_async_exact_kl.py)."""
+    tests/integration/test_async_exact_kl.py). vLLM workers send their top-k log-probs with each batch: accepted,
+    process workers and Ray's with the learner in the driver (the run: tests/integration/test_vllm_train.py)."""
+    from trustbatch.recipes.checks import check_objective
+
+    for where in ([], ["orchestrator=ray", "ray_learners=0"]):
+        check_objective(load_config(None, ["rollout.mode=async", "rollout.engine=vllm", *where,
+                                           "objective.options={kl: exact}"]))
     rc, lines, _ = _cli(["train", *TINY, "train.steps=1", "threads=1", "rollout.mode=async", "rollout.precision=bfloat16",
                          "objective.options={kl: exact}", f"run_dir={tmp_path / 'run'}"],
                         {"TRUSTBATCH_CACHE": str(tmp_path / "cache")})

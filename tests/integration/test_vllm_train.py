@@ -45,27 +45,58 @@ def test_async_rollout_worker_samples_with_vllm(tmp_path, monkeypatch):
     assert recs[-1]["worker_restarts"] == 0
 
 
+def _first_batch_spy(monkeypatch) -> list:
+    """Patch ``Learner.train_on`` to keep, at round 1, a copy of the policy before its first update (the weights
+    that sampled the batch) and the batch the learner received; returns the list they go into."""
+    import copy
+
+    from trustbatch.trainer.learner import Learner
+
+    seen = []
+    original = Learner.train_on
+
+    def spy(self, batch, **kw):
+        if not seen:
+            seen.append((copy.deepcopy(self.model), batch))
+        return original(self, batch, **kw)
+
+    monkeypatch.setattr(Learner, "train_on", spy)
+    return seen
+
+
+def _top_k_bound_by_hand(model, batch, k: int, T: float):
+    """(bucket KL of the batch's top k plus "other", mean over response tokens; the float64 forward's log-softmax at
+    T = 1 and at ``T``), brute force over the vocabulary; asserts the batch holds [B, C, k] top-k tensors and no
+    [B, C, V] one."""
+    import copy
+
+    import torch
+
+    mask, pk = batch.packed.response_mask, batch.packed
+    B, C = mask.shape
+    top, ids = batch.behavior_top_logprobs, batch.behavior_top_ids
+    assert top.shape == ids.shape == (B, C, k) and batch.behavior_logprobs_full is None
+    with torch.no_grad():
+        logits = copy.deepcopy(model).double()(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
+                                                position_ids=pk.position_ids).logits[:, -C - 1:-1]
+    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(logits / T, -1)  # learner at T = 1, engine at T
+    p = lp.exp()
+    outside = torch.ones_like(p, dtype=torch.bool).scatter(-1, ids, False)
+    p_s, q_s = p.gather(-1, ids), top.double().exp()
+    p_o, q_o = (p * outside).sum(-1), 1.0 - q_s.sum(-1)
+    bound = (p_s * (p_s.log() - top.double())).sum(-1) + p_o * (p_o.log() - q_o.log())
+    return float(bound[mask].mean()), lp, lq
+
+
 def test_exact_kl_on_vllm_trains_on_the_top_k_lower_bound(tmp_path, monkeypatch):
     """kl=exact with the vLLM engine: the engine returns its top k per token ([B, C, k], no [B, C, V]) of the
     distribution it sampled from (temperature applied), and the run trains on and logs kl_behavior_bound, the
     bucket KL of those k tokens plus "other" (a float64 brute force over the batch the learner received), which
     stays below the exact KL against a float32 transformers forward of the same weights."""
-    import copy
-
     import torch
 
-    from trustbatch.trainer.learner import Learner
-
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
-    seen = []
-    original = Learner.train_on
-
-    def spy(self, batch, **kw):
-        if not seen:  # round 1: the policy before its first update (the engine's weights), and the batch
-            seen.append((copy.deepcopy(self.model), batch))
-        return original(self, batch, **kw)
-
-    monkeypatch.setattr(Learner, "train_on", spy)
+    seen = _first_batch_spy(monkeypatch)
     run, k, T = tmp_path / "run", 6, 0.7
     train(load_config(None, VLLM_TINY + ["train.steps=2", f"run_dir={run}", "rollout.engine=vllm",
                                          "objective.options={kl: exact}", f"rollout.logprobs_top_k={k}",
@@ -77,13 +108,9 @@ def test_exact_kl_on_vllm_trains_on_the_top_k_lower_bound(tmp_path, monkeypatch)
 
     model, batch = seen[0]
     mask, pk = batch.packed.response_mask, batch.packed
-    B, C = mask.shape
+    C = mask.shape[1]
     top, ids = batch.behavior_top_logprobs, batch.behavior_top_ids
-    assert top.shape == ids.shape == (B, C, k) and batch.behavior_logprobs_full is None
-    with torch.no_grad():
-        logits = copy.deepcopy(model).double()(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
-                                                position_ids=pk.position_ids).logits[:, -C - 1:-1]
-    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(logits / T, -1)  # learner at T = 1, engine at T
+    want, lp, lq = _top_k_bound_by_hand(model, batch, k, T)
     # vLLM's top k are the tempered distribution's (float32 vLLM against a float64 forward of the same weights)
     assert float((lq.gather(-1, ids) - top.double())[mask].abs().max()) < 1e-4
     assert bool((top[mask][:, :-1] >= top[mask][:, 1:]).all())  # largest first
@@ -92,11 +119,32 @@ def test_exact_kl_on_vllm_trains_on_the_top_k_lower_bound(tmp_path, monkeypatch)
     sampled = pk.input_ids[:, -C:]
     assert bool(((ids != sampled[..., None]).all(-1) & mask).any())
     p = lp.exp()
-    outside = torch.ones_like(p, dtype=torch.bool).scatter(-1, ids, False)
-    p_s, q_s = p.gather(-1, ids), top.double().exp()
-    p_o, q_o = (p * outside).sum(-1), 1.0 - q_s.sum(-1)
-    bound = (p_s * (p_s.log() - top.double())).sum(-1) + p_o * (p_o.log() - q_o.log())
-    want = float(bound[mask].mean())
     assert want > 1e-3 and recs[0]["kl_behavior_bound"] == pytest.approx(want, rel=1e-4, abs=1e-6)
     exact = float((p * (lp - lq)).sum(-1)[mask].mean())
     assert want < exact, (want, exact)
+
+
+def test_async_vllm_workers_send_their_top_k_and_the_learner_trains_on_the_bound(tmp_path, monkeypatch):
+    """rollout.mode=async with kl=exact on vLLM: the worker process's engine returns its top k per token, which
+    travel with the batch ([B, C, k], its version mapped to ``TopK``: no behaviour model rebuilt); the learner trains
+    on and logs kl_behavior_bound, at round 1 the float64 brute force over the batch it received (sampled by the
+    weights it started from: version 0)."""
+    from trustbatch.policy.forward import TopK
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    seen = _first_batch_spy(monkeypatch)
+    # at temperature 1 a float32 engine samples from the policy itself: the bound is 0 up to round-off (±1e-8)
+    run, k, T = tmp_path / "run", 6, 0.7
+    train(load_config(None, VLLM_TINY + ["train.steps=2", f"run_dir={run}", "rollout.engine=vllm", "rollout.mode=async",
+                                         "rollout.max_staleness=1", "objective.options={kl: exact}",
+                                         f"rollout.logprobs_top_k={k}", f"rollout.temperature={T}", "eval.every=100",
+                                         "checkpoint_every=100"]))
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert "kl_behavior" not in r and math.isfinite(r["kl_behavior_bound"]) and r["kl_behavior_bound"] >= 0
+        assert 0 <= r["staleness"] <= 1 and r["worker_restarts"] == 0
+    model, batch = seen[0]
+    assert batch.behaviour == {0: TopK(k)} and batch.policy_version.unique().tolist() == [0]
+    want, _, _ = _top_k_bound_by_hand(model, batch, k, T)
+    assert want > 1e-3 and recs[0]["kl_behavior_bound"] == pytest.approx(want, rel=1e-4, abs=1e-6)

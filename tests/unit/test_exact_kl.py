@@ -264,7 +264,8 @@ def test_validate_options_refuses_exact_without_full_behaviour_logprobs():
      r"rollout.mode=async rebuilds each batch's behaviour from the weights the learner pushed, which teacher forcing "
      r"reproduces only where the engine declares full \(rollout.engine=transformers at rollout.precision=bfloat16 "
      r"declares recorded"),
-    (["rollout.mode=async", "rollout.engine=vllm"], r"rollout.engine=vllm at rollout.precision=float32 declares top_k"),
+    (["rollout.mode=async", "orchestrator=ray", "ray_learners=0", "rollout.precision=bfloat16"],
+     r"rollout.engine=transformers at rollout.precision=bfloat16 declares recorded, which its workers do not send"),
     (["rollout.mode=async", "orchestrator=ray"], r"Ray learner actors \(ray_learners=1\) are not handed the rebuilt"),
     (["objective.name=p3o_two_anchor", "train.strategy=fsdp2"], r"proximal model would be the FSDP2-sharded"),
 ])
@@ -273,8 +274,10 @@ def test_preflight_refuses_exact_kl_where_the_rollout_cannot_supply_it(extra, ma
     from trustbatch.recipes.build import check_objective
 
     check_objective(load_config(None, ["objective.options={kl: exact}"]))  # the transformers engine can
+    # the learner rebuilds the workers' behaviour, the packed one too; vLLM workers send their top-k log-probs
     for fine in (["rollout.mode=async"], ["rollout.mode=async", "orchestrator=ray", "ray_learners=0"],
-                 ["train.padding_free=true"]):  # the learner rebuilds the workers' behaviour; the packed one too
+                 ["train.padding_free=true"], ["rollout.mode=async", "rollout.engine=vllm"],
+                 ["rollout.mode=async", "rollout.engine=vllm", "orchestrator=ray", "ray_learners=0"]):
         check_objective(load_config(None, ["objective.options={kl: exact}", *fine]))
     cfg = load_config(None, ["objective.options={kl: exact}", *extra])
     with pytest.raises(UserError, match=match) as e:
@@ -298,10 +301,11 @@ def test_preflight_reads_the_engines_declaration_for_the_exact_kl(monkeypatch):
             checks.check_objective(load_config(None, [*extra, "rollout.logprobs_top_k=50"]))
         assert "\n" not in str(e.value)
     monkeypatch.setattr(checks, "behaviour_distribution", lambda spec: "none")
-    with pytest.raises(UserError, match=r"rollout.engine=transformers returns none of its sampling distribution beyond "
-                                        r"the sampled tokens") as e:
-        checks.check_objective(load_config(None, exact))
-    assert "\n" not in str(e.value)
+    for extra in ([], ["rollout.mode=async"]):  # async workers send nothing of it either
+        with pytest.raises(UserError, match=r"rollout.engine=transformers returns none of its sampling distribution "
+                                            r"beyond the sampled tokens") as e:
+            checks.check_objective(load_config(None, [*exact, *extra]))
+        assert "\n" not in str(e.value)
     checks.check_objective(load_config(None, []))  # k3 needs nothing of it
 
 

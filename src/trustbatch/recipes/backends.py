@@ -26,7 +26,7 @@ from ..policy.lora import merged_copy
 from ..policy.reward_model import load_reward_model
 from ..rewards.spec import RewardSpec
 from ..rollout.engine import Engine
-from ..rollout.spec import EngineSpec, make_engine, shares_module
+from ..rollout.spec import EngineSpec, behaviour_distribution, make_engine, shares_module
 from ..trainer.learner import Learner
 from ..trainer.loop import LearnerProtocol
 
@@ -62,8 +62,21 @@ class Backend:
     source: Callable[[Inputs, LearnerProtocol, Engine], tuple[RolloutSource, WeightSync, CopySync | None]]
     # how its source hands the learner the behaviour distribution: "full" when the engine's model lives in the
     # learner's process; "rebuilt": rollout workers send sampled log-probs and their version, and the learner rebuilds
-    # the model from the weights it pushed (weight_sync.BehaviourVersions: faithful for an engine declaring "full")
+    # the model from the weights it pushed (weight_sync.BehaviourVersions: faithful for an engine declaring "full"),
+    # except for an engine whose declaration is in WORKERS_SEND: its rows' distribution travels with the batch
     behaviour: str = "none"
+
+
+# What a rollout worker's batch carries of its engine's distribution itself, instead of the learner rebuilding it:
+# the top-k log-probs ([B, C, k], ``TrainBatch.behavior_top_logprobs``: the batch maps the version to ``TopK``), small
+# beside the sampled tokens; a recorded whole distribution ([B, C, V] float32 per batch) is not sent
+WORKERS_SEND = ("top_k",)
+
+
+def workers_send(spec: EngineSpec) -> bool:
+    """Whether rollout workers on an engine of ``spec`` hand the learner its behaviour distribution with each batch
+    (``WORKERS_SEND``), so that no ``BehaviourVersions`` rebuilds it."""
+    return behaviour_distribution(spec) in WORKERS_SEND
 
 
 def learner_autocast(cfg: Config) -> torch.dtype | None:
@@ -173,10 +186,12 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
         if bad:
             raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
     train = inp.task.train
-    # a worker's module stays in its process: the learner rebuilds each batch's behaviour (``_exact_behaviour``)
+    # a worker's module stays in its process: the learner rebuilds each batch's behaviour (``_exact_behaviour``),
+    # unless the worker sends it: then the batch maps the worker's version to its engine's ``teacher`` (``TopK``)
+    sends = inp.source.behaviour_models and workers_send(inp.engine)
     return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
                       references=[e.reference for e in train], engine=inp.engine,
-                      source=dataclasses.replace(inp.source, behaviour_models=False),
+                      source=dataclasses.replace(inp.source, behaviour_models=sends),
                       reward=inp.reward, contexts=[e.context() for e in train], long_prompts=inp.task.long_prompts)
 
 
@@ -190,8 +205,8 @@ def _bounds(inp: Inputs) -> dict:
 def _exact_behaviour(inp: Inputs, source: BoundedSource) -> WeightSync:
     """The async source's weight sync: its transport, or where the objective needs the behaviour distribution
     (kl=exact) ``BehaviourVersions`` around it, which keeps the pushed versions a batch in flight may carry and
-    names each batch's behaviour model (``source.behaviour``)."""
-    if not inp.source.behaviour_models:
+    names each batch's behaviour model (``source.behaviour``); not where the workers send it (``workers_send``)."""
+    if not inp.source.behaviour_models or workers_send(inp.engine):
         return source.sync
     sp = inp.source.sampling
     source.behaviour = BehaviourVersions(source.sync, inp.policy.model, version=inp.version,

@@ -11,7 +11,7 @@ from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
 from ..policy.reward_model import check_reward_model
 from ..rewards.scorers import MODEL_PREFIX, is_model
 from ..rollout.spec import KL_DISTRIBUTIONS, EngineSpec, behaviour_distribution
-from .backends import backend_for
+from .backends import WORKERS_SEND, backend_for
 
 
 def check_objective(cfg: Config) -> None:
@@ -21,7 +21,8 @@ def check_objective(cfg: Config) -> None:
     top-k lower bound; not for a two-anchor mixture), ``none`` (refused). How π_b reaches the learner is the rollout
     backend's (``backends.Backend.behaviour``): ``full`` (the engine's module, in the learner's process) or
     ``rebuilt`` (rollout workers: the learner rebuilds each batch's behaviour from the weights it pushed, faithful
-    only for an engine that declares ``full``, and not for Ray learner actors). Also refused: top-p < 1, two
+    only for an engine that declares ``full``; an engine that declares ``top_k`` sends its top-k log-probs with
+    each batch, ``backends.WORKERS_SEND``; neither for Ray learner actors). Also refused: top-p < 1, two
     anchors under FSDP2, and ``rollout.logprobs_top_k`` set where nothing reads it.
 
     Raises:
@@ -64,14 +65,15 @@ def _exact_kl_refusal(cfg: Config, engine: str, needs_proximal: bool) -> str | N
                 "infinite; set rollout.top_p=1.0")
     if backend not in ("full", "rebuilt"):
         return f"rollout.mode={ro.mode} cannot hand the learner the behaviour model ({backend}); use rollout.mode=sync"
-    if backend == "rebuilt" and engine != "full":
+    if backend == "rebuilt" and engine not in ("full", *WORKERS_SEND):
         return (f"rollout.mode={ro.mode} rebuilds each batch's behaviour from the weights the learner pushed, which "
                 f"teacher forcing reproduces only where the engine declares full (rollout.engine={ro.engine} at "
-                f"rollout.precision={ro.precision} declares {engine}, which its workers do not send); use "
-                "rollout.precision=float32 on rollout.engine=transformers, or rollout.mode=sync")
+                f"rollout.precision={ro.precision} declares {engine}, which its workers do not send; they send "
+                "only top-k log-probs); use rollout.precision=float32 on rollout.engine=transformers, "
+                "rollout.engine=vllm, or rollout.mode=sync")
     if backend == "rebuilt" and cfg.orchestrator == "ray" and cfg.ray_learners > 0:
-        return (f"Ray learner actors (ray_learners={cfg.ray_learners}) are not handed the rebuilt behaviour models; "
-                "set ray_learners=0 (the learner in the driver)")
+        return (f"Ray learner actors (ray_learners={cfg.ray_learners}) are not handed the rebuilt behaviour models "
+                "(nor run on the workers' top-k log-probs yet); set ray_learners=0 (the learner in the driver)")
     if engine == "top_k" and needs_proximal:
         return (f"rollout.engine={ro.engine} returns top-k log-probs, whose lower bound does not carry over to the "
                 f"mixture π_mix of {cfg.objective.name}; use objective.name=p3o or rollout.engine=transformers")
