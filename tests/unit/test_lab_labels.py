@@ -10,6 +10,8 @@ import yaml
 from trustbatch.lab.report import header, rule_standing, write_report
 from trustbatch.lab.report import compose
 
+from lab_runs import write_runs
+
 
 def _git(repo, *args) -> str:
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
@@ -48,14 +50,7 @@ def test_a_rule_is_fixed_before_exactly_the_runs_made_at_its_descendants(history
 def _experiment(root, commit, registered=None):
     """Two arms × two seeds with fixed held-out scores (P3O ahead by 0.10 and 0.12), one call at ``commit``."""
     exp = root / "e"
-    for arm, finals in (("p3o@x", (0.60, 0.62)), ("grpo@x", (0.50, 0.50))):
-        for seed, final in zip((0, 1), finals):
-            d = exp / arm / f"seed{seed}"
-            d.mkdir(parents=True)
-            rows = [{"step": 0, "heldout_accuracy": 0.3}] + [{"step": s, "reward_mean": 0.5} for s in range(1, 5)]
-            rows[2]["heldout_accuracy"] = rows[4]["heldout_accuracy"] = final
-            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (d / "summary.json").write_text(json.dumps({"steps": 4, "wall_s": 60.0}))
+    write_runs(exp, {"p3o@x": [0.60, 0.62], "grpo@x": [0.50, 0.50]})
     spec = {"arms": {"p3o@x": {}, "grpo@x": {}}, "compare": [["p3o@x", "grpo@x"]], "commit": commit}
     (exp / "experiment.yaml").write_text(yaml.safe_dump(spec | ({"registered": registered} if registered else {})))
     (exp / "calls.jsonl").write_text(json.dumps({"start": 0.0, "end": 60.0, "commit": commit, "seeds": [0, 1]}) + "\n")

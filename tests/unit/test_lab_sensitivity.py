@@ -3,7 +3,6 @@ sensitivity test, the objective × temperature interaction, the registered TOST 
 Each is checked against an independent computation: sign-flip enumeration, a hand formula, Monte Carlo."""
 
 import itertools
-import json
 import math
 
 import numpy as np
@@ -14,6 +13,8 @@ from trustbatch.errors import UserError
 from trustbatch.lab.experiment import load_experiment
 from trustbatch.lab.report import write_report
 from trustbatch.lab.stats import interaction, power_paired, signed_rank, t_quantile
+
+from lab_runs import write_runs
 
 
 def _exact_signed_rank_p(d: list[float]) -> float:
@@ -27,18 +28,6 @@ def _exact_signed_rank_p(d: list[float]) -> float:
         w = sum(r for r, s in zip(range(1, len(d) + 1), signs) if s)
         count += min(w, total - w) <= observed
     return count / 2 ** len(d)
-
-
-def _write_runs(exp, finals: dict[str, list[float]]) -> None:
-    """Runs of 4 rounds whose held-out pass@1 at rounds 2 and 4 is ``finals[arm][seed]`` (the primary score)."""
-    for arm, per_seed in finals.items():
-        for seed, final in enumerate(per_seed):
-            d = exp / arm / f"seed{seed}"
-            d.mkdir(parents=True)
-            rows = [{"step": 0, "heldout_accuracy": 0.3}] + [{"step": s, "reward_mean": 0.5} for s in range(1, 5)]
-            rows[2]["heldout_accuracy"] = rows[4]["heldout_accuracy"] = final
-            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (d / "summary.json").write_text(json.dumps({"steps": 4, "wall_s": 60.0}))
 
 
 def test_signed_rank_is_the_exact_test_by_enumeration():
@@ -107,7 +96,7 @@ def test_the_report_gives_the_wilcoxon_interaction_and_the_registered_margin(tmp
     exp = tmp_path / "runs" / "e"
     finals = {"p@1.2": [0.60, 0.62, 0.66, 0.59], "g@1.2": [0.50, 0.55, 0.58, 0.57],
               "p@1.0": [0.58, 0.60, 0.61, 0.57], "g@1.0": [0.57, 0.58, 0.61, 0.55]}
-    _write_runs(exp, finals)
+    write_runs(exp, finals)
     spec = {"arms": {a: {} for a in finals}, "compare": [["p@1.2", "g@1.2"]], "equivalence_margin": 0.05,
             "wilcoxon": True, "interaction": [["p@1.2", "g@1.2"], ["p@1.0", "g@1.0"]]}
     (exp / "experiment.yaml").write_text(yaml.safe_dump(spec))
@@ -121,7 +110,7 @@ def test_the_report_gives_the_wilcoxon_interaction_and_the_registered_margin(tmp
 
 def _two_arm_report(tmp_path, gaps: list[float]) -> str:
     exp = tmp_path / "runs" / "e"
-    _write_runs(exp, {"p": [0.6 + g for g in gaps], "g": [0.6] * len(gaps)})
+    write_runs(exp, {"p": [0.6 + g for g in gaps], "g": [0.6] * len(gaps)})
     (exp / "experiment.yaml").write_text(yaml.safe_dump({"arms": {"p": {}, "g": {}}, "compare": [["p", "g"]], "wilcoxon": True}))
     text = write_report(tmp_path / "runs", tmp_path / "r", figures="none").read_text()
     return text, next(x for x in text.splitlines() if "Wilcoxon signed-rank (sensitivity" in x)
