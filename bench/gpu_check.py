@@ -9,7 +9,8 @@ rest go on):
 
 1. ``env``: torch, CUDA, GPU, transformers, peft.
 2. ``learner``: forward+backward tokens/s and MFU of the learner on a Qwen2.5-0.5B-shaped model (random init) in
-   bf16-mixed with chunked log-probs, with and without activation checkpointing. MFU = 6 · parameters · tokens / s
+   bf16-mixed with chunked log-probs: eager, with activation checkpointing, and regionally compiled
+   (``train.compile``; its compile steps are the warm-up, outside the timing). MFU = 6 · parameters · tokens / s
    over the bf16 dense peak (989 TFLOP/s, H100/H200 SXM spec; ~790 measured on these machines): the LM head is
    counted once (tied embeddings), attention's quadratic FLOPs and checkpointing's recompute are not.
 3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast, per
@@ -149,17 +150,20 @@ def learner(out: Path, a) -> None:
     rows, prompt, completion = a.rows, a.prompt, a.completion
     batch = rl_batch(rows, prompt, completion, VOCAB)
     tokens = rows * (prompt + completion)
-    for ckpt in (False, True):
+    # (activation checkpointing, regional compile): the compiled arm's first steps compile (excluded as warm-up)
+    for ckpt, compiled in ((False, False), (True, False), (False, True)):
         model = qwen_05b()
         n_params = sum(p.numel() for p in model.parameters())
         lr = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision="bf16-mixed",
-                     activation_checkpointing=ckpt, logprob_chunk_size=a.chunk, warmup_steps=0)
+                     activation_checkpointing=ckpt, logprob_chunk_size=a.chunk, warmup_steps=0,
+                     compile_backend="inductor" if compiled else None)
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = _time_steps(lr, batch, 2)[1:] + _time_steps(lr, batch, a.steps)
         s = statistics.median(times[1:])
         flops = 6 * n_params * tokens / s
-        emit(out, "learner", activation_checkpointing=ckpt, precision="bf16-mixed", logprob_chunk_size=a.chunk,
+        emit(out, "learner", activation_checkpointing=ckpt, compile=compiled, precision="bf16-mixed",
+             logprob_chunk_size=a.chunk,
              params=n_params, rows=rows, prompt=prompt, completion=completion, micro_batch=a.micro_batch,
              step_s_median=round(s, 4), step_s=[round(x, 4) for x in times[1:]], tokens_per_s=round(tokens / s),
              tflops=round(flops / 1e12, 1), mfu_spec=round(flops / PEAK_SPEC, 4),

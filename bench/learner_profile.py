@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--precision", default=None, help="float32 or bf16-mixed (default: bf16-mixed on CUDA, else float32)")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--padding-free", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="train.compile: each decoder block's training forward "
+                                                           "through torch.compile (inductor)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
@@ -150,8 +152,9 @@ def main() -> None:
     batch = gpu_check.rl_batch(a.rows, a.prompt, a.completion, vocab)
     learner = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision=precision, warmup_steps=0,
                       activation_checkpointing=a.activation_checkpointing, logprob_chunk_size=a.chunk,
-                      padding_free=a.padding_free)
-    learner.step(batch)  # warm-up: allocator, kernels' autotuning, lazy initialisation
+                      padding_free=a.padding_free, compile_backend="inductor" if a.compile else None)
+    for _ in range(2 if a.compile else 1):  # warm-up: allocator, autotuning, lazy init; compile and its recompile
+        learner.step(batch)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if gpu_check.DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -179,6 +182,7 @@ def main() -> None:
                       "params": n_params, "rows": a.rows, "prompt": a.prompt, "completion": a.completion,
                       "micro_batch": a.micro_batch, "precision": precision, "chunk": a.chunk,
                       "activation_checkpointing": a.activation_checkpointing, "padding_free": a.padding_free,
+                      "compile": a.compile,
                       "step_s": [round(x, 4) for x in times], "tokens_per_s": round(tokens / s),
                       "mfu_spec": round(flops / gpu_check.PEAK_SPEC, 4),
                       "shares": {k: round(v, 4) for k, v in share.items()}}), flush=True)

@@ -1,4 +1,5 @@
-"""On CUDA: FSDP2 at world size 1 against the unsharded learner, LoRA's merged weights, and padding-free learning.
+"""On CUDA: FSDP2 at world size 1 against the unsharded learner, LoRA's merged weights, padding-free learning, and
+the regionally compiled learner step (``train.compile``) against the eager one.
 
 References: an unsharded learner's step on a copy of the same model; ``W + (α/r)·B·A`` written out from the layer's
 own tensors and peft's ``merge_and_unload``; the padded learner's gradient.
@@ -7,6 +8,7 @@ own tensors and peft's ``merge_and_unload``; the padded learner's gradient.
 import copy
 import socket
 
+import pytest
 import torch
 
 from trustbatch.pipeline.batch import TrainBatch
@@ -104,3 +106,25 @@ def test_padding_free_learner_step_equals_padded_in_float64():
         learner.step(TrainBatch(packed, blp, torch.randn(B, generator=g, dtype=torch.float64)))
     for n in grads[0]:
         _close(grads[1][n], grads[0][n], f"grad {n}", 1e-10)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
+def test_the_compiled_learner_step_equals_the_eager_one(precision):
+    """``train.compile`` (inductor on CUDA) against the eager step on a copy of the same model and batch, SGD.
+    float32: round-off of fused kernels (TF32 off), 1e-5 of each gradient's scale. bf16-mixed: inductor's
+    ``emulate_precision_casts`` rounds to bf16 where eager ops do, but fused reductions sum in another order
+    before each rounding, so values may land one bf16 ulp apart per rounding: 8 ulps after the 2 layers' forward and
+    backward, as the chunked-head test allows."""
+    base = _qwen()
+    batch = _rl_batch()
+    grads = []
+    for backend in (None, "inductor"):
+        model = copy.deepcopy(base)
+        learner = Learner(model, "grpo", micro_batch_size=4, logprob_chunk_size=16, warmup_steps=0,
+                          precision=precision, compile_backend=backend)
+        grads.append(sgd_recording_grads(learner, model))
+        learner.step(batch)
+    tol = 1e-5 if precision == "float32" else 8 * 2.0 ** -8
+    assert max(float(g.abs().max()) for g in grads[0].values()) > 0
+    for n in grads[0]:
+        _close(grads[1][n], grads[0][n], f"{precision} compiled grad {n}", tol)

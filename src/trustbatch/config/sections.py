@@ -340,6 +340,10 @@ class TrainConfig(_Strict):
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (transformers' "
                            "gradient_checkpointing_enable, non-reentrant)")
+    compile: bool = Field(
+        False, description="torch.compile each decoder block's training forward (regional compilation, inductor); "
+                           "no-grad forwards (rollouts, evaluation, reference) stay eager. The first micro-batch "
+                           "compiles, a second shape once more")
     logprob_chunk_size: Int | Literal["auto"] | None = Field(
         "auto", description="tokens (rows x completion columns) per LM-head chunk: log-probs, entropy and exact KL "
                             "hold at most this many positions' [tokens, V] logits (recomputed per chunk in "

@@ -91,7 +91,8 @@ def _learner_kwargs(cfg: Config, version: int) -> dict:
                 version=version, max_bad_steps=tr.max_bad_steps, precision=tr.precision,
                 activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size,
                 diagnostics=tr.diagnostics, lr_schedule=tr.lr_schedule, total_steps=tr.steps * tr.epochs * tr.minibatches,
-                betas=tuple(tr.adam_betas), eps=tr.adam_eps, padding_free=tr.padding_free)
+                betas=tuple(tr.adam_betas), eps=tr.adam_eps, padding_free=tr.padding_free,
+                compile_backend="inductor" if tr.compile else None)
 
 
 def local_learner(inp: Inputs) -> Learner:

@@ -61,6 +61,7 @@ from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
 from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
 from ..policy.budget import logit_tokens, vocab_size
+from ..policy.compile import compile_blocks
 from ..policy.forward import TopK, response_logprobs, teacher_forced, trimmed
 from ..policy.model import enable_activation_checkpointing
 from ..policy.packed import packed_response_logprobs, packed_teacher_forced
@@ -88,6 +89,20 @@ class _StepPlan:
 
 class NonFiniteTraining(UserError):
     """``max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+def _forward_functions(shared_prompt: bool, padding_free: bool, trim: bool, chunk_size: int | None):
+    """The learner's two forwards: ``(model, packed, with_entropy=, ...) -> (logp [B, C], entropy or None, ...)``
+    with gradient, and ``(packed, [(rows, Teacher)]) -> TeacherForced``, the behaviour and proximal models' no-grad
+    forward laid out as the learner's own. ``shared_prompt``: each distinct prompt of a micro-batch runs once
+    (``policy.shared_prompt``, falling back by itself); ``padding_free``: packed rows (``policy.packed``);
+    ``trim``: each micro-batch at its own longest lengths (``forward.trimmed``)."""
+    if padding_free:
+        return (functools.partial(packed_response_logprobs, chunk_size=chunk_size, share_prompts=shared_prompt),
+                functools.partial(packed_teacher_forced, share_prompts=shared_prompt))
+    base = grouped_response_logprobs if shared_prompt else response_logprobs
+    forward = functools.partial(base, chunk_size=chunk_size)
+    return (trimmed(forward) if trim else forward), teacher_forced
 
 
 class Learner(ForwardPasses):
@@ -128,6 +143,9 @@ class Learner(ForwardPasses):
         activation_checkpointing: recompute each decoder layer's activations in backward
             (``policy.model.enable_activation_checkpointing``: transformers' own, non-reentrant). The
             shared-prompt forward then falls back to the plain one (checkpointed layers drop the cache).
+        compile_backend: compile each decoder block's training forward with this ``torch.compile`` backend
+            (``policy.compile.compile_blocks``: "inductor" for ``train.compile``; no-grad forwards stay eager), or
+            None.
         diagnostics: also log, at every optimizer step, the share of tokens GRPO's clip would zero
             (``objectives.clipped.grpo_zeroed_shares``, whatever the objective; the lab sets it).
         lr_schedule, warmup_steps, total_steps: the learning-rate multiplier per optimizer step
@@ -148,7 +166,8 @@ class Learner(ForwardPasses):
 
     Raises:
         ValueError: an unknown objective, invalid options, or a scope the objective does not support; an
-            unknown precision; a model without activation checkpointing when it is asked for; a reference of
+            unknown precision; a model without activation checkpointing when it is asked for, or without decoder
+            blocks when compiling, or an unknown compile backend; a reference of
             another vocabulary size, a peft model of another module, or a LoRA model without its peft model.
     """
 
@@ -160,7 +179,8 @@ class Learner(ForwardPasses):
                  logprob_chunk_size: int | str | None = "auto", strategy: str = "ddp", param_dtype: torch.dtype | None = None,
                  diagnostics: bool = False, lr_schedule: str = "constant", total_steps: int = 0,
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
-                 padding_free: bool = False, reference: torch.nn.Module | None = None):
+                 padding_free: bool = False, reference: torch.nn.Module | None = None,
+                 compile_backend: str | None = None):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
         self.model = model
@@ -193,6 +213,8 @@ class Learner(ForwardPasses):
         self.entropy_grad = bool(self.options.get("entropy_coef"))  # an entropy bonus: the head's entropy with gradient
         if activation_checkpointing:
             enable_activation_checkpointing(model)
+        if compile_backend is not None:
+            compile_blocks(model, compile_backend)
         self.wrapped = self.world.wrap(model, strategy, param_dtype=param_dtype)
         self.sharded = is_sharded(self.wrapped)
         if self.sharded and self.full and self.spec.needs_proximal:
@@ -201,22 +223,10 @@ class Learner(ForwardPasses):
                              "under train.strategy=fsdp2; use train.strategy=ddp or kl='k3'")
         # FSDP2 all-gathers a block's weights at each of its forwards, so every rank must run as many;
         # the shared-prompt forward runs one or two depending on the micro-batch's prompts
-        shared_prompt = shared_prompt and not self.sharded
+        self.forward_fn, self.teacher_forced = _forward_functions(shared_prompt and not self.sharded, padding_free,
+                                                                  trim_micro_batches, logprob_chunk_size)
         self.version = version
         self.max_bad_steps = max_bad_steps
-        # (model, packed, with_entropy=) -> (logp [B, C], entropy or None); shared_prompt: each distinct
-        # prompt of a micro-batch runs once (policy.shared_prompt), falling back by itself
-        base = grouped_response_logprobs if shared_prompt else response_logprobs
-        self.forward_fn = functools.partial(base, chunk_size=logprob_chunk_size)
-        # (packed, [(rows, Teacher)]) -> TeacherForced: the behaviour and proximal models' no-grad forward, laid
-        # out as the learner's own
-        self.teacher_forced = teacher_forced
-        if padding_free:
-            self.forward_fn = functools.partial(packed_response_logprobs, chunk_size=logprob_chunk_size,
-                                                share_prompts=shared_prompt)
-            self.teacher_forced = functools.partial(packed_teacher_forced, share_prompts=shared_prompt)
-        elif trim_micro_batches:
-            self.forward_fn = trimmed(self.forward_fn)
         self.bad_steps = 0  # consecutive skipped steps
         # called as fn(version, model) after every optimizer step (e.g. the lagged weight sync's snapshots)
         self.on_step: list[Callable[[int, torch.nn.Module], None]] = []

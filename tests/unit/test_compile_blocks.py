@@ -1,0 +1,70 @@
+"""Regional compilation (``train.compile``, ``policy.compile``): the compiled learner step equals the eager one, the
+compiled forward runs only where autograd records, and bad input is refused.
+
+Reference: the same learner without ``compile_backend`` on a fresh copy of the same model and batch, float32, SGD
+(``grad_probe``). Backend ``aot_eager``: dynamo's graph capture and AOT autograd's forward and backward graphs, run
+by eager kernels, so the test takes seconds, not a C++ compile; the real command with inductor is
+``tests/integration/test_compile_train.py``, on CUDA ``tests/gpu/test_learner_cuda.py``.
+"""
+
+import pytest
+import torch
+
+from trustbatch.policy.compile import TrainingForward, compile_blocks
+from trustbatch.trainer.learner import Learner
+
+from grad_probe import sgd_recording_grads
+from llama_rows import TOL, _close, _llama
+from test_trim_micro_batches import _sorted_batch
+
+FORWARDS = {"shared_prompt": {}, "plain": {"shared_prompt": False}, "padding_free": {"padding_free": True},
+            "activation_checkpointing": {"activation_checkpointing": True}}
+
+
+def _spy(model) -> list:
+    """Count each block's compiled calls (with or without autograd recording)."""
+    calls = []
+    for block in model.model.layers:
+        real = block.forward.compiled
+        block.forward.compiled = lambda *a, _real=real, **kw: calls.append(torch.is_grad_enabled()) or _real(*a, **kw)
+    return calls
+
+
+@pytest.mark.parametrize("forward", list(FORWARDS))
+def test_the_compiled_step_equals_the_eager_one(forward):
+    torch._dynamo.reset()
+    grads, calls = [], []
+    for backend in (None, "aot_eager"):
+        model = _llama(torch.float32)
+        learner = Learner(model, "p3o", {}, lr=1e-2, grad_clip=1e9, micro_batch_size=4, compile_backend=backend,
+                          **FORWARDS[forward])
+        if backend is not None:
+            calls = _spy(model)
+        grads.append(sgd_recording_grads(learner, model))
+        learner.step(_sorted_batch(torch.float32))
+    want, got = grads
+    assert calls and all(calls), "the step did not run the compiled blocks"
+    for n in want:
+        _close(got[n], want[n], f"{forward} {n}", TOL[torch.float32])
+    assert max(float(g.abs().max()) for g in want.values()) > 1e-3
+
+
+def test_no_grad_forwards_run_the_eager_blocks():
+    model = _llama(torch.float32)
+    assert compile_blocks(model, "aot_eager") == 2 and compile_blocks(model, "aot_eager") == 2  # once, not twice
+    assert all(isinstance(b.forward, TrainingForward) and not isinstance(b.forward.eager, TrainingForward)
+               for b in model.model.layers)
+    calls = _spy(model)
+    x = torch.randint(0, 40, (2, 5))
+    with torch.no_grad():
+        model(x)
+    assert calls == []
+    model(x).logits.sum().backward()
+    assert calls == [True, True]
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        compile_blocks(_llama(torch.float32), "tensorrt")
+    with pytest.raises(ValueError, match="has no decoder blocks to compile"):
+        compile_blocks(torch.nn.Linear(2, 2))
