@@ -9,8 +9,7 @@ rest go on):
 
 1. ``env``: torch, CUDA, GPU, transformers, peft.
 2. ``learner``: forward+backward tokens/s and MFU of the learner on a Qwen2.5-0.5B-shaped model (random init) in
-   bf16-mixed with chunked log-probs: eager, with activation checkpointing, and regionally compiled
-   (``train.compile``; its compile steps are the warm-up, outside the timing). MFU = 6 · parameters · tokens / s
+   bf16-mixed with chunked log-probs, with and without activation checkpointing. MFU = 6 · parameters · tokens / s
    over the bf16 dense peak (989 TFLOP/s, H100/H200 SXM spec; ~790 measured on these machines): the LM head is
    counted once (tied embeddings), attention's quadratic FLOPs and checkpointing's recompute are not.
 3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast, per
@@ -23,6 +22,8 @@ rest go on):
 7. ``padding_free``: the ``learner`` section's step with mixed completion lengths, padded against padding-free
    (``train.padding_free``), tokens/s counting real tokens.
 8. ``profile``: ``bench/learner_profile.py`` (the learner step's time per op class).
+9. ``compile``: the ``learner`` section's step with ``train.compile`` (regional inductor compile), last because its
+   compile takes a minute or more.
 
 ``--device cpu`` is a dry run: every size not given on the command line takes a toy value (``DRY``: one layer,
 V = 1,024, a few rows, the tiny job of tests/support/tiny.py for ``train``), so the sections' code runs in minutes.
@@ -141,6 +142,11 @@ def _time_steps(learner, batch, steps: int) -> list[float]:
 
 @section
 def learner(out: Path, a) -> None:
+    _learner_arms(out, a, "learner", ((False, False), (True, False)))
+
+
+def _learner_arms(out: Path, a, name: str, arms) -> None:
+    """One line per (activation checkpointing, regional compile) arm: the median step after two warm-up steps."""
     import statistics
 
     import torch
@@ -150,8 +156,7 @@ def learner(out: Path, a) -> None:
     rows, prompt, completion = a.rows, a.prompt, a.completion
     batch = rl_batch(rows, prompt, completion, VOCAB)
     tokens = rows * (prompt + completion)
-    # (activation checkpointing, regional compile): the compiled arm's first steps compile (excluded as warm-up)
-    for ckpt, compiled in ((False, False), (True, False), (False, True)):
+    for ckpt, compiled in arms:
         model = qwen_05b()
         n_params = sum(p.numel() for p in model.parameters())
         lr = Learner(model, "grpo", micro_batch_size=a.micro_batch, precision="bf16-mixed",
@@ -162,7 +167,7 @@ def learner(out: Path, a) -> None:
         times = _time_steps(lr, batch, 2)[1:] + _time_steps(lr, batch, a.steps)
         s = statistics.median(times[1:])
         flops = 6 * n_params * tokens / s
-        emit(out, "learner", activation_checkpointing=ckpt, compile=compiled, precision="bf16-mixed",
+        emit(out, name, activation_checkpointing=ckpt, compile=compiled, precision="bf16-mixed",
              logprob_chunk_size=a.chunk,
              params=n_params, rows=rows, prompt=prompt, completion=completion, micro_batch=a.micro_batch,
              step_s_median=round(s, 4), step_s=[round(x, 4) for x in times[1:]], tokens_per_s=round(tokens / s),
@@ -179,6 +184,14 @@ def _engine_arm(arm: str):
     arm, _, threads = arm.partition(":")
     decode, _, noise = arm.partition("+")
     return dict(decode=decode, noise=noise or "generator", noise_threads=int(threads) if threads else None)
+
+
+@section
+def compile(out: Path, a) -> None:  # noqa: A001 - the section's name on the command line
+    """The ``learner`` section's step with ``train.compile`` (regional inductor compile; compare with its eager
+    arm), last in the order: its compile takes a minute or more, so a check short of time loses only this section.
+    Its first steps compile and recompile: they are the warm-up, outside the timing."""
+    _learner_arms(out, a, "compile", ((False, True),))
 
 
 @section
@@ -352,7 +365,8 @@ def profile(out: Path, a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    ap.add_argument("--sections", default="env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train")
+    ap.add_argument("--sections", default="env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train,"
+                                          "compile")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run at toy sizes")
     for k in SIZES:
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,

@@ -38,5 +38,6 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
     sections = {x["section"] for x in lines}
-    assert sections == {"env", "learner", "padding_free", "profile", "engine", "fsdp2_ws1", "logprob_memory", "train"}
+    assert sections == {"env", "learner", "padding_free", "profile", "engine", "fsdp2_ws1", "logprob_memory", "train",
+                        "compile"}
     assert [x for x in lines if "error" in x or x.get("returncode", 0) != 0] == []
