@@ -1,7 +1,7 @@
 """Peak memory and time of the learner's log-probs: the full LM head against the chunked one (``policy.chunked_logprobs``).
 
     python bench/logprob_memory.py [--shape qwen|default|both] [--chunk 1024] [--repeats 3] [--threads 1]
-                                   [--device cpu|cuda]
+                                   [--device cpu|cuda] [--precision float32|bf16-mixed]
 
 One measurement is what the learner does per micro-batch: the LM head on final hidden states, log-probs
 at the sampled tokens with the entropy (no gradient), and the backward of Σ cotangent·log-prob into the
@@ -20,6 +20,11 @@ interpreter, torch and the inputs are not counted; page-cache noise is a few MB)
 after resetting it (``/proc/self/clear_refs``), or ``ru_maxrss`` where that cannot be reset. On CUDA:
 ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory allocated before the
 arm. Time: forward + backward, wall clock (synchronised on CUDA), after a small untimed warm-up.
+``--precision bf16-mixed`` runs both arms under bf16 autocast, as the learner's ``train.precision=bf16-mixed``
+does: the head's matrix products in bf16, the log-softmax in float32 (``chunked_logprobs.logits_dtype``). In
+float32 the chunked arm's recomputation of the logits in backward is a fourth matrix product of [tokens, H] × [H, V]
+beside the full path's three, so where those products dominate the time, 4/3 of the full path's is its floor; in
+bf16 they are cheaper, and the float32 log-softmax's memory traffic weighs more.
 Arms are interleaved, ``--repeats`` times; one JSON line per arm (median and range), then the ratio.
 The values of the two arms are also compared (max |Δ log-prob| and relative Δ of the weight's gradient).
 """
@@ -74,21 +79,23 @@ def _inputs(B, C, V, H, device):
     return h, w, y, cot
 
 
-def _run(arm: str, h, w, y, cot, chunk: int):
-    if arm == "full":
-        logp, ent = full_logprobs(torch.nn.functional.linear(h, w), y, with_entropy=True)
-    else:
-        logp, ent, _ = chunked_logprobs(h, w, None, y, chunk_size=chunk, with_entropy=True)
+def _run(arm: str, h, w, y, cot, chunk: int, precision: str = "float32"):
+    bf16 = precision == "bf16-mixed"
+    with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=bf16):
+        if arm == "full":
+            logp, ent = full_logprobs(torch.nn.functional.linear(h, w), y, with_entropy=True)
+        else:
+            logp, ent, _ = chunked_logprobs(h, w, None, y, chunk_size=chunk, with_entropy=True)
     (logp * cot).sum().backward()
     return logp.detach(), float(ent.sum())
 
 
-def child(arm: str, shape: str, chunk: int, device: str, threads: int) -> dict:
+def child(arm: str, shape: str, chunk: int, device: str, threads: int, precision: str = "float32") -> dict:
     """One measurement of ``arm`` in this (fresh) process."""
     torch.set_num_threads(threads)
     s = SHAPES[shape]
     small = _inputs(2, 16, 1000, 32, device)  # warm-up: kernels and thread pools, not the measured shapes
-    _run(arm, *small, chunk=4)
+    _run(arm, *small, chunk=4, precision=precision)
     del small
     h, w, y, cot = _inputs(**s, device=device)
     if device == "cuda":
@@ -99,7 +106,7 @@ def child(arm: str, shape: str, chunk: int, device: str, threads: int) -> dict:
         reset = _reset_peak_rss()
         base = _rss_bytes()
     t0 = time.perf_counter()
-    logp, _ = _run(arm, h, w, y, cot, chunk)
+    logp, _ = _run(arm, h, w, y, cot, chunk, precision)
     if device == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
@@ -111,10 +118,10 @@ def child(arm: str, shape: str, chunk: int, device: str, threads: int) -> dict:
     return {"peak_mb": peak / 2 ** 20, "time_s": dt}
 
 
-def _spawn(arm, shape, chunk, device, threads, out) -> dict:
+def _spawn(arm, shape, chunk, device, threads, out, precision="float32") -> dict:
     env = {**os.environ, "LOGPROB_BENCH_OUT": out, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, __file__, "--child", arm, "--shape", shape, "--chunk", str(chunk), "--device", device,
-           "--threads", str(threads)]
+           "--threads", str(threads), "--precision", precision]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{arm} {shape} failed:\n{p.stderr[-3000:]}")
@@ -134,10 +141,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["float32", "bf16-mixed"], default="float32")
     ap.add_argument("--child", choices=["full", "chunked"])
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.shape, a.chunk, a.device, a.threads)))
+        print(json.dumps(child(a.child, a.shape, a.chunk, a.device, a.threads, a.precision)))
         return
     import tempfile
 
@@ -150,18 +158,18 @@ def main() -> None:
             for _ in range(a.repeats):
                 for arm in runs:  # interleaved
                     outs[arm] = os.path.join(d, f"{arm}.pt")
-                    runs[arm].append(_spawn(arm, shape, chunk, a.device, a.threads, outs[arm]))
+                    runs[arm].append(_spawn(arm, shape, chunk, a.device, a.threads, outs[arm], a.precision))
             full, chunked = (torch.load(outs[k]) for k in ("full", "chunked"))
         dlogp = float((full["logp"] - chunked["logp"]).abs().max())
         dgrad = float((full["w_grad"] - chunked["w_grad"]).abs().max() / full["w_grad"].abs().max())
         med = {}
         for arm, rs in runs.items():
             rec = {"shape": shape, **SHAPES[shape], "arm": arm, "chunk": chunk if arm == "chunked" else None,
-                   "device": a.device, "threads": a.threads, "repeats": a.repeats,
+                   "device": a.device, "threads": a.threads, "repeats": a.repeats, "precision": a.precision,
                    "peak_mb": _summary([r["peak_mb"] for r in rs]), "time_s": _summary([r["time_s"] for r in rs])}
             med[arm] = rec
             print(json.dumps(rec))
-        print(json.dumps({"shape": shape, "ratio_chunked_over_full": {
+        print(json.dumps({"shape": shape, "precision": a.precision, "ratio_chunked_over_full": {
             "peak_mb": round(med["chunked"]["peak_mb"]["median"] / med["full"]["peak_mb"]["median"], 4),
             "time_s": round(med["chunked"]["time_s"]["median"] / med["full"]["time_s"]["median"], 4)},
             "max_abs_dlogp": dlogp, "weight_grad_rel_diff": dgrad}))
