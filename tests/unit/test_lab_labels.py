@@ -91,3 +91,39 @@ def test_the_header_states_the_runs_own_settings(history, tmp_path):
     text = write_report(runs, tmp_path / "r", figures="none").read_text()
     assert "| e | 0, 1 | 4 | 4 rounds × 16 prompts × 4 samples, held-out 32 × 2 every 2 rounds |" in text
     assert "100 rounds" not in text  # the lab's default settings are not what these runs ran
+
+
+def test_a_registered_analysis_the_folders_copy_lacks_is_read_from_the_registration_commit(tmp_path, monkeypatch):
+    """Lab IV's runs were written by a runner that dropped ``wilcoxon``, ``interaction`` and ``equivalence_margin``
+    from the folder's experiment.yaml: the report reads them from the experiment's YAML at the registration commit,
+    and says so; a copy that has them is read as it is."""
+    repo = tmp_path / "repo"
+    (repo / "src/trustbatch/lab/experiments").mkdir(parents=True)
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / "src/trustbatch/lab/experiments/e.yaml").write_text(yaml.safe_dump(
+        {"arms": {"p3o@x": {}, "grpo@x": {}}, "wilcoxon": True, "equivalence_margin": 0.05}))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "registration")
+    registered = _git(repo, "rev-parse", "--short", "HEAD")
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    root = _experiment(tmp_path / "runs", registered, registered=registered)
+    text = write_report(root, tmp_path / "r1", figures="none").read_text()
+    assert (f"The analysis keys `equivalence_margin`, `wilcoxon` are read from `src/trustbatch/lab/experiments/e.yaml` "
+            f"at the registration commit `{registered}`") in text
+    assert "**Sensitivity: Wilcoxon signed-rank**" in text and "'Equivalent within ±0.05'" in _equivalence_line(text)
+    spec = yaml.safe_load((root / "e" / "experiment.yaml").read_text())
+    (root / "e" / "experiment.yaml").write_text(yaml.safe_dump(spec | {"wilcoxon": False, "equivalence_margin": 0.04}))
+    text = write_report(root, tmp_path / "r2", figures="none").read_text()
+    assert "are read from" not in text and "Wilcoxon" not in text and "'Equivalent within ±0.04'" in text
+
+
+def test_lab_run_writes_the_analysis_keys_into_the_folders_experiment_yaml(tmp_path):
+    from trustbatch.lab.experiment import load_experiment
+    from trustbatch.lab.runner import _write_spec
+
+    src = tmp_path / "e.yaml"
+    analysis = {"equivalence_margin": 0.05, "wilcoxon": True, "interaction": [["a", "b"], ["c", "d"]]}
+    src.write_text(yaml.safe_dump({"arms": {k: {} for k in "abcd"}, "seeds": [0], **analysis}))
+    _write_spec(load_experiment(str(src)), tmp_path, "abc1234", "trustbatch lab run e.yaml")
+    written = yaml.safe_load((tmp_path / "experiment.yaml").read_text())
+    assert {k: written.get(k) for k in analysis} == analysis

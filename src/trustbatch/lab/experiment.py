@@ -71,6 +71,7 @@ class Experiment:
     tune_seeds: list[int] = field(default_factory=list)  # the seeds it is picked on, disjoint from ``seeds``
     registered: str | None = None  # the commit that registered the design before any run (a confirmatory experiment)
     selected: list[str] | None = None  # ``lab run --arms``: train only these arms; the folder still lists every arm
+    analysis: dict = field(default_factory=dict)  # the report's analysis keys (``ANALYSIS_KEYS``) as the YAML gives them
 
     @property
     def run_arms(self) -> list[str]:
@@ -165,13 +166,18 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
                      seeds=main_seeds, arms=arms, source=path,
                      per_seed_base=bool(spec.get("per_seed_base", True)), compare=[tuple(c) for c in compare],
                      preflight_only=[str(a) for a in only], tune_arms=t_arms, tune_seeds=t_seeds,
-                     registered=str(spec["registered"]) if spec.get("registered") else None)
+                     registered=str(spec["registered"]) if spec.get("registered") else None,
+                     analysis={k: spec[k] for k in ANALYSIS_KEYS if k in spec})
     for arm in arms:
         try:
             load_config(None, exp.overrides(arm, exp.seeds[0]))
         except UserError as e:
             raise UserError(f"experiment {path.stem!r}, arm {arm!r}: {e}") from None
     return exp
+
+
+# keys the report's analysis reads; ``lab run`` writes them into the folder's experiment.yaml with the design
+ANALYSIS_KEYS = ("equivalence_margin", "wilcoxon", "interaction")
 
 
 def _check_analysis(spec: dict, arms: dict, where: str) -> None:

@@ -227,7 +227,7 @@ def _write_spec(exp: Experiment, root: Path, commit: str, command: str) -> None:
     atomic_write(root / "experiment.yaml", yaml.safe_dump(
         {"description": exp.description, "seeds": seeds, "arms": exp.arms, "per_seed_base": exp.per_seed_base,
          "compare": [list(c) for c in exp.compare], "preflight_only": exp.preflight_only,
-         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}),
+         **({"tune": {"arms": exp.tune_arms, "seeds": exp.tune_seeds}} if exp.tune_arms else {}), **exp.analysis,
          **({"registered": exp.registered} if exp.registered else {}), "commit": commit,
          "command": command}, sort_keys=False))
 

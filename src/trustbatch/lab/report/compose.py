@@ -7,8 +7,6 @@ import math
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
 from ...errors import UserError
 from ...records import atomic_write
 from ..calls import load_calls
@@ -18,8 +16,8 @@ from ..stats import (BOTH_COLLAPSE_RULE, EQUIVALENCE_RULE, MARGIN, SENSITIVITY_R
                      signed_rank, tost)
 from .figures import dose_figure, experiment_figures
 from .header import header_lines
-from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_time, git_commit, mixed_bases,
-                         mixed_line, prompts_per_round, registration_line, rule_standing, run_commits, standing_label)
+from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_spec, experiment_time, git_commit,
+                         mixed_bases, mixed_line, prompts_per_round, registration_line, rule_standing, run_commits, standing_label)
 from .runs import arm_scores, load_runs
 from .tables import (arm_table, base_table, cost_table, equivalence_lines, preflight_summary, preflight_table,
                      step_ratio_line, tuned_baseline, within_round_lines)
@@ -31,8 +29,8 @@ FIGURES = ("draw", "link", "none")
 def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "draw") -> tuple[str, list[str]]:
     """Markdown for one experiment and its one-line findings (rules in ``trustbatch.lab.stats``); ``figures``: "draw"
     writes its figures into ``out`` and links them, "link" links them without drawing, "none" does neither."""
-    spec = yaml.safe_load((exp_dir / "experiment.yaml").read_text()) if (exp_dir / "experiment.yaml").exists() else {}
-    tune = (spec or {}).get("tune") or {}
+    spec, completed = experiment_spec(name, exp_dir)
+    tune = spec.get("tune") or {}
     arms, tuning = _split_tuning(load_runs(exp_dir), [int(x) for x in tune.get("seeds") or []])
     if not arms:
         return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + preflight_table(exp_dir)), []
@@ -42,7 +40,7 @@ def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "d
     dose_fig = dose_figure(name, scored, out, draw=draw) if figures != "none" else None
     lines = [f"## {name}", "", spec.get("description", ""), ""]
     calls = load_calls(exp_dir)
-    head = _provenance_lines(spec, exp_dir, calls)
+    head = _provenance_lines(spec, exp_dir, calls) + ([completed, ""] if completed else [])
     commits = run_commits(spec, calls)
     lines += head + [_runs_sentence(spec, exp_dir, calls, arms, tuning)]
     lines += [""] + preflight_table(exp_dir)
@@ -197,9 +195,9 @@ def write_report(runs: Path, out: Path, experiments: list[str] | None = None, *,
         text, f = experiment_section(n, runs / n, out, figures=figures)
         sections.append(text)
         findings += f
-        spec = yaml.safe_load((runs / n / "experiment.yaml").read_text()) if (runs / n / "experiment.yaml").exists() else {}
-        commits[n] = run_commits(spec or {}, load_calls(runs / n))
-        if (spec or {}).get("wilcoxon") or (spec or {}).get("interaction"):
+        spec, _ = experiment_spec(n, runs / n)
+        commits[n] = run_commits(spec, load_calls(runs / n))
+        if spec.get("wilcoxon") or spec.get("interaction"):
             opted_in.add(n)
     command = (f"trustbatch lab report {' '.join(experiments or [])}{' ' if experiments else ''}--runs {runs} --out {out}"
                + (" --text-only" if figures == "none" else ""))

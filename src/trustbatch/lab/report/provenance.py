@@ -10,9 +10,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import yaml
+
 from .. import records
 from ...records import git_commit
 from ..calls import WALL, covered_seconds, elapsed_seconds, load_calls
+from ..experiment import ANALYSIS_KEYS
 from .runs import run_config
 
 
@@ -25,6 +28,39 @@ def descends(commit: str, ancestor: str) -> bool | None:
     except OSError:
         return None
     return {0: True, 1: False}.get(r.returncode)
+
+
+EXPERIMENTS_DIR = "src/trustbatch/lab/experiments"  # a bundled experiment's YAML, in the repository
+
+
+def registered_analysis(name: str, registered: str | None) -> dict:
+    """The analysis keys (``experiment.ANALYSIS_KEYS``) of experiment ``name``'s YAML as the registration commit
+    ``registered`` holds it (``git show``); {} without a registration, or when git or the file cannot say."""
+    if not registered:
+        return {}
+    try:
+        r = subprocess.run(["git", "show", f"{registered}:{EXPERIMENTS_DIR}/{name}.yaml"], capture_output=True,
+                           text=True, cwd=Path(__file__).parent)
+        spec = yaml.safe_load(r.stdout) if r.returncode == 0 else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {k: spec[k] for k in ANALYSIS_KEYS if k in spec} if isinstance(spec, dict) else {}
+
+
+def experiment_spec(name: str, exp_dir: Path) -> tuple[dict, str | None]:
+    """The folder's ``experiment.yaml`` ({} without one) and, for a registered experiment whose copy lacks the
+    analysis keys its registration commit's YAML gives, that copy completed from the registration with a line that
+    says so (else None). ``lab run`` before the fix of issue 47's Lab IV wrote the design without those keys, so
+    the registered analysis is read from where it was registered, never from a later edit."""
+    path = exp_dir / "experiment.yaml"
+    spec = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
+    missing = {k: v for k, v in registered_analysis(name, spec.get("registered")).items() if k not in spec}
+    if not missing:
+        return spec, None
+    keys = ", ".join(f"`{k}`" for k in missing)
+    return {**spec, **missing}, (f"The analysis keys {keys} are read from `{EXPERIMENTS_DIR}/{name}.yaml` at the "
+                                 f"registration commit `{spec['registered']}`: the folder's `experiment.yaml`, "
+                                 "written by `lab run`, left them out (a runner bug, fixed after these runs).")
 
 
 def run_commits(spec: dict, calls: list[dict]) -> list[str | None]:
