@@ -63,6 +63,23 @@ def test_no_grad_forwards_run_the_eager_blocks():
     assert calls == [True, True]
 
 
+def test_a_copy_of_a_compiled_model_trains_its_own_weights():
+    """Snapshots and engine copies are deep copies: each copied block compiles its own forward, so a copy's
+    gradient-recording forward computes with the copy's weights, not the original's."""
+    import copy
+
+    model = _llama(torch.float32)
+    compile_blocks(model, "aot_eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.layers[0].self_attn.q_proj.weight.add_(1.0)
+    x = torch.randint(0, 40, (1, 5))
+    eager = _llama(torch.float32)
+    eager.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(twin(x).logits, eager(x).logits, rtol=0, atol=1e-6)  # with autograd recording
+    assert float((twin(x).logits - model(x).logits).abs().max()) > 1e-3
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="backend must be one of"):
         compile_blocks(_llama(torch.float32), "tensorrt")

@@ -23,6 +23,8 @@ compares it with the eager step in bf16-mixed, and ``bench/gpu_check.py``'s lear
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..parallel import decoder_blocks
@@ -31,13 +33,20 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 class TrainingForward:
-    """A block's forward: ``compiled`` when autograd records the call, ``eager`` otherwise (module docstring)."""
+    """A block's forward: ``eager`` (the block's own bound ``forward``) through ``torch.compile`` with ``backend`` and
+    ``options`` when autograd records the call, eager otherwise (module docstring)."""
 
-    def __init__(self, eager, compiled):
-        self.eager, self.compiled = eager, compiled
+    def __init__(self, eager, backend: str, options: dict | None):
+        self.eager, self.backend, self.options = eager, backend, options
+        self.compiled = torch.compile(eager, backend=backend, options=options)  # lazy: compiles at its first call
 
     def __call__(self, *args, **kwargs):
         return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # a copied model (a snapshot, an engine's copy) must compile its own block: the compiled function holds the
+        # original block, so copying it would run the original's weights
+        return TrainingForward(copy.deepcopy(self.eager, memo), self.backend, self.options)
 
 
 def compile_options() -> dict:
@@ -68,6 +77,5 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     for block in blocks:
         if isinstance(block.forward, TrainingForward):
             continue
-        eager = block.forward
-        block.forward = TrainingForward(eager, torch.compile(eager, backend=backend, options=options))
+        block.forward = TrainingForward(block.forward, backend, options)
     return len(blocks)
