@@ -4,7 +4,9 @@ Reference: the same tiny job without ``train.compile``. Round 1 samples from the
 seeds (the rollout engine shares the module, and no-grad forwards stay eager), so the batch is the same (equal
 rewards); the learner's compiled training forward differs from the eager one only by the float32 round-off of
 inductor's fused kernels, so its metrics agree within 1e-5 and the on-policy ESS is 1 within 1e-6. Inductor writes
-the code it generates to ``TORCHINDUCTOR_CACHE_DIR``, which shows the compiled path ran.
+the code it generates to ``TORCHINDUCTOR_CACHE_DIR``, which shows the compiled path ran. The same holds under
+``torchrun --nproc-per-node 2`` (gloo) with FSDP2 and, marked slow, DDP: compiled against eager at the same
+strategy.
 """
 
 import json
@@ -12,16 +14,23 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from runproc import ROOT, cache  # noqa: F401
 from tiny import TINY
 
 COMPARED = ("loss", "grad_norm", "entropy", "ess")
 
 
-def _round_one(tmp_path, compile_: bool) -> dict:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _round_one(tmp_path, compile_: bool, strategy: str | None = None) -> dict:
     run = tmp_path / f"run-{compile_}"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    p = subprocess.run([sys.executable, "-m", "trustbatch", "train", *TINY, "train.steps=1", "eval.every=100",
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    launch = [*TORCHRUN, "-m", "trustbatch", "train", f"train.strategy={strategy}"] if strategy else \
+        [sys.executable, "-m", "trustbatch", "train"]
+    p = subprocess.run([*launch, *TINY, "train.steps=1", "eval.every=100",
                         "threads=1", f"train.compile={str(compile_).lower()}", f"run_dir={run}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -32,10 +41,12 @@ def _generated(tmp_path) -> int:
     return sum(f.suffix == ".py" for f in (tmp_path / "inductor").rglob("*"))
 
 
-def test_a_compiled_round_equals_the_eager_one(tmp_path, cache):  # noqa: F811
-    eager = _round_one(tmp_path, False)
+@pytest.mark.parametrize("strategy", [None, "fsdp2", pytest.param("ddp", marks=pytest.mark.slow)],
+                         ids=["one_process", "fsdp2_2_ranks", "ddp_2_ranks"])
+def test_a_compiled_round_equals_the_eager_one(tmp_path, cache, strategy):  # noqa: F811
+    eager = _round_one(tmp_path, False, strategy)
     assert _generated(tmp_path) == 0
-    compiled = _round_one(tmp_path, True)
+    compiled = _round_one(tmp_path, True, strategy)
     assert _generated(tmp_path) > 0, "inductor generated no code"
     for k in ("reward_mean", "num_tokens", "truncated_fraction"):  # the same samples
         assert compiled[k] == eager[k], (k, compiled[k], eager[k])

@@ -17,8 +17,8 @@ to that round-off (``tests/unit/test_compile_blocks.py``).
 Cost: the first training forward compiles (seconds on a GPU, tens of seconds for a tiny model on one CPU core), and
 a second shape recompiles once with dynamic sizes; later micro-batches of other lengths reuse that graph.
 
-Untested with several ranks under ``torchrun`` (DDP, FSDP2), and on a GPU (no GPU was lent to the session that
-wrote it); ``tests/gpu/test_learner_cuda.py``
+Tested on the CPU in one process and under ``torchrun`` with 2 gloo ranks (FSDP2, DDP:
+``tests/integration/test_compile_train.py``). Untested on a GPU (no GPU was lent to the session that wrote it); ``tests/gpu/test_learner_cuda.py``
 compares it with the eager step in bf16-mixed, and ``bench/gpu_check.py``'s learner section times both.
 """
 
