@@ -18,8 +18,9 @@ Cost: the first training forward compiles (seconds on a GPU, tens of seconds for
 a second shape recompiles once with dynamic sizes; later micro-batches of other lengths reuse that graph.
 
 Tested on the CPU in one process and under ``torchrun`` with 2 gloo ranks (FSDP2, DDP:
-``tests/integration/test_compile_train.py``). Untested on a GPU (no GPU was lent to the session that wrote it); ``tests/gpu/test_learner_cuda.py``
-compares it with the eager step in bf16-mixed, and ``bench/gpu_check.py``'s learner section times both.
+``tests/integration/test_compile_train.py``). Untested on a GPU (no GPU was lent to the session that wrote it):
+``tests/gpu/test_learner_cuda.py`` compares it with the eager step in float32 and bf16-mixed, and
+``bench/gpu_check.py``'s ``compile`` section times it beside the ``learner`` section's eager step.
 """
 
 from __future__ import annotations
