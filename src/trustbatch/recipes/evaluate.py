@@ -73,9 +73,10 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     from ..eval.benchmarks import evaluate_benchmarks
     from ..policy import load_policy
     from ..rewards import RewardPool
+    from ..rollout.spec import EngineSpec
 
     ks = sorted(set(ks))
-    spec = _engine_spec(engine, seed, decode, noise)
+    spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
     dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device)
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
@@ -94,12 +95,6 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
         res["benchmarks"][name]["prompts_skipped"] = k
     return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "n": n, "k": ks, "temperature": temperature,
             "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
-
-
-def _engine_spec(engine: str, seed: int, decode: str, noise: str):
-    from ..rollout.spec import EngineSpec
-
-    return EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
 
 
 # the engine checks name the training keys; the same settings are options here

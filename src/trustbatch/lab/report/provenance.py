@@ -4,6 +4,7 @@ own configs, and each run's base fingerprint (round-0 held-out score) to tell wh
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -36,15 +37,18 @@ EXPERIMENTS_DIR = "src/trustbatch/lab/experiments"  # a bundled experiment's YAM
 def registered_analysis(name: str, registered: str | None) -> dict:
     """The analysis keys (``experiment.ANALYSIS_KEYS``) of experiment ``name``'s YAML as the registration commit
     ``registered`` holds it (``git show``); {} without a registration, or when git or the file cannot say."""
-    if not registered:
-        return {}
+    return dict(_registered_analysis(name, registered)) if registered else {}
+
+
+@functools.lru_cache(maxsize=None)  # a commit's files never change: one `git show` per experiment and report
+def _registered_analysis(name: str, registered: str) -> tuple:
     try:
         r = subprocess.run(["git", "show", f"{registered}:{EXPERIMENTS_DIR}/{name}.yaml"], capture_output=True,
                            text=True, cwd=Path(__file__).parent)
         spec = yaml.safe_load(r.stdout) if r.returncode == 0 else None
     except (OSError, yaml.YAMLError):
-        return {}
-    return {k: spec[k] for k in ANALYSIS_KEYS if k in spec} if isinstance(spec, dict) else {}
+        return ()
+    return tuple((k, spec[k]) for k in ANALYSIS_KEYS if k in spec) if isinstance(spec, dict) else ()
 
 
 def experiment_spec(name: str, exp_dir: Path) -> tuple[dict, str | None]:
