@@ -18,7 +18,8 @@ rest go on):
 4. ``fsdp2_ws1``: FSDP2 (``fully_shard`` per block and root) at world size 1 on NCCL: one learner step against the
    unsharded learner (float32: the same update to round-off) and its time.
 5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time), in
-   float32 and under bf16 autocast (``--precision bf16-mixed``, what the learner's head runs in bf16-mixed).
+   float32 and under bf16 autocast (``--precision bf16-mixed``, what the learner's head runs in bf16-mixed), and
+   under bf16 autocast with the head frozen (``--frozen-head``, LoRA's case: no logits recomputed in backward).
 6. ``train``: ``trustbatch train train.device=cuda train.steps=3`` of the default job, float32 and bf16-mixed.
 7. ``padding_free``: the ``learner`` section's step with mixed completion lengths, padded against padding-free
    (``train.padding_free``), tokens/s counting real tokens.
@@ -294,12 +295,13 @@ def fsdp2_ws1(out: Path, a) -> None:
 def logprob_memory(out: Path, a) -> None:
     script = ROOT / "bench" / "logprob_memory.py"
     shape = ["--shape", "default"] if a.dry else []
-    for precision in ("float32", "bf16-mixed"):  # the learner's head runs under bf16 autocast in bf16-mixed
+    # the learner's head runs under bf16 autocast in bf16-mixed; LoRA's is frozen
+    for precision, frozen in (("float32", False), ("bf16-mixed", False), ("bf16-mixed", True)):
         p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2", "--precision", precision,
-                            *shape], capture_output=True, text=True,
+                            *shape, *(["--frozen-head"] if frozen else [])], capture_output=True, text=True,
                            timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
-        emit(out, "logprob_memory", precision=precision, returncode=p.returncode, lines=lines,
+        emit(out, "logprob_memory", precision=precision, frozen_head=frozen, returncode=p.returncode, lines=lines,
              stderr_tail=p.stderr[-600:] if p.returncode else "")
 
 

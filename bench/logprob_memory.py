@@ -1,7 +1,7 @@
 """Peak memory and time of the learner's log-probs: the full LM head against the chunked one (``policy.chunked_logprobs``).
 
     python bench/logprob_memory.py [--shape qwen|default|both] [--chunk 1024] [--repeats 3] [--threads 1]
-                                   [--device cpu|cuda] [--precision float32|bf16-mixed]
+                                   [--device cpu|cuda] [--precision float32|bf16-mixed] [--frozen-head]
 
 One measurement is what the learner does per micro-batch: the LM head on final hidden states, log-probs
 at the sampled tokens with the entropy (no gradient), and the backward of Σ cotangent·log-prob into the
@@ -26,7 +26,12 @@ float32 the chunked arm's recomputation of the logits in backward is a fourth ma
 beside the full path's three, so where those products dominate the time, 4/3 of the full path's is its floor; in
 bf16 they are cheaper, and the float32 log-softmax's memory traffic weighs more.
 Arms are interleaved, ``--repeats`` times; one JSON line per arm (median and range), then the ratio.
-The values of the two arms are also compared (max |Δ log-prob| and relative Δ of the weight's gradient).
+``--frozen-head``: the LM-head weight takes no gradient (LoRA's frozen head): the full path's backward runs one
+product (the hidden states' gradient), and the chunked head forms that gradient in its forward (one product more
+there, none in backward), so both arms run two products; a third arm, ``chunked_recompute``, runs the chunked head
+with the backward a trained head takes (the logits recomputed per chunk: three products), as before this path.
+The values of the two arms are also compared (max |Δ log-prob|, relative Δ of the hidden states' gradient and of the
+weight's).
 """
 
 from __future__ import annotations
@@ -70,10 +75,10 @@ def _peak_rss_bytes(reset: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _inputs(B, C, V, H, device):
+def _inputs(B, C, V, H, device, frozen_head=False):
     g = torch.Generator(device="cpu").manual_seed(0)
     h = (torch.randn(B, C, H, generator=g) * 0.5).to(device).requires_grad_(True)
-    w = (torch.randn(V, H, generator=g) * H ** -0.5).to(device).requires_grad_(True)
+    w = (torch.randn(V, H, generator=g) * H ** -0.5).to(device).requires_grad_(not frozen_head)
     y = torch.randint(0, V, (B, C), generator=g).to(device)
     cot = torch.randn(B, C, generator=g).to(device)
     return h, w, y, cot
@@ -81,6 +86,10 @@ def _inputs(B, C, V, H, device):
 
 def _run(arm: str, h, w, y, cot, chunk: int, precision: str = "float32"):
     bf16 = precision == "bf16-mixed"
+    if arm == "chunked_recompute":  # the frozen head without its forward-formed gradient
+        import trustbatch.policy.chunked_logprobs as cl
+
+        cl._direct = lambda *a: False
     with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=bf16):
         if arm == "full":
             logp, ent = full_logprobs(torch.nn.functional.linear(h, w), y, with_entropy=True)
@@ -90,14 +99,15 @@ def _run(arm: str, h, w, y, cot, chunk: int, precision: str = "float32"):
     return logp.detach(), float(ent.sum())
 
 
-def child(arm: str, shape: str, chunk: int, device: str, threads: int, precision: str = "float32") -> dict:
+def child(arm: str, shape: str, chunk: int, device: str, threads: int, precision: str = "float32",
+          frozen_head: bool = False) -> dict:
     """One measurement of ``arm`` in this (fresh) process."""
     torch.set_num_threads(threads)
     s = SHAPES[shape]
     small = _inputs(2, 16, 1000, 32, device)  # warm-up: kernels and thread pools, not the measured shapes
     _run(arm, *small, chunk=4, precision=precision)
     del small
-    h, w, y, cot = _inputs(**s, device=device)
+    h, w, y, cot = _inputs(**s, device=device, frozen_head=frozen_head)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -114,14 +124,15 @@ def child(arm: str, shape: str, chunk: int, device: str, threads: int, precision
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = _peak_rss_bytes(reset) - base
-    torch.save({"logp": logp.cpu(), "w_grad": w.grad.cpu()}, os.environ["LOGPROB_BENCH_OUT"])
+    torch.save({"logp": logp.cpu(), "h_grad": h.grad.cpu(), "w_grad": None if w.grad is None else w.grad.cpu()},
+               os.environ["LOGPROB_BENCH_OUT"])
     return {"peak_mb": peak / 2 ** 20, "time_s": dt}
 
 
-def _spawn(arm, shape, chunk, device, threads, out, precision="float32") -> dict:
+def _spawn(arm, shape, chunk, device, threads, out, precision="float32", frozen_head=False) -> dict:
     env = {**os.environ, "LOGPROB_BENCH_OUT": out, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, __file__, "--child", arm, "--shape", shape, "--chunk", str(chunk), "--device", device,
-           "--threads", str(threads), "--precision", precision]
+           "--threads", str(threads), "--precision", precision] + (["--frozen-head"] if frozen_head else [])
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{arm} {shape} failed:\n{p.stderr[-3000:]}")
@@ -142,37 +153,42 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--precision", choices=["float32", "bf16-mixed"], default="float32")
-    ap.add_argument("--child", choices=["full", "chunked"])
+    ap.add_argument("--frozen-head", action="store_true", help="the LM-head weight without gradient (LoRA)")
+    ap.add_argument("--child", choices=["full", "chunked", "chunked_recompute"])
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.shape, a.chunk, a.device, a.threads, a.precision)))
+        print(json.dumps(child(a.child, a.shape, a.chunk, a.device, a.threads, a.precision, a.frozen_head)))
         return
     import tempfile
 
     shapes = list(SHAPES) if a.shape == "both" else [a.shape]
     for shape in shapes:
         chunk = a.chunk if shape == "qwen" else a.default_chunk
-        runs = {"full": [], "chunked": []}
+        runs = {"full": [], "chunked": [], **({"chunked_recompute": []} if a.frozen_head else {})}
         outs = {}
         with tempfile.TemporaryDirectory() as d:
             for _ in range(a.repeats):
                 for arm in runs:  # interleaved
                     outs[arm] = os.path.join(d, f"{arm}.pt")
-                    runs[arm].append(_spawn(arm, shape, chunk, a.device, a.threads, outs[arm], a.precision))
+                    runs[arm].append(_spawn(arm, shape, chunk, a.device, a.threads, outs[arm], a.precision,
+                                            a.frozen_head))
             full, chunked = (torch.load(outs[k]) for k in ("full", "chunked"))
         dlogp = float((full["logp"] - chunked["logp"]).abs().max())
-        dgrad = float((full["w_grad"] - chunked["w_grad"]).abs().max() / full["w_grad"].abs().max())
+        rel = {k: None if full[k] is None else float((full[k] - chunked[k]).abs().max() / full[k].abs().max())
+               for k in ("h_grad", "w_grad")}
         med = {}
         for arm, rs in runs.items():
-            rec = {"shape": shape, **SHAPES[shape], "arm": arm, "chunk": chunk if arm == "chunked" else None,
+            rec = {"shape": shape, **SHAPES[shape], "arm": arm, "chunk": chunk if arm != "full" else None,
                    "device": a.device, "threads": a.threads, "repeats": a.repeats, "precision": a.precision,
+                   "frozen_head": a.frozen_head,
                    "peak_mb": _summary([r["peak_mb"] for r in rs]), "time_s": _summary([r["time_s"] for r in rs])}
             med[arm] = rec
             print(json.dumps(rec))
-        print(json.dumps({"shape": shape, "precision": a.precision, "ratio_chunked_over_full": {
-            "peak_mb": round(med["chunked"]["peak_mb"]["median"] / med["full"]["peak_mb"]["median"], 4),
-            "time_s": round(med["chunked"]["time_s"]["median"] / med["full"]["time_s"]["median"], 4)},
-            "max_abs_dlogp": dlogp, "weight_grad_rel_diff": dgrad}))
+        ratios = {f"ratio_{arm}_over_full": {k: round(med[arm][k]["median"] / med["full"][k]["median"], 4)
+                                            for k in ("peak_mb", "time_s")} for arm in runs if arm != "full"}
+        print(json.dumps({"shape": shape, "precision": a.precision, "frozen_head": a.frozen_head, **ratios,
+                          "max_abs_dlogp": dlogp, "hidden_grad_rel_diff": rel["h_grad"],
+                          "weight_grad_rel_diff": rel["w_grad"]}))
 
 
 if __name__ == "__main__":

@@ -38,12 +38,18 @@ def _run(fn, model, packed, autocast, **kw):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         lp, ent = fn(model, packed, with_entropy=True, **kw)
     (lp * weights * packed.response_mask).sum().backward()
-    return lp.detach(), ent, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    return lp.detach(), ent, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("head", ["trained", "frozen"])
 @pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
-def test_chunked_head_equals_full_head(precision):
+def test_chunked_head_equals_full_head(precision, head):
+    """``frozen``: LoRA's case, the tied head and embeddings without gradient, where the chunked head forms the
+    hidden states' gradient in its forward (E_p[W] one bf16 product, as the full path's backward product); the
+    same tolerances hold (tests/integration/test_chunked_logprobs.py measures its bf16 error against float64 on
+    the CPU: 1.02× the full path's)."""
     model, packed = _qwen(), _batch()
+    model.lm_head.weight.requires_grad_(head == "trained")
     m = packed.response_mask
     bf16 = precision == "bf16-mixed"
     full = _run(response_logprobs, model, packed, bf16, chunk_size=None)
@@ -59,6 +65,7 @@ def test_chunked_head_equals_full_head(precision):
         lp_tol, grad_tol = 1e-5, 1e-5  # float32 round-off of sums over H = 256 and V = 4,096 (TF32 off by default)
     assert float((chunked[0] - full[0])[m].abs().max()) <= lp_tol
     assert float((chunked[1] - full[1])[m].abs().max()) <= max(lp_tol, 1e-5) * 4  # entropy: a sum over V of p·log p
+    assert ("model.embed_tokens.weight" in full[2]) == (head == "trained") and set(chunked[2]) == set(full[2])
     for n in full[2]:
         _close(chunked[2][n], full[2][n], f"{precision} grad {n}", grad_tol)
 

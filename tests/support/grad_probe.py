@@ -19,7 +19,7 @@ def sgd_recording_grads(learner, model, history: list | None = None) -> dict:
     real_step = learner.optimizer.step
 
     def record_then_step(*a, **k):
-        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         if history is not None:
             history.append((copy.deepcopy(model), dict(grads)))
         return real_step(*a, **k)

@@ -14,7 +14,13 @@ logits, log-softmax, log-prob at the sampled token, entropy and exact KL, and fr
 chunk; it saves only the hidden states, the head's weight (and bias) and the targets. Its backward
 recomputes each chunk's logits and applies the log-softmax gradient analytically, accumulating the
 weight's gradient over chunks. An entropy that enters the loss (an entropy bonus, ``entropy_grad``) gets its
-gradient there too, written out per chunk; without it the backward runs the same ops as before. At most one chunk of [r, k, V] tensors (a few of them: logits,
+gradient there too, written out per chunk; without it the backward runs the same ops as before. A head whose
+weight and bias take no gradient (LoRA's frozen head, tied embeddings included) needs only the hidden states'
+gradient, and for the log-probs alone that is g·(W_y − E_p[W])/T: the forward forms (W_y − E_p[W])/T per chunk
+(one more product, p·W, the one the full path's backward runs) and saves it [B, C, H] in place of the hidden
+states, so the backward is one multiplication, with no logits recomputed (two products of the head's size in
+all, the full path's count, against three). A KL or an entropy with gradient takes the recomputing backward.
+At most one chunk of [r, k, V] tensors (a few of them: logits,
 log-softmax, probabilities, their gradient) is alive at any time. Values equal the full path's up to
 float summation order (the weight's gradient sums chunk by chunk); the idea is torchtune's
 ``LinearCrossEntropyLoss`` and Liger Kernel's fused linear cross-entropy (chunked head + loss, the
@@ -378,7 +384,8 @@ def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(logp, entropy, kl) of ``chunked_logprobs``; saves hidden, weight, bias, targets; recomputes logits in backward.
+    """(logp, entropy, kl) of ``chunked_logprobs``; saves hidden, weight, bias, targets; recomputes logits in backward
+    (``direct``, a frozen head's log-probs alone: saves ``_logp_slope`` instead and recomputes nothing).
 
     The backward recomputes each chunk's head output and takes its gradient with the full path's
     backward ops (upcast, /T, log-softmax, gather) or, with the KL, the same gradient written out
@@ -387,22 +394,32 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, ref, entropy_grad):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, ref, entropy_grad, direct):
         B, C, _ = hidden.shape
-        logp = ent = kl = None
+        logp = ent = kl = slope = None
         for cols in _spans(C, chunk):
-            lsm = _log_softmax(_head(hidden[:, cols], weight, bias), temperature)
+            z = _head(hidden[:, cols], weight, bias)
+            head_dtype, lsm = z.dtype, _log_softmax(z, temperature)
+            del z
             if logp is None:
                 logp = lsm.new_empty((B, C))
                 ent = lsm.new_empty((B, C) if with_entropy else (0,))
                 kl = lsm.new_empty((B, C) if ref is not None else (0,))
+                slope = lsm.new_empty((B, C, hidden.shape[-1]) if direct else (0,))
             logp[:, cols] = lsm.gather(-1, targets[:, cols, None]).squeeze(-1)
             if ref is not None:
                 kl[:, cols] = _chunk_kl(lsm, ref, cols)
+            p = lsm.exp() if with_entropy or direct else None
+            if direct:
+                slope[:, cols] = _logp_slope(p, weight, targets[:, cols], head_dtype, temperature)
             if with_entropy:  # the full path's −(exp(lsm)·lsm).sum(−1), its product written over exp(lsm)
-                ent[:, cols] = -(lsm.exp().mul_(lsm)).sum(-1)
-            del lsm
-        ctx.save_for_backward(hidden, weight, bias, targets)
+                ent[:, cols] = -(p.mul_(lsm)).sum(-1)
+            del lsm, p
+        ctx.direct, ctx.hidden_dtype = direct, hidden.dtype
+        if direct:  # the backward is g·slope: no hidden states, weight or logits kept for it
+            ctx.save_for_backward(slope)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk, ctx.ref = temperature, chunk, ref
         ctx.kl = kl.detach() if ref is not None else None  # [B, C]: the backward's KL_t (detached: no reference cycle)
         ctx.ent = ent.detach() if entropy_grad and with_entropy else None  # [B, C]: the backward's H_t
@@ -415,6 +432,9 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, g_kl):
+        if ctx.direct:
+            g_hidden = None if g_logp is None else (g_logp[..., None] * ctx.saved_tensors[0]).to(ctx.hidden_dtype)
+            return g_hidden, None, None, None, None, None, None, None, None, None
         hidden, weight, bias, targets = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_hidden = torch.zeros_like(hidden) if need_h else None
@@ -424,7 +444,7 @@ class _ChunkedHead(torch.autograd.Function):
         with_kl = g_kl is not None and ctx.ref is not None
         with_ent = g_ent is not None and ctx.ent is not None
         if g_logp is None and not with_kl and not with_ent:
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         for cols in _spans(hidden.shape[1], ctx.chunk):
             h = hidden[:, cols]
             with torch.no_grad(), torch.autocast(dev, dtype=ac_dtype, enabled=enabled):  # the forward's head
@@ -456,7 +476,26 @@ class _ChunkedHead(torch.autograd.Function):
             if need_b:
                 g_bias.add_(grad.sum(0).to(g_bias.dtype))
             del grad
-        return g_hidden, g_weight, g_bias, None, None, None, None, None, None
+        return g_hidden, g_weight, g_bias, None, None, None, None, None, None, None
+
+
+def _direct(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, more_than_logp: bool) -> bool:
+    """Whether the chunked head forms the hidden states' gradient in its forward (``_logp_slope``): a frozen head
+    (LoRA) needs only that gradient, and for the log-probs alone (``more_than_logp`` False) it is g·slope."""
+    return (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+            and (bias is None or not bias.requires_grad) and not more_than_logp)
+
+
+def _logp_slope(p: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head_dtype: torch.dtype,
+                temperature: float) -> torch.Tensor:
+    """∂ log p(target)/∂h = (W[target] − Σ_v p_v·W_v) / T  [B, k, H] in ``p``'s dtype, for a head whose weight and
+    bias take no gradient: the softmax Jacobian (∂ log p_y/∂s_u = 1[u = y] − p_u, s = z/T) through z = W·h + b.
+    ``p`` [B, k, V] the chunk's probabilities, ``targets`` [B, k]. The expectation is one product in the head's
+    dtype, as the full path's backward multiplies its logit gradient through the head (autocast off: explicit)."""
+    with torch.autocast(p.device.type, enabled=False):
+        expected = p.to(head_dtype) @ weight.to(head_dtype)
+    slope = weight[targets].to(p.dtype).sub_(expected.to(p.dtype))
+    return slope if temperature == 1.0 else slope.div_(temperature)
 
 
 def _logp_chunk_grad(lsm: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -525,6 +564,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         kl_reference: also return the exact KL(π_θ ‖ π_ref) per position in nats, with gradient
             (``objectives.kl.exact_kl``'s formula; 0 outside ``kl_reference.mask``).
 
+    A frozen head (``weight`` and ``bias`` without gradient, under grad mode, no KL, no entropy gradient) takes the
+    hidden states' gradient from the forward (``_logp_slope``): its backward recomputes no logits.
+
     Returns:
         (logp, entropy, kl): ``[B, C]`` (or ``[N]``) in the logits' dtype upcast to at least float32;
         entropy and kl are None when not asked for. The same values as log_softmax of the full
@@ -545,11 +587,12 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         raise ValueError(f"kl_reference covers {tuple(kl_reference.mask.shape)} positions, targets {tuple(targets.shape)}")
     B, C = targets.shape
     rows, cols = chunk_plan(B, C, int(chunk_size))
+    direct = _direct(hidden, weight, bias, kl_reference is not None or (with_entropy and entropy_grad))
     blocks = []  # one Function per block of rows; autograd sums the weight's gradient over blocks
     for r in _spans(B, rows):
         ref = kl_reference if rows == B or kl_reference is None else kl_reference.rows(r)
         blocks.append(_ChunkedHead.apply(hidden[r], weight, bias, targets[r], float(temperature), cols,
-                                         bool(with_entropy), ref, bool(entropy_grad)))
+                                         bool(with_entropy), ref, bool(entropy_grad), direct))
     logp, ent, kl = blocks[0] if len(blocks) == 1 else (torch.cat(ts) for ts in zip(*blocks))
     out = (logp, ent if with_entropy else None, kl if kl_reference is not None else None)
     return tuple(None if t is None else (t[0] if flat else t) for t in out)
