@@ -23,10 +23,12 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from ..errors import UserError
+from ..parallel import full_tensor
 
 # ``Policy`` in the annotations is ``policy.model.Policy``, not imported here: model.py imports this module lazily
 # (LoRA checkpoints, merged saves), and the floors allow no cycle.
@@ -93,34 +95,42 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     policy.adapter = wrapped
 
 
-@torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The merged policy's full state under the base model's names: ``W + (α/r)·B·A`` for adapted layers.
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged policy's full state under the base model's names, one ``(name, tensor)`` pair at a time:
+    ``W + (α/r)·B·A`` for adapted layers.
 
     Each adapted weight ``W`` [out, in] becomes ``W + Σ_adapters (α/r)·B·A`` (peft's ``get_delta_weight``, which
     also transposes for ``fan_in_fan_out`` layers), summed in ``W``'s dtype promoted to at least float32 and
     cast back; every other tensor (embeddings, norms, biases, the tied output layer) is the base's, detached.
     Keys drop peft's ``base_layer`` segment, and the ``lora_*`` tensors are left out, so the result loads
-    strictly into the base architecture. A model without adapters gives its own ``state_dict`` (detached).
+    strictly into the base architecture. A model without adapters gives its own state (detached).
+
+    Of an FSDP2 (sharded) model, whole tensors: the merge runs on the DTensor shards (``W``, ``A`` and ``B`` as
+    FSDP2 holds them; DTensor gathers what the product needs) and each result is then all-gathered
+    (``parallel.full_tensor``), so every rank must iterate it to the end together.
     """
     layers = _lora_layers(model)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
-        parts = key.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue
-        name = ".".join(p for p in parts if p != "base_layer")
-        owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner)
-        if layer is not None and leaf == "weight":
-            work = torch.promote_types(t.dtype, torch.float32)
-            merged = t.to(work)
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A and adapter not in layer.merged_adapters:
-                    merged = merged + layer.get_delta_weight(adapter).to(work)
-            t = merged.to(t.dtype)
-        out[name] = t.detach()
-    return out
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            parts = key.split(".")
+            if any(p.startswith("lora_") for p in parts):
+                continue
+            name = ".".join(p for p in parts if p != "base_layer")
+            owner, _, leaf = name.rpartition(".")
+            layer = layers.get(owner)
+            if layer is not None and leaf == "weight":
+                work = torch.promote_types(t.dtype, torch.float32)
+                merged = t.to(work)
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A and adapter not in layer.merged_adapters:
+                        merged = merged + layer.get_delta_weight(adapter).to(work)
+                t = merged.to(t.dtype)
+            yield name, full_tensor(t.detach())
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``merged_weights(model)`` as one dict (whole tensors; of an FSDP2 model every rank must call it)."""
+    return dict(merged_weights(model))
 
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -140,16 +150,20 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def save_adapter(policy: Policy, path: Path) -> None:
+def save_adapter(policy: Policy, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write the adapter (peft's ``adapter_config.json`` naming the base, ``adapter_model.safetensors``) and
     the tokenizer to ``path``.
+
+    ``state_dict``: the adapter's whole tensors under ``policy.adapter``'s names, when the module holds them as
+    FSDP2 shards (``parallel.full_model_state(policy.adapter, trainable_only=True)``); peft's ``save_pretrained``
+    keeps its ``lora_*`` entries, as it does of the module's own state.
 
     Raises:
         ValueError: the policy has no adapter.
     """
     if policy.adapter is None:
         raise ValueError("the policy has no LoRA adapter to save")
-    policy.adapter.save_pretrained(str(path))
+    policy.adapter.save_pretrained(str(path), state_dict=state_dict)
     policy.tokenizer.save_pretrained(path)
 
 
