@@ -18,6 +18,7 @@ loads a full fine-tuning state. A checkpoint stores the adapter (``adapter_confi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -150,6 +151,25 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
+@contextlib.contextmanager
+def _unsharded_class(model: torch.nn.Module):
+    """``model`` under its own class for the block's duration. FSDP2's ``fully_shard`` gives a sharded module a class
+    of its own (``FSDP<Name>``, subclassing ``FSDPModule`` and the module's class), which peft's ``save_pretrained``
+    would write into ``adapter_config.json`` (``auto_mapping``: the class peft's ``AutoPeftModel`` loads the base
+    with); under the module's own class it writes what an unsharded run writes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not issubclass(sharded, FSDPModule):
+        yield
+        return
+    model.__class__ = next(c for c in sharded.__mro__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = sharded
+
+
 def save_adapter(policy: Policy, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write the adapter (peft's ``adapter_config.json`` naming the base, ``adapter_model.safetensors``) and
     the tokenizer to ``path``.
@@ -163,7 +183,8 @@ def save_adapter(policy: Policy, path: Path, state_dict: dict[str, torch.Tensor]
     """
     if policy.adapter is None:
         raise ValueError("the policy has no LoRA adapter to save")
-    policy.adapter.save_pretrained(str(path), state_dict=state_dict)
+    with _unsharded_class(policy.model):
+        policy.adapter.save_pretrained(str(path), state_dict=state_dict)
     policy.tokenizer.save_pretrained(path)
 
 
