@@ -8,12 +8,16 @@ arXiv:2106.09685, Eq. 3; peft's ``LoraConfig(r, lora_alpha)``, scaling ``lora_al
 ``apply_lora`` injects the adapters into ``policy.model`` in place (``peft.get_peft_model``): the module stays the
 transformers model the learner, the shared-prompt forward and ``generate`` already run, with each targeted
 ``Linear`` replaced by peft's LoRA layer. What leaves the learner is the merged policy under the base model's
-parameter names: ``merged_state_dict`` gives ``W + (α/r)·B·A`` (peft's ``get_delta_weight``) for every adapted
+parameter names: ``merged_weights`` gives ``W + (α/r)·B·A`` (peft's ``get_delta_weight``) for every adapted
 layer and the base tensor for the rest, with no ``lora_A``/``lora_B`` keys and no ``base_layer`` in the names,
 so a rollout engine holding its own copy (another precision, a lag, vLLM, a worker process) loads it as it
 loads a full fine-tuning state. A checkpoint stores the adapter (``adapter_config.json``,
 ``adapter_model.safetensors``: peft's ``save_pretrained``) and names its base in ``base_model_name_or_path``;
 ``load_merged`` reads such a directory back as a plain merged model (export).
+
+Under FSDP2 (``parallel.World.wrap(..., "fsdp2")``) the adapters are sharded with their base layers; the merge
+runs on the shards and gathers whole tensors, and a checkpoint writes the adapters' whole tensors gathered by the
+caller (``save_adapter``'s ``state_dict``): the same files as an unsharded run.
 """
 
 from __future__ import annotations
