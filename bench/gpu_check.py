@@ -14,7 +14,8 @@ rest go on):
    counted once (tied embeddings), attention's quadratic FLOPs and checkpointing's recompute are not.
 3. ``engine``: the transformers engine's new tokens/s, sampling from the learner's module under its autocast, per
    decode loop (``rollout.decode``: dynamic, static_compiled), noise stream (``rollout.noise``) and rows (128, 512;
-   ``--engine-runs``), 256 new tokens (dynamic: 64), within ``--engine-budget`` seconds (issue 44 item 1).
+   ``--engine-runs``), 256 new tokens (dynamic: 64), within ``--engine-budget`` seconds (issue 44 item 1); beside
+   them transformers' own continuous batching (``continuous_batching``, ``generate_batch``), as a reference.
 4. ``fsdp2_ws1``: FSDP2 (``fully_shard`` per block and root) at world size 1 on NCCL: one learner step against the
    unsharded learner (float32: the same update to round-off) and its time.
 5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time), in
@@ -75,9 +76,9 @@ SIZES = dict(rows=16, prompt=256, completion=768, micro_batch=8, chunk=2048, lay
 DRY = dict(rows=4, prompt=8, completion=24, micro_batch=2, chunk=8, layers=1, vocab=1024, steps=1,
            engine_samples=2, engine_tokens=8, train_steps=1)
 # the engine section's runs (its docstring): the goal's 512 rows first; the budget cuts the tail
-ENGINE = dict(runs="512/static_compiled+philox,512/static_compiled,512/dynamic,128/static_compiled+philox,128/dynamic,"
+ENGINE = dict(runs="512/static_compiled+philox,512/continuous_batching,512/static_compiled,512/dynamic,128/static_compiled+philox,128/dynamic,"
                    "128/static_compiled,128/dynamic:1", dynamic_tokens=64, budget=400.0)
-ENGINE_DRY = dict(runs="8/static_compiled+philox,8/static,8/dynamic,4/dynamic:1", dynamic_tokens=8, budget=600.0)
+ENGINE_DRY = dict(runs="8/static_compiled+philox,8/static,8/dynamic,4/dynamic:1,8/continuous_batching", dynamic_tokens=8, budget=600.0)
 
 
 def sync() -> None:
@@ -223,6 +224,16 @@ def engine(out: Path, a) -> None:
         if time.perf_counter() - start > a.engine_budget:
             emit(out, "engine", skipped=f"past --engine-budget {a.engine_budget:g}s", **line)
             continue
+        if kw["decode"] == "continuous_batching":
+            line.update(noise=None, noise_threads=None, autocast="none: bf16 weights")
+            try:  # its API moves between transformers releases: a failure ends this run, not the section
+                new, sec, first = _continuous_batching(model, group, samples, tokens)
+            except Exception as e:  # noqa: BLE001
+                emit(out, "engine", **line, error=f"{type(e).__name__}: {e}".splitlines()[0][:400])
+                continue
+            emit(out, "engine", **line, new_tokens=new, seconds=round(sec, 2), new_tokens_per_s=round(new / sec),
+                 first_call_s=first, reference_only=True)
+            continue
         eng = TransformersEngine(model, eos_id=2, pad_id=0, autocast=torch.bfloat16, **kw)
         sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=tokens)
         first = None
@@ -245,6 +256,32 @@ def engine(out: Path, a) -> None:
         del eng, rollouts
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+
+
+def _continuous_batching(model, prompts, samples: int, tokens: int):
+    """(new tokens, seconds, first call's seconds) of transformers' own continuous batching (``generate_batch``:
+    paged attention, its own scheduler and CUDA graphs) on a bf16 copy of ``model`` (its manager runs on a thread of
+    its own, where the caller's autocast does not reach), sampling at T = 1 with no EOS. A reference for issue 44's
+    choice between it and ``rollout.decode=static_compiled``: it records no processed log-probs of what it sampled
+    (the engine protocol's behaviour log-probs), so it is measured here, not wired in as an engine."""
+    import copy
+
+    import torch
+    from transformers import GenerationConfig
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
+    cfg = GenerationConfig(max_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           eos_token_id=-1, pad_token_id=0, num_return_sequences=samples)
+    times, new = [], 0
+    for _ in range(2):  # the first call sizes the cache and captures its graphs
+        sync()
+        t = time.perf_counter()
+        out = bf16.generate_batch(inputs=prompts, generation_config=cfg)
+        sync()
+        times.append(time.perf_counter() - t)
+        new = sum(len(o.generated_tokens) for o in out.values())
+    del bf16
+    return new, times[1], round(times[0], 2)
 
 
 def _engine_run(run: str):
