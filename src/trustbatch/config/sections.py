@@ -88,9 +88,9 @@ class DataConfig(_Strict):
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
         "auto", description="row format; auto: from the first row's fields (jsonl when prompt_field or answer_field "
-                            "is set)")
-    prompt_field: str | None = Field(None, description="prompt field of a plain JSONL")
-    answer_field: str | None = Field(None, description="answer field of a plain JSONL")
+                            "is set, or the row has prompt and answer fields)")
+    prompt_field: str | None = Field(None, description="prompt field of a plain JSONL (default: prompt)")
+    answer_field: str | None = Field(None, description="answer field of a plain JSONL (default: answer)")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
     chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(

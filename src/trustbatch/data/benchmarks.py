@@ -66,18 +66,25 @@ class Benchmark:
     duplicates: int = 0  # rows skipped because their prompt repeats an earlier row's
 
 
+# the keys that name a plain row's fields, in every command that reads rows
+FIELDS_HINT = ("; name the prompt and answer fields: data.prompt_field=... data.answer_field=... "
+               "(trustbatch eval: --prompt-field/--answer-field)")
+
+
 def detect_format(row: dict) -> str:
-    """The format of a row from its fields; UserError if no known format fits."""
+    """The format of a row from its fields; UserError if no known format fits.
+
+    GSM8K (``question``, ``answer`` ending ``#### N``), MATH (``problem``, ``answer``), Countdown (``input`` numbers,
+    ``output``), then plain rows (``prompt``, ``answer``: ``jsonl``)."""
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
     if "problem" in row and "answer" in row:
         return "math"
     if "input" in row and "output" in row and re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)+\s*", str(row["input"])):
         return "countdown"
-    raise UserError(
-        f"cannot tell the format of a row with fields {sorted(row)}; pass format=jsonl with "
-        "prompt_field=... and answer_field=..."
-    )
+    if "prompt" in row and "answer" in row:  # plain rows, TRL's column name for the prompt
+        return "jsonl"
+    raise UserError(f"cannot tell the format of a row with fields {sorted(row)}{FIELDS_HINT}")
 
 
 def _clean_gsm8k_solution(text: str) -> str:
@@ -122,7 +129,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
                             "'#### N': fix or remove the row")
         if gold is None:
             raise UserError(f"the answer {answer[-40:]!r} has no final number (GSM8K answers end '#### N'); "
-                            "fix the row or pass format=math")
+                            "fix the row or read it as MATH (data.format=math; eval: --format math)")
         return Example(question + GSM8K_INSTRUCTION, gold, _clean_gsm8k_solution(answer))
     if fmt == "math":
         problem = _field(row, "problem", "prompt")
@@ -146,7 +153,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
                        f"<answer> {expr} </answer>" if expr else "<answer> </answer>")
     if fmt == "jsonl":
         pf, af = prompt_field or "prompt", answer_field or "answer"
-        hint = "; set prompt_field=... and answer_field=..."
+        hint = FIELDS_HINT
         prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
         return Example(prompt, gold_text(row[af]), answer)
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
@@ -183,11 +190,12 @@ def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
     if name_or_path in KNOWN:
         root = data_dir or os.environ.get("TRUSTBATCH_DATA")
         if root is None:
-            raise UserError(f"benchmark {name_or_path!r} needs its data: pass --data-dir DIR (holding "
-                            f"{KNOWN[name_or_path]}) or set TRUSTBATCH_DATA, or give the file path")
+            raise UserError(f"benchmark {name_or_path!r} needs its data: set data.dir=DIR (trustbatch eval: "
+                            f"--data-dir DIR), DIR holding {KNOWN[name_or_path]}, or TRUSTBATCH_DATA, or give the "
+                            "file path")
         f = Path(root).expanduser() / KNOWN[name_or_path]
         if not f.is_file():
-            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check --data-dir / TRUSTBATCH_DATA")
+            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check data.dir (eval: --data-dir) or TRUSTBATCH_DATA")
         return f
     raise UserError(f"{name_or_path!r} is neither a file nor a known benchmark ({', '.join(sorted(KNOWN))})")
 
