@@ -195,7 +195,8 @@ def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
                             "file path")
         f = Path(root).expanduser() / KNOWN[name_or_path]
         if not f.is_file():
-            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check data.dir (eval: --data-dir) or TRUSTBATCH_DATA")
+            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check data.dir (eval: "
+                            "--data-dir) or TRUSTBATCH_DATA")
         return f
     raise UserError(f"{name_or_path!r} is neither a file nor a known benchmark ({', '.join(sorted(KNOWN))})")
 
