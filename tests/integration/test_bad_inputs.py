@@ -334,3 +334,19 @@ def test_broken_model_directory_is_one_line(shared_dir, tmp_path, case, capfd):
 def test_intact_model_copy_still_loads(shared_dir, tmp_path):
     policy = load_policy(_model_copy(shared_dir, tmp_path / "ok"))
     assert policy.model.get_input_embeddings().num_embeddings == 512 and policy.eos_id == 2
+
+
+def test_a_run_directory_given_as_a_model_names_its_newest_checkpoint(tmp_path):
+    """``model.path=RUN_DIR`` or ``eval --model RUN_DIR`` (the run, not one of its checkpoints): one line naming the
+    newest complete checkpoint and the export command, not a bare "has no config.json"."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)  # incomplete: no trainer_state.pt
+    for step in ("step_000000", "step_000002"):
+        (run / "checkpoints" / step).mkdir()
+        (run / "checkpoints" / step / "trainer_state.pt").write_bytes(b"")
+    (run / "config.yaml").write_text("train: {steps: 2}\n")
+    with pytest.raises(UserError) as e:
+        load_policy(run)
+    msg = str(e.value)
+    assert "\n" not in msg and "trustbatch run directory" in msg
+    assert repr(str(run / "checkpoints" / "step_000002")) in msg and f"trustbatch export {run} --out DIR" in msg
