@@ -203,3 +203,21 @@ def test_checkpoint_keep_keeps_the_newest_n_and_a_resume_may_change_it(tmp_path,
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000003"]
     train(None, resume=str(run_dir), overrides=["train.steps=5", "checkpoint_keep=3"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_00000{k}" for k in (3, 4, 5)]
+
+
+def test_the_refusal_and_the_guide_name_every_resumable_key_and_a_missing_run_is_named(tmp_path):
+    """The refusal's list and reliability.md's are RESUMABLE_KEYS, all of them (the line once left the last out and
+    the guide five); a --resume of a directory that does not exist says so."""
+    import re
+
+    from runproc import ROOT
+    from trustbatch.recipes.rundir import RESUMABLE_KEYS, check_resume_changes
+
+    with pytest.raises(UserError) as e:
+        check_resume_changes({"train": {"lr": 0.1}}, {"train": {"lr": 0.2}})
+    assert e.value.args[0].rsplit("(a resume may change ", 1)[1].rstrip(")").split(", ") == list(RESUMABLE_KEYS)
+    row = next(line for line in (ROOT / "docs" / "guide" / "reliability.md").read_text().splitlines()
+               if line.startswith("| **What a resume may change**"))
+    assert re.findall(r"`([\w.]+)`", row.split(";")[0]) == list(RESUMABLE_KEYS)
+    with pytest.raises(UserError, match="no such directory"):
+        train(resume=str(tmp_path / "nope"))

@@ -115,7 +115,7 @@ def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -
     if refused:
         raise UserError(f"--resume cannot change {refused[0]} ({a.get(refused[0])!r} -> {b.get(refused[0])!r}): it "
                         f"changes what the run computes; start a new run instead (a resume may change "
-                        f"{', '.join(RESUMABLE_KEYS[:-1])})")
+                        f"{', '.join(RESUMABLE_KEYS)})")
     return changed
 
 

@@ -52,6 +52,9 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
     """
     if resume:
         run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise UserError(f"cannot resume {str(run_dir)!r}: no such directory; give the run_dir of a trustbatch "
+                            "train run")
         if not (run_dir / "config.yaml").exists():
             raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
         try:
