@@ -171,6 +171,23 @@ def test_non_finite_and_boolean_numbers_are_refused(override):
     assert "\n" not in msg and override.split("=")[0] in msg
 
 
+@pytest.mark.parametrize("override, fix, works", [
+    ("log.trackers=wandb", "'log.trackers=[a, b]'", "log.trackers=[wandb]"),
+    ("train.adam_betas=0.9", "'train.adam_betas=[a, b]'", "train.adam_betas=[0.9, 0.95]"),
+    ("model.lora=true", "'model.lora={r: ..., alpha: ..., dropout: ..., target_modules: ...}', or 'model.lora={}'",
+     "model.lora={}"),
+    ("reward.functions=[gsm8k]", "'reward.functions=[{name: ..., weight: ...}]'", "reward.functions=[{name: gsm8k}]"),
+    ("objective.options=[1]", "'objective.options={name: value}'", "objective.options={}"),
+])
+def test_a_value_of_the_wrong_shape_says_how_to_write_it(override, fix, works):
+    """A scalar where a list or a mapping belongs (``log.trackers=wandb``, ``model.lora=true``) names the shape to
+    write, with the section's keys; the shape written so is accepted."""
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    assert "\n" not in str(e.value) and fix in str(e.value)
+    load_config(None, [works])
+
+
 def test_config_file_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "list.yaml"
     f.write_text("- train.steps=3\n")
