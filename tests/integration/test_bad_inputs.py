@@ -258,6 +258,27 @@ def test_repeated_prompts_are_skipped_counted_and_warned(tmp_path, caplog):
     assert [e.reference for e in split.heldout] == ["5"] and [e.reference for e in split.train] == ["8", "10"]
 
 
+def test_a_benchmark_name_as_training_data_warns_that_it_is_the_test_split(tmp_path, caplog):
+    """``data.train=gsm8k`` reads DIR/gsm8k/test.jsonl (the names are evaluation sets): training on it is said."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("\n".join([GSM, GSM2]) + "\n")
+
+    class DataCfg:
+        train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
+            "gsm8k", None, str(tmp_path), "auto", None, None, None, 1)
+
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        split = load_file_task(DataCfg)
+    assert [e.reference for e in split.train] == ["8"]  # the test file's rows, as the warning says
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "gsm8k/test.jsonl" in msg and "test split" in msg and "data.train=DIR/gsm8k/train.jsonl" in msg
+    caplog.clear()
+    DataCfg.train = str(tmp_path / "gsm8k" / "test.jsonl")  # a path is the user's own choice: no warning
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        load_file_task(DataCfg)
+    assert not caplog.records
+
+
 def test_fit_prompts():
     keep, warning = fit_prompts([3, 10, 8, 9], context=12, max_new_tokens=4, where="gsm8k")
     assert keep == [0, 2]

@@ -83,7 +83,7 @@ class DataConfig(_Strict):
     """
 
     train: str | None = Field(None, description="a JSONL, JSON or Parquet file, a datasets directory (save_to_disk) "
-                                                "or a benchmark name, to train on")
+                                                "or a benchmark name (its test split, with a warning), to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(

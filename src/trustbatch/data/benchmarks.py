@@ -310,6 +310,10 @@ def load_file_task(data_cfg) -> "TaskSplit":
 
     kw = dict(data_dir=data_cfg.dir, format=data_cfg.format, prompt_field=data_cfg.prompt_field,
               answer_field=data_cfg.answer_field)
+    if data_cfg.train in KNOWN:  # a benchmark's name is its evaluation split: say so before anyone reports on it
+        log.warning(f"warning: data.train={data_cfg.train} trains on {KNOWN[data_cfg.train]}, the benchmark's test "
+                    f"split: an evaluation on {data_cfg.train} afterwards scores prompts the run trained on; give a "
+                    f"training file (data.train=DIR/{Path(KNOWN[data_cfg.train]).parent}/train.jsonl) where one exists")
     train = load_benchmark(data_cfg.train, **kw)
     pool = train.examples  # distinct prompts already
     if data_cfg.heldout:
