@@ -279,6 +279,24 @@ def test_a_benchmark_name_as_training_data_warns_that_it_is_the_test_split(tmp_p
     assert not caplog.records
 
 
+def test_no_rows_left_for_training_names_which_setting_took_them(tmp_path):
+    """All train rows held out: by data.heldout_size (lower it) or by a data.heldout file holding the same prompts
+    (the line said 'give data.heldout=FILE' to a user who had)."""
+    f = tmp_path / "two.jsonl"
+    f.write_text("\n".join([GSM, GSM2]) + "\n")
+
+    class DataCfg:
+        train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
+            str(f), None, None, "auto", None, None, None, 2)
+
+    with pytest.raises(UserError, match="after holding out 2; lower data.heldout_size"):
+        load_file_task(DataCfg)
+    DataCfg.heldout = str(f)
+    with pytest.raises(UserError) as e:
+        load_file_task(DataCfg)
+    assert "every prompt of it is also in data.heldout" in str(e.value) and "give data.heldout=FILE" not in str(e.value)
+
+
 def test_fit_prompts():
     keep, warning = fit_prompts([3, 10, 8, 9], context=12, max_new_tokens=4, where="gsm8k")
     assert keep == [0, 2]

@@ -323,6 +323,10 @@ def load_file_task(data_cfg) -> "TaskSplit":
     else:
         heldout, rest = pool[:data_cfg.heldout_size], pool[data_cfg.heldout_size:]
     rest = rest[:data_cfg.train_size] if data_cfg.train_size else rest
+    if not rest and data_cfg.heldout:
+        raise UserError(f"{data_cfg.train!r} has no rows left for training: every prompt of it is also in data.heldout "
+                        f"{data_cfg.heldout!r}, and held-out prompts are kept out of training; give a held-out file of "
+                        "other prompts, or drop data.heldout (the first data.heldout_size train rows are then held out)")
     if not rest:
         raise UserError(f"{data_cfg.train!r} has no rows left for training after holding out {len(heldout)}; "
                         "lower data.heldout_size or give data.heldout=FILE")
