@@ -113,3 +113,12 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted_or_refused(tmp_
     assert len(said) == 1 and "skipped 1 of 3 prompts longer than 504 tokens" in said[0], said
     with pytest.raises(UserError, match="none of the 1 prompts fits in 504 tokens"):
         evaluate(model, [_questions(tmp_path / "long.jsonl", long)], n=1, ks=[1], max_new_tokens=8, workers=0)
+
+
+def test_a_missing_model_is_named_by_evals_own_option(tmp_path):
+    """eval's model is --model: the line says so (it said model.path=DIR, a key eval does not take)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    with pytest.raises(UserError) as e:
+        evaluate(tmp_path / "no-model", [str(data)], n=2, ks=[1])
+    assert "does not exist" in str(e.value) and "(--model=DIR)" in str(e.value) and "model.path" not in str(e.value)

@@ -105,9 +105,10 @@ class Policy:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: str | None = None) -> Policy:
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: str | None = None,
+                key: str = "model.path") -> Policy:
     """Load an HF causal LM and tokenizer from a local directory, or a Hub id's snapshot (``hub.model_dir``, at
-    ``revision``).
+    ``revision``). ``key`` is the setting that named ``path`` (``--model`` for ``trustbatch eval``), for the messages.
 
     A tokenizer without a pad token pads with EOS (stories260K has none). Loading is checked, so
     that a broken directory never yields a silently different model: every tensor the config
@@ -123,11 +124,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
     """
     from transformers import AutoModelForCausalLM
 
-    p = model_dir(path, revision)
+    p = model_dir(path, revision, key)
     where = repr(str(p))
     if not p.is_dir():
-        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory (model.path=DIR, "
-                        "or trustbatch eval --model DIR)")
+        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory ({key}=DIR)")
     if not (p / "config.json").exists() and (p / "adapter_config.json").exists():
         from .lora import load_merged  # a LoRA checkpoint: its base with the adapter merged
 

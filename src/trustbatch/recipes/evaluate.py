@@ -80,7 +80,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device)
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
-    policy = load_policy(model)
+    policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
