@@ -83,7 +83,7 @@ def sft(
 
 @app.command("eval")
 def eval_(
-    model: str = typer.Option(..., "--model", "-m", help="local Hugging Face model directory"),
+    model: str = typer.Option(..., "--model", "-m", help="a local Hugging Face model directory (a run's checkpoint, an export) or a Hub id"),
     benchmark: List[str] = typer.Option(..., "--benchmark", "-b", help="gsm8k, math500, aime2024, amc2023, countdown, a JSONL, JSON or Parquet file, a saved datasets directory, or hf:PATH:SPLIT; repeat for several"),
     n: int = typer.Option(16, "-n", help="samples per prompt"),
     k: str = typer.Option("1,2,4,8,16", "-k", help="comma-separated k for pass@k (each <= n)"),
