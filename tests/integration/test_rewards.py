@@ -216,3 +216,8 @@ def test_prompt_answer_rows_need_no_fields_and_the_refusal_names_the_keys(tmp_pa
         load_benchmark(str(g))
     assert "data.prompt_field=" in str(e.value) and "--prompt-field" in str(e.value)
     assert "format=jsonl" not in str(e.value)
+    h = tmp_path / "chat.jsonl"  # TRL's conversational rows: a list of messages is named as such
+    h.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
+    with pytest.raises(UserError, match="line 1: the prompt field 'prompt' is a list of chat messages .TRL's "
+                                        "conversational format.*data.chat_template"):
+        load_benchmark(str(h))

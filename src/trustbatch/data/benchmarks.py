@@ -96,6 +96,10 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
     if name not in row:
         raise UserError(f"the row has no {what} field {name!r} (fields: {sorted(row)}){hint}")
     v = row[name]
+    if isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m for m in v):  # TRL's conversational rows
+        raise UserError(f"the {what} field {name!r} is a list of chat messages (TRL's conversational format), which "
+                        "is not read: give the user message's text; the tokenizer's chat template frames it "
+                        "(data.chat_template, data.system_prompt for a system message)")
     if v is None or isinstance(v, (bool, dict, list)) or not str(v).strip():
         shown = "null" if v is None else repr(v)
         raise UserError(f"the {what} field {name!r} is {shown}, not text or a number; fix or remove the row")
