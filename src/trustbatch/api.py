@@ -35,7 +35,7 @@ class Trainer:
     Args:
         config: a ``Config``, a YAML file's path, or None for the defaults.
         model: a local model directory (``model.path``).
-        reward_funcs: reward functions, each a scorer name (``"gsm8k"``, ``"module:function"``) or a callable:
+        reward_funcs: a reward function or a list of them, each a scorer name (``"gsm8k"``, ``"module:function"``) or a callable:
             ``f(completion, reference) -> float`` per completion, or TRL's batch form
             ``f(prompts, completions, reference, **columns) -> list`` (a callable's batch form is called once per
             group, the completions of one prompt together, so it may rank them).
@@ -57,6 +57,8 @@ class Trainer:
                  train_dataset: Any = None, eval_dataset: Any = None,
                  overrides: Mapping[str, Any] | Sequence[str] | None = None, resume: str | Path | None = None):
         self.resume = str(resume) if resume is not None else None
+        if callable(reward_funcs) or isinstance(reward_funcs, str):  # one function, as TRL's GRPOTrainer takes it
+            reward_funcs = [reward_funcs]
         if self.resume is not None:
             if any(x is not None for x in (config, model, train_dataset, eval_dataset, reward_weights)):
                 raise UserError("resume continues a run with its saved config; give only reward_funcs (the same "

@@ -25,7 +25,32 @@ _TRAIN_HELP = (
 )
 
 
-@app.command(help=_TRAIN_HELP)
+# an unknown option (--steps 2, TRL's --max_steps) reaches the overrides, where _no_options names what to type
+_OVERRIDES_TAKE_UNKNOWN = {"ignore_unknown_options": True}
+
+
+def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
+    """Refuse an override that is an option the command lacks, naming the option or config key it most likely meant.
+
+    Raises:
+        UserError: ``--resum x`` (did you mean --resume?), ``--steps 2`` (train.steps=...?), any other ``-x``.
+    """
+    import difflib
+
+    from .config.load import nearest_key
+
+    for ov in overrides or []:
+        if not ov.startswith("-"):
+            continue
+        given = ov.partition("=")[0]
+        near = difflib.get_close_matches(given, options, n=1)
+        key = None if near else nearest_key(given.lstrip("-").replace("-", "_"))
+        hint = f" (did you mean {near[0]}?)" if near else f" (did you mean {key}=...?)" if key else ""
+        raise UserError(f"{given}{hint} is not an option of this command (its options: {', '.join(options)}); config "
+                        "keys are key=value overrides, e.g. train.steps=50: every key in docs/config.md")
+
+
+@app.command(help=_TRAIN_HELP, context_settings=_OVERRIDES_TAKE_UNKNOWN)
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. objective.name=grpo)"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
@@ -34,6 +59,7 @@ def train(
                                       "exit, without starting a run or touching its directory"),
 ):
     """``_TRAIN_HELP``; ``--print-config`` prints the configuration a run would use and exits."""
+    _no_options(overrides, ("--config", "--resume", "--print-config"))
     if print_config:
         from .config import dump_config
         from .recipes.train import resolved_config
@@ -45,13 +71,14 @@ def train(
     train_command(config, overrides, resume)
 
 
-@app.command()
+@app.command(context_settings=_OVERRIDES_TAKE_UNKNOWN)
 def sft(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
     out: Optional[str] = typer.Option(None, "--out", help="also save the SFT policy here (HF format)"),
 ):
     """Supervised warm-up on the task's demonstrations: builds (and caches) the default base, or SFTs model.path."""
+    _no_options(overrides, ("--config", "--out"))
     from rich.console import Console
 
     from .config import load_config
@@ -83,7 +110,7 @@ def sft(
 
 @app.command("eval")
 def eval_(
-    model: str = typer.Option(..., "--model", "-m", help="local Hugging Face model directory"),
+    model: str = typer.Option(..., "--model", "-m", help="a local Hugging Face model directory (a run's checkpoint, an export) or a Hub id"),
     benchmark: List[str] = typer.Option(..., "--benchmark", "-b", help="gsm8k, math500, aime2024, amc2023, countdown, a JSONL, JSON or Parquet file, a saved datasets directory, or hf:PATH:SPLIT; repeat for several"),
     n: int = typer.Option(16, "-n", help="samples per prompt"),
     k: str = typer.Option("1,2,4,8,16", "-k", help="comma-separated k for pass@k (each <= n)"),

@@ -57,7 +57,7 @@ def test_a_closure_reward_on_a_dataset_logs_what_it_returned(tmp_path, shared_di
         assert rec["rewards/parity"] == pytest.approx(by_hand, abs=1e-12)
         assert rec["reward_mean"] == pytest.approx(2.0 * by_hand, abs=1e-12)
     # a resume needs the callable again, and says so in one line without it (a new process: an empty registry)
-    with monkeypatch.context() as m, pytest.raises(UserError, match="was a Python object given to trustbatch.Trainer"):
+    with monkeypatch.context() as m, pytest.raises(UserError, match="was a Python object given to trustbatch.api.Trainer"):
         m.setattr(objects, "_OBJECTS", {})
         Trainer(resume=run, overrides={"train.steps": 3}).train()
     Trainer(resume=run, reward_funcs=[parity], overrides={"train.steps": 3}).train()
@@ -113,3 +113,14 @@ def test_what_cannot_work_is_refused_in_one_line():
         Trainer(train_dataset=[])
     with pytest.raises(UserError, match="unknown"):
         Trainer(overrides={"train.stepz": 3})
+
+
+def test_one_reward_function_may_be_given_alone_as_in_trl():
+    """TRL's GRPOTrainer takes ``reward_funcs=f`` as well as ``[f]``; so does Trainer (it was a bare TypeError)."""
+    def closure(completion, reference):
+        return 0.0
+
+    alone, listed = Trainer(reward_funcs=closure), Trainer(reward_funcs=[closure])
+    assert [t.model_dump() for t in alone.config.reward.functions] == [{"name": listed.config.reward.functions[0].name,
+                                                                        "weight": 1.0}]
+    assert Trainer(reward_funcs="gsm8k").config.reward.functions[0].name == "gsm8k"

@@ -171,6 +171,23 @@ def test_non_finite_and_boolean_numbers_are_refused(override):
     assert "\n" not in msg and override.split("=")[0] in msg
 
 
+@pytest.mark.parametrize("override, fix, works", [
+    ("log.trackers=wandb", "'log.trackers=[a, b]'", "log.trackers=[wandb]"),
+    ("train.adam_betas=0.9", "'train.adam_betas=[a, b]'", "train.adam_betas=[0.9, 0.95]"),
+    ("model.lora=true", "'model.lora={r: ..., alpha: ..., dropout: ..., target_modules: ...}', or 'model.lora={}'",
+     "model.lora={}"),
+    ("reward.functions=[gsm8k]", "'reward.functions=[{name: ..., weight: ...}]'", "reward.functions=[{name: gsm8k}]"),
+    ("objective.options=[1]", "'objective.options={name: value}'", "objective.options={}"),
+])
+def test_a_value_of_the_wrong_shape_says_how_to_write_it(override, fix, works):
+    """A scalar where a list or a mapping belongs (``log.trackers=wandb``, ``model.lora=true``) names the shape to
+    write, with the section's keys; the shape written so is accepted."""
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    assert "\n" not in str(e.value) and fix in str(e.value)
+    load_config(None, [works])
+
+
 def test_config_file_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "list.yaml"
     f.write_text("- train.steps=3\n")
@@ -239,6 +256,45 @@ def test_repeated_prompts_are_skipped_counted_and_warned(tmp_path, caplog):
 
     split = load_file_task(DataCfg)
     assert [e.reference for e in split.heldout] == ["5"] and [e.reference for e in split.train] == ["8", "10"]
+
+
+def test_a_benchmark_name_as_training_data_warns_that_it_is_the_test_split(tmp_path, caplog):
+    """``data.train=gsm8k`` reads DIR/gsm8k/test.jsonl (the names are evaluation sets): training on it is said."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("\n".join([GSM, GSM2]) + "\n")
+
+    class DataCfg:
+        train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
+            "gsm8k", None, str(tmp_path), "auto", None, None, None, 1)
+
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        split = load_file_task(DataCfg)
+    assert [e.reference for e in split.train] == ["8"]  # the test file's rows, as the warning says
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "gsm8k/test.jsonl" in msg and "test split" in msg and "data.train=DIR/gsm8k/train.jsonl" in msg
+    caplog.clear()
+    DataCfg.train = str(tmp_path / "gsm8k" / "test.jsonl")  # a path is the user's own choice: no warning
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        load_file_task(DataCfg)
+    assert not caplog.records
+
+
+def test_no_rows_left_for_training_names_which_setting_took_them(tmp_path):
+    """All train rows held out: by data.heldout_size (lower it) or by a data.heldout file holding the same prompts
+    (the line said 'give data.heldout=FILE' to a user who had)."""
+    f = tmp_path / "two.jsonl"
+    f.write_text("\n".join([GSM, GSM2]) + "\n")
+
+    class DataCfg:
+        train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
+            str(f), None, None, "auto", None, None, None, 2)
+
+    with pytest.raises(UserError, match="after holding out 2; lower data.heldout_size"):
+        load_file_task(DataCfg)
+    DataCfg.heldout = str(f)
+    with pytest.raises(UserError) as e:
+        load_file_task(DataCfg)
+    assert "every prompt of it is also in data.heldout" in str(e.value) and "give data.heldout=FILE" not in str(e.value)
 
 
 def test_fit_prompts():
@@ -334,3 +390,19 @@ def test_broken_model_directory_is_one_line(shared_dir, tmp_path, case, capfd):
 def test_intact_model_copy_still_loads(shared_dir, tmp_path):
     policy = load_policy(_model_copy(shared_dir, tmp_path / "ok"))
     assert policy.model.get_input_embeddings().num_embeddings == 512 and policy.eos_id == 2
+
+
+def test_a_run_directory_given_as_a_model_names_its_newest_checkpoint(tmp_path):
+    """``model.path=RUN_DIR`` or ``eval --model RUN_DIR`` (the run, not one of its checkpoints): one line naming the
+    newest complete checkpoint and the export command, not a bare "has no config.json"."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)  # incomplete: no trainer_state.pt
+    for step in ("step_000000", "step_000002"):
+        (run / "checkpoints" / step).mkdir()
+        (run / "checkpoints" / step / "trainer_state.pt").write_bytes(b"")
+    (run / "config.yaml").write_text("train: {steps: 2}\n")
+    with pytest.raises(UserError) as e:
+        load_policy(run)
+    msg = str(e.value)
+    assert "\n" not in msg and "trustbatch run directory" in msg
+    assert repr(str(run / "checkpoints" / "step_000002")) in msg and f"trustbatch export {run} --out DIR" in msg

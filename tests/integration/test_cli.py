@@ -29,6 +29,10 @@ def run_cli(*args, env_extra=None, tmp_path=None):
     (["train", "task.heldout_size=5000", "run_dir=RUN"], "distinct prompts"),
     (["train", "--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
     (["train", "--resume", "/nonexistent_run"], "cannot resume"),
+    # an option the command lacks (TRL's habit: --max_steps) names the key or option meant, not a usage box
+    (["train", "--steps", "2"], "--steps (did you mean train.steps=...?) is not an option of this command"),
+    (["train", "--resum", "x"], "--resum (did you mean --resume?) is not an option"),
+    (["sft", "--ot", "x"], "--ot (did you mean --out?) is not an option of this command (its options: --config, --out)"),
 ])
 def test_bad_input_one_line_exit_2(args, message, tmp_path):
     args = [a.replace("RUN", str(tmp_path / "run")) for a in args]

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,6 @@ def test_a_missing_hub_id_is_one_line_naming_it_and_the_offline_state(tmp_path, 
     assert done.returncode == 2
     line = one_line(done.stderr)
     assert "'tbtest/nothing-here'" in line and "HF_HUB_OFFLINE=1" in line
+    # the download command it names is one the installed huggingface_hub provides, beside this interpreter
+    program = line.rsplit("(", 1)[1].split()[0]
+    assert "(hf download tbtest/nothing-here)" in line and (Path(sys.executable).parent / program).exists()

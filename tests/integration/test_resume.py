@@ -8,6 +8,7 @@ first checkpoint, a corrupt newest checkpoint and leftover temporary checkpoint 
 
 import json
 import math
+import os
 import signal
 import time
 import warnings
@@ -159,6 +160,7 @@ def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path,
     assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
     segments = records(run_dir, "segments.jsonl")
     assert [(s["start_round"], s["rounds"], s["changed"]) for s in segments] == [(0, 2, []), (2, 3, ["train.steps"])]
+    assert all(s["cwd"] == os.getcwd() for s in segments)  # what relative paths are relative to
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +205,49 @@ def test_checkpoint_keep_keeps_the_newest_n_and_a_resume_may_change_it(tmp_path,
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000003"]
     train(None, resume=str(run_dir), overrides=["train.steps=5", "checkpoint_keep=3"])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_00000{k}" for k in (3, 4, 5)]
+
+
+def test_the_refusal_and_the_guide_name_every_resumable_key_and_a_missing_run_is_named(tmp_path):
+    """The refusal's list and reliability.md's are RESUMABLE_KEYS, all of them (the line once left the last out and
+    the guide five); a --resume of a directory that does not exist says so."""
+    import re
+
+    from runproc import ROOT
+    from trustbatch.recipes.rundir import RESUMABLE_KEYS, check_resume_changes
+
+    with pytest.raises(UserError) as e:
+        check_resume_changes({"train": {"lr": 0.1}}, {"train": {"lr": 0.2}})
+    assert e.value.args[0].rsplit("(a resume may change ", 1)[1].rstrip(")").split(", ") == list(RESUMABLE_KEYS)
+    row = next(line for line in (ROOT / "docs" / "guide" / "reliability.md").read_text().splitlines()
+               if line.startswith("| **What a resume may change**"))
+    assert re.findall(r"`([\w.]+)`", row.split(";")[0]) == list(RESUMABLE_KEYS)
+    with pytest.raises(UserError, match="no such directory"):
+        train(resume=str(tmp_path / "nope"))
+
+
+def test_a_resume_from_another_directory_whose_relative_paths_name_other_files_is_refused(tmp_path, monkeypatch):
+    """config.yaml keeps paths as typed: from another directory a relative data path names nothing, or another
+    file (silently other data), and giving it absolute is a refused change. The line names the start directory."""
+    from trustbatch.recipes.rundir import check_resume_paths
+
+    start, other, run = tmp_path / "start", tmp_path / "other", tmp_path / "run"
+    for d in (start / "data", other / "data", run):
+        d.mkdir(parents=True)
+    (start / "data" / "rows.jsonl").write_text("start\n")
+    (run / "segments.jsonl").write_text(json.dumps({"start_round": 0, "cwd": str(start)}) + "\n")
+    (run / "config.yaml").write_text("data:\n  train: data/rows.jsonl\n  dir: null\n")
+    saved = {"data": {"train": "data/rows.jsonl", "dir": None}, "task": {"name": "chain_sum"}}
+    monkeypatch.chdir(other)
+    with pytest.raises(UserError) as e:  # wired into --resume, before anything loads
+        train(resume=str(run))
+    assert f"data.train='data/rows.jsonl' is relative to {start}" in str(e.value)
+    assert "does not exist from here" in str(e.value) and f"cd {start} && trustbatch train --resume {run}" in str(e.value)
+    (other / "data" / "rows.jsonl").write_text("other\n")  # a file of the same name, here: another file
+    with pytest.raises(UserError, match="is another file from here"):
+        check_resume_paths(saved, run)
+    monkeypatch.chdir(start)  # from the start directory: the run's own files
+    check_resume_paths(saved, run)
+    monkeypatch.chdir(other)
+    check_resume_paths({"data": {"train": str(start / "data" / "rows.jsonl")}}, run)  # absolute: the same anywhere
+    (run / "segments.jsonl").write_text(json.dumps({"start_round": 0}) + "\n")  # a run from before cwd was recorded
+    check_resume_paths(saved, run)

@@ -196,5 +196,28 @@ def test_generic_jsonl_fields_and_bad_files(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="line 2 is not valid JSON"):
         load_benchmark(str(bad))
     monkeypatch.delenv("TRUSTBATCH_DATA", raising=False)
-    with pytest.raises(UserError, match="needs its data"):
+    with pytest.raises(UserError, match="needs its data: set data.dir=DIR .trustbatch eval: --data-dir DIR."):
         load_benchmark("gsm8k")
+
+
+def test_prompt_answer_rows_need_no_fields_and_the_refusal_names_the_keys(tmp_path):
+    """Rows with ``prompt`` and ``answer`` (TRL's prompt column) read as plain rows; rows of no known format are
+    refused naming the keys that exist (data.prompt_field, --prompt-field), not a ``format=jsonl`` no command takes."""
+    from trustbatch.errors import UserError
+
+    f = tmp_path / "plain.jsonl"
+    f.write_text(json.dumps({"prompt": "What is 2+2?", "answer": 4, "extra": "x"}) + "\n")
+    b = load_benchmark(str(f))
+    assert b.format == "jsonl" and b.reward == "math"
+    assert [(e.prompt, e.reference, e.columns["extra"]) for e in b.examples] == [("What is 2+2?", "4", "x")]
+    g = tmp_path / "other.jsonl"
+    g.write_text(json.dumps({"prompt": "2+2?", "solution": "4"}) + "\n")
+    with pytest.raises(UserError) as e:
+        load_benchmark(str(g))
+    assert "data.prompt_field=" in str(e.value) and "--prompt-field" in str(e.value)
+    assert "format=jsonl" not in str(e.value)
+    h = tmp_path / "chat.jsonl"  # TRL's conversational rows: a list of messages is named as such
+    h.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
+    with pytest.raises(UserError, match="line 1: the prompt field 'prompt' is a list of chat messages .TRL's "
+                                        "conversational format.*data.chat_template"):
+        load_benchmark(str(h))

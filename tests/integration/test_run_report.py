@@ -97,6 +97,12 @@ def test_a_key_one_config_lacks_is_a_difference(tmp_path):
     assert config_differences([a, b]) == {"log.trackers": [None, ["wandb"]], "train.steps": [5, None]}
 
 
+def test_a_section_null_in_one_run_and_set_in_another_is_its_keys_rows():
+    a = SimpleNamespace(config={"model.lora": None, "train.lr": 0.1})
+    b = SimpleNamespace(config={"model.lora.r": 4, "model.lora.alpha": 8.0, "train.lr": 0.1})
+    assert config_differences([a, b]) == {"model.lora.alpha": [None, 8.0], "model.lora.r": [None, 4]}
+
+
 def test_labels_are_the_shortest_unique_tails(tmp_path):
     assert labels([tmp_path / "x" / "seed0", tmp_path / "y" / "seed0"]) == ["x/seed0", "y/seed0"]
     assert labels([tmp_path / "a", tmp_path / "b"]) == ["a", "b"]

@@ -25,8 +25,9 @@ def test_parse_ks_sorts_and_checks_against_n():
 
 @pytest.mark.parametrize("kw, message", [
     ({"ks": [0, 1]}, "need 1 <= k <= n"),
-    ({"temperature": 0.0}, "--temperature and --timeout must be > 0"),
-    ({"workers": -1}, "--workers >= 0"),
+    ({"temperature": 0.0}, r"^--temperature must be > 0 \(pass@k is over samples\) \(got 0.0\)$"),
+    ({"workers": -1}, r"^--workers must be >= 0 \(got -1\)$"),  # only the option that is wrong is named
+    ({"limit": 0, "timeout": -1.0}, r"^--limit must be >= 1 \(got 0\); --timeout must be > 0 \(got -1.0\)$"),
     ({"engine": "sglang"}, "--engine 'sglang' must be transformers or vllm"),
     ({"device": "gpu"}, "--device 'gpu' must be auto, cpu, cuda or cuda:N"),
     ({"reward": "nosuch"}, "unknown reward 'nosuch'"),
@@ -112,3 +113,12 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted_or_refused(tmp_
     assert len(said) == 1 and "skipped 1 of 3 prompts longer than 504 tokens" in said[0], said
     with pytest.raises(UserError, match="none of the 1 prompts fits in 504 tokens"):
         evaluate(model, [_questions(tmp_path / "long.jsonl", long)], n=1, ks=[1], max_new_tokens=8, workers=0)
+
+
+def test_a_missing_model_is_named_by_evals_own_option(tmp_path):
+    """eval's model is --model: the line says so (it said model.path=DIR, a key eval does not take)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    with pytest.raises(UserError) as e:
+        evaluate(tmp_path / "no-model", [str(data)], n=2, ks=[1])
+    assert "does not exist" in str(e.value) and "(--model=DIR)" in str(e.value) and "model.path" not in str(e.value)

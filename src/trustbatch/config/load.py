@@ -128,7 +128,28 @@ def _format_error(e: ValidationError) -> str:
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))
     got = repr(err.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
-    return f"invalid value for {loc!r}: {msg} (got {got})"
+    return f"invalid value for {loc!r}: {msg} (got {got}){_shape_hint(err['type'], loc)}"
+
+
+def _shape_hint(kind: str, loc: str) -> str:
+    """How to write the list or mapping that a value of the wrong shape should have been, as an override.
+
+    ``log.trackers=wandb`` -> ``log.trackers=[a, b]``; ``model.lora=true`` -> ``model.lora={r: ...}`` (``{}``: the
+    defaults); ``reward.functions=[gsm8k]`` (item 0) -> ``reward.functions=[{name: ..., weight: ...}]``.
+    """
+    if kind in ("list_type", "tuple_type"):
+        return f"; write a YAML list: '{loc}=[a, b]'"
+    if kind not in ("dict_type", "model_type"):
+        return ""
+    section = ".".join(p for p in loc.split(".") if not p.isdigit())
+    fields = [(k.rpartition(".")[2], f) for k, f, _ in config_fields() if k.rpartition(".")[0] == section]
+    if not fields:  # a free-form mapping (task.params, objective.options)
+        return f"; write a YAML mapping: '{loc}={{name: value}}'"
+    mapping = "{" + ", ".join(f"{name}: ..." for name, _ in fields) + "}"
+    if section != loc:  # an item of a list of sections
+        return f"; write a YAML list of mappings: '{section}=[{mapping}]'"
+    defaults = "" if any(f.is_required() for _, f in fields) else f", or '{section}={{}}' for the defaults"
+    return f"; write a YAML mapping: '{section}={mapping}'{defaults}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:

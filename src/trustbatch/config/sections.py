@@ -58,7 +58,9 @@ class TaskConfig(_Strict):
 
     name: str = Field("chain_sum", description="a reasoning-gym task; chain_sum_steps is the lab's long-completion variant")
     params: FreeDict = Field(default_factory=dict, description="merged over the task's defaults")
-    train_size: Int = Field(3500, ge=1, description="training prompts")
+    train_size: Int = Field(3500, ge=1, description="training prompts, at most: fewer when the task has fewer "
+                                                    "distinct ones (the default chain_sum: 2388 beside 256 held-out; "
+                                                    "the run's first line says how many)")
     heldout_size: Int = Field(256, ge=1, description="held-out prompts")
     heldout_reserve: Int = Field(
         256, ge=0, description="the default base's SFT skips the first max(heldout_reserve, heldout_size) prompts: "
@@ -83,14 +85,14 @@ class DataConfig(_Strict):
     """
 
     train: str | None = Field(None, description="a JSONL, JSON or Parquet file, a datasets directory (save_to_disk) "
-                                                "or a benchmark name, to train on")
+                                                "or a benchmark name (its test split, with a warning), to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
     format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
         "auto", description="row format; auto: from the first row's fields (jsonl when prompt_field or answer_field "
-                            "is set)")
-    prompt_field: str | None = Field(None, description="prompt field of a plain JSONL")
-    answer_field: str | None = Field(None, description="answer field of a plain JSONL")
+                            "is set, or the row has prompt and answer fields)")
+    prompt_field: str | None = Field(None, description="prompt field of a plain JSONL (default: prompt)")
+    answer_field: str | None = Field(None, description="answer field of a plain JSONL (default: answer)")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
     chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(

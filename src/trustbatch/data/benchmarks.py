@@ -66,18 +66,25 @@ class Benchmark:
     duplicates: int = 0  # rows skipped because their prompt repeats an earlier row's
 
 
+# the keys that name a plain row's fields, in every command that reads rows
+FIELDS_HINT = ("; name the prompt and answer fields: data.prompt_field=... data.answer_field=... "
+               "(trustbatch eval: --prompt-field/--answer-field)")
+
+
 def detect_format(row: dict) -> str:
-    """The format of a row from its fields; UserError if no known format fits."""
+    """The format of a row from its fields; UserError if no known format fits.
+
+    GSM8K (``question``, ``answer`` ending ``#### N``), MATH (``problem``, ``answer``), Countdown (``input`` numbers,
+    ``output``), then plain rows (``prompt``, ``answer``: ``jsonl``)."""
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
     if "problem" in row and "answer" in row:
         return "math"
     if "input" in row and "output" in row and re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)+\s*", str(row["input"])):
         return "countdown"
-    raise UserError(
-        f"cannot tell the format of a row with fields {sorted(row)}; pass format=jsonl with "
-        "prompt_field=... and answer_field=..."
-    )
+    if "prompt" in row and "answer" in row:  # plain rows, TRL's column name for the prompt
+        return "jsonl"
+    raise UserError(f"cannot tell the format of a row with fields {sorted(row)}{FIELDS_HINT}")
 
 
 def _clean_gsm8k_solution(text: str) -> str:
@@ -89,6 +96,10 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
     if name not in row:
         raise UserError(f"the row has no {what} field {name!r} (fields: {sorted(row)}){hint}")
     v = row[name]
+    if isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m for m in v):  # TRL's conversational rows
+        raise UserError(f"the {what} field {name!r} is a list of chat messages (TRL's conversational format), which "
+                        "is not read: give the user message's text; the tokenizer's chat template frames it "
+                        "(data.chat_template, data.system_prompt for a system message)")
     if v is None or isinstance(v, (bool, dict, list)) or not str(v).strip():
         shown = "null" if v is None else repr(v)
         raise UserError(f"the {what} field {name!r} is {shown}, not text or a number; fix or remove the row")
@@ -122,7 +133,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
                             "'#### N': fix or remove the row")
         if gold is None:
             raise UserError(f"the answer {answer[-40:]!r} has no final number (GSM8K answers end '#### N'); "
-                            "fix the row or pass format=math")
+                            "fix the row or read it as MATH (data.format=math; eval: --format math)")
         return Example(question + GSM8K_INSTRUCTION, gold, _clean_gsm8k_solution(answer))
     if fmt == "math":
         problem = _field(row, "problem", "prompt")
@@ -146,7 +157,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
                        f"<answer> {expr} </answer>" if expr else "<answer> </answer>")
     if fmt == "jsonl":
         pf, af = prompt_field or "prompt", answer_field or "answer"
-        hint = "; set prompt_field=... and answer_field=..."
+        hint = FIELDS_HINT
         prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
         return Example(prompt, gold_text(row[af]), answer)
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
@@ -183,11 +194,13 @@ def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
     if name_or_path in KNOWN:
         root = data_dir or os.environ.get("TRUSTBATCH_DATA")
         if root is None:
-            raise UserError(f"benchmark {name_or_path!r} needs its data: pass --data-dir DIR (holding "
-                            f"{KNOWN[name_or_path]}) or set TRUSTBATCH_DATA, or give the file path")
+            raise UserError(f"benchmark {name_or_path!r} needs its data: set data.dir=DIR (trustbatch eval: "
+                            f"--data-dir DIR), DIR holding {KNOWN[name_or_path]}, or TRUSTBATCH_DATA, or give the "
+                            "file path")
         f = Path(root).expanduser() / KNOWN[name_or_path]
         if not f.is_file():
-            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check --data-dir / TRUSTBATCH_DATA")
+            raise UserError(f"benchmark {name_or_path!r}: {str(f)!r} does not exist; check data.dir (eval: "
+                            "--data-dir) or TRUSTBATCH_DATA")
         return f
     raise UserError(f"{name_or_path!r} is neither a file nor a known benchmark ({', '.join(sorted(KNOWN))})")
 
@@ -301,6 +314,10 @@ def load_file_task(data_cfg) -> "TaskSplit":
 
     kw = dict(data_dir=data_cfg.dir, format=data_cfg.format, prompt_field=data_cfg.prompt_field,
               answer_field=data_cfg.answer_field)
+    if data_cfg.train in KNOWN:  # a benchmark's name is its evaluation split: say so before anyone reports on it
+        log.warning(f"warning: data.train={data_cfg.train} trains on {KNOWN[data_cfg.train]}, the benchmark's test "
+                    f"split: an evaluation on {data_cfg.train} afterwards scores prompts the run trained on; give a "
+                    f"training file (data.train=DIR/{Path(KNOWN[data_cfg.train]).parent}/train.jsonl) where one exists")
     train = load_benchmark(data_cfg.train, **kw)
     pool = train.examples  # distinct prompts already
     if data_cfg.heldout:
@@ -310,6 +327,10 @@ def load_file_task(data_cfg) -> "TaskSplit":
     else:
         heldout, rest = pool[:data_cfg.heldout_size], pool[data_cfg.heldout_size:]
     rest = rest[:data_cfg.train_size] if data_cfg.train_size else rest
+    if not rest and data_cfg.heldout:
+        raise UserError(f"{data_cfg.train!r} has no rows left for training: every prompt of it is also in data.heldout "
+                        f"{data_cfg.heldout!r}, and held-out prompts are kept out of training; give a held-out file of "
+                        "other prompts, or drop data.heldout (the first data.heldout_size train rows are then held out)")
     if not rest:
         raise UserError(f"{data_cfg.train!r} has no rows left for training after holding out {len(heldout)}; "
                         "lower data.heldout_size or give data.heldout=FILE")

@@ -47,6 +47,8 @@ def _snapshot(path: str, revision: str | None, key: str = "model.path") -> Path:
         at = f" at revision {revision!r}" if revision else ""
         state = ("HF_HUB_OFFLINE=1, and it is not in the hub cache" if constants.HF_HUB_OFFLINE
                  else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        # huggingface_hub 1.x ships `hf` alone: its huggingface-cli is gone
+        get = f"hf download {path}" + (f" --revision {revision}" if revision else "")
         raise UserError(f"{key}={str(path)!r} is no local directory, and as a Hugging Face Hub id{at} it could not "
                         f"be loaded ({state}); give a local model directory, or download the model first "
-                        f"(huggingface-cli download {path})") from None
+                        f"({get})") from None

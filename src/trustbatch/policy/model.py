@@ -105,9 +105,10 @@ class Policy:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: str | None = None) -> Policy:
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: str | None = None,
+                key: str = "model.path") -> Policy:
     """Load an HF causal LM and tokenizer from a local directory, or a Hub id's snapshot (``hub.model_dir``, at
-    ``revision``).
+    ``revision``). ``key`` is the setting that named ``path`` (``--model`` for ``trustbatch eval``), for the messages.
 
     A tokenizer without a pad token pads with EOS (stories260K has none). Loading is checked, so
     that a broken directory never yields a silently different model: every tensor the config
@@ -123,10 +124,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
     """
     from transformers import AutoModelForCausalLM
 
-    p = model_dir(path, revision)
+    p = model_dir(path, revision, key)
     where = repr(str(p))
     if not p.is_dir():
-        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory (model.path=DIR)")
+        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory ({key}=DIR)")
     if not (p / "config.json").exists() and (p / "adapter_config.json").exists():
         from .lora import load_merged  # a LoRA checkpoint: its base with the adapter merged
 
@@ -146,10 +147,17 @@ def read_model_config(p: Path) -> dict:
     """The parsed ``config.json`` of the model directory ``p``.
 
     Raises:
-        UserError: ``p`` has no config.json, or one that is not JSON or names no ``model_type``.
+        UserError: ``p`` has no config.json (a trustbatch run directory: the message names its newest checkpoint),
+            or one that is not JSON or names no ``model_type``.
     """
     where = repr(str(p))
     if not (p / "config.json").exists():
+        # a trustbatch run directory: its models are its complete checkpoints (trainer/checkpoint.py, a floor above)
+        steps = sorted(s for s in (p / "checkpoints").glob("step_*") if (s / "trainer_state.pt").exists())
+        if steps and (p / "config.yaml").exists():
+            raise UserError(f"{where} is a trustbatch run directory, not a model directory; give one of its "
+                            f"checkpoints (the newest: {str(steps[-1])!r}) or export one (trustbatch export "
+                            f"{str(p)} --out DIR)")
         raise UserError(f"{where} has no config.json; it is not a Hugging Face model directory")
     try:
         config = json.loads((p / "config.json").read_bytes().decode("utf-8"))

@@ -94,8 +94,12 @@ def labels(paths: list[Path]) -> list[str]:
 
 def config_differences(runs: list[Run]) -> dict[str, list]:
     """Dotted config key -> each run's value, for the keys whose values are not all equal (``run_dir`` aside; a key
-    a run's config lacks, from an older commit, is ``None`` there and counts as a difference)."""
-    keys = sorted({k for r in runs for k in r.config} - {"run_dir"})
+    a run's config lacks, from an older commit, is ``None`` there and counts as a difference). A section that is null
+    in one run and set in another (``model.lora``) shows as its keys' rows alone: the set run has no value of its own
+    under the section's name, so that row would read ``null`` for every run."""
+    keys = {k for r in runs for k in r.config} - {"run_dir"}
+    sections = {k.rpartition(".")[0] for k in keys}
+    keys = sorted(k for k in keys if k not in sections)
     absent = object()
     out = {}
     for k in keys:

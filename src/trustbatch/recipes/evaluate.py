@@ -80,7 +80,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device)
     benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                               answer_field=answer_field, limit=limit) for b in benchmarks]
-    policy = load_policy(model)
+    policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
@@ -109,8 +109,14 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
     from ..rollout.spec import check_engine, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
-    if temperature <= 0 or max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0 or workers < 0:
-        raise UserError("--temperature and --timeout must be > 0, --max-new-tokens and --limit >= 1, --workers >= 0")
+    bad = [f"{name} must be {rule} (got {value})" for name, value, rule, ok in (
+        ("--temperature", temperature, "> 0 (pass@k is over samples)", temperature > 0),
+        ("--max-new-tokens", max_new_tokens, ">= 1", max_new_tokens >= 1),
+        ("--limit", limit, ">= 1", limit is None or limit >= 1),
+        ("--timeout", timeout, "> 0", timeout > 0),
+        ("--workers", workers, ">= 0", workers >= 0)) if not ok]
+    if bad:
+        raise UserError("; ".join(bad))
     if spec.name not in engine_names():
         raise UserError(f"--engine {spec.name!r} must be {' or '.join(engine_names())}")
     try:

@@ -115,8 +115,43 @@ def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -
     if refused:
         raise UserError(f"--resume cannot change {refused[0]} ({a.get(refused[0])!r} -> {b.get(refused[0])!r}): it "
                         f"changes what the run computes; start a new run instead (a resume may change "
-                        f"{', '.join(RESUMABLE_KEYS[:-1])})")
+                        f"{', '.join(RESUMABLE_KEYS)})")
     return changed
+
+
+# Keys whose value may be a local path; config.yaml keeps it as typed, relative to the directory the run started in
+PATH_KEYS = ("model.path", "model.reference", "data.train", "data.heldout", "data.dir", "reward.model",
+             "rollout.foreign_model")
+
+
+def check_resume_paths(saved: dict, run_dir: Path) -> None:
+    """Refuse a resume whose relative paths would name other files than the run's: the saved config keeps paths as
+    typed, so from another directory ``data.train=../data/train.jsonl`` names nothing (or another file), and an
+    absolute path in its place is a change a resume may not make. The run's start directory is the ``cwd`` of the
+    first line of ``segments.jsonl`` (runs from before it recorded one are not checked).
+
+    Raises:
+        UserError: a relative path of ``PATH_KEYS`` exists from the start directory and, from here, does not or is
+            another file; the line names the key, the start directory and the command to resume from there.
+    """
+    seg = Path(run_dir) / "segments.jsonl"
+    try:
+        start = json.loads(seg.read_text().splitlines()[0]).get("cwd") if seg.is_file() else None
+    except (IndexError, json.JSONDecodeError, AttributeError):
+        start = None
+    if not start or Path(start).resolve() == Path.cwd().resolve():
+        return
+    flat = _flat(saved)
+    for key in PATH_KEYS:
+        v = flat.get(key)
+        if not isinstance(v, str) or os.path.isabs(os.path.expanduser(v)) or not (Path(start) / v).exists():
+            continue
+        if Path(v).exists() and Path(v).resolve() == (Path(start) / v).resolve():
+            continue
+        here = "is another file from here" if Path(v).exists() else "does not exist from here"
+        raise UserError(f"cannot resume {str(run_dir)!r} from {os.getcwd()}: its {key}={v!r} is relative to {start}, "
+                        f"where the run started, and {here}; resume from there: cd {start} && trustbatch train "
+                        f"--resume {os.path.abspath(run_dir)}")
 
 
 def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) -> None:
@@ -124,7 +159,8 @@ def record_segment(run_dir: Path, start_round: int, rounds: int, changed: dict) 
     the trustbatch commit and version that ran it (``records.git_commit``, ``records.package_version``; the model
     card of ``trustbatch export`` names them)."""
     rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(), "start_round": start_round,
-           "rounds": rounds, "changed": changed, "commit": git_commit(), "version": package_version()}
+           "rounds": rounds, "changed": changed, "commit": git_commit(), "version": package_version(),
+           "cwd": os.getcwd()}  # what the config's relative paths are relative to (check_resume_paths)
     with open(Path(run_dir) / "segments.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 

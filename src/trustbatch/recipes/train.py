@@ -34,7 +34,8 @@ from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, p
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
-from .rundir import RunLock, check_resume_changes, open_metrics_log, record_segment, run_dir_write_error, set_aside
+from .rundir import (RunLock, check_resume_changes, check_resume_paths, open_metrics_log, record_segment,
+                     run_dir_write_error, set_aside)
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
@@ -52,6 +53,9 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
     """
     if resume:
         run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise UserError(f"cannot resume {str(run_dir)!r}: no such directory; give the run_dir of a trustbatch "
+                            "train run")
         if not (run_dir / "config.yaml").exists():
             raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
         try:
@@ -60,6 +64,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
             raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
+        check_resume_paths(saved, run_dir)
         if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
             saved["task"].setdefault("heldout_reserve", 0)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base

@@ -1,4 +1,4 @@
-"""Reward functions given as Python objects (``trustbatch.Trainer(reward_funcs=[...])``) instead of names.
+"""Reward functions given as Python objects (``trustbatch.api.Trainer(reward_funcs=[...])``) instead of names.
 
 A function Python can import by its name (a module-level function of an importable module) becomes
 ``module:function`` (``reward_name``) and runs wherever a named scorer runs: reward worker processes with their time
@@ -71,7 +71,7 @@ def lookup(name: str) -> Scorer | "GroupForm":
     """
     fn = _OBJECTS.get(name)
     if fn is None:
-        raise UserError(f"reward {name!r} was a Python object given to trustbatch.Trainer and exists only in the "
+        raise UserError(f"reward {name!r} was a Python object given to trustbatch.api.Trainer and exists only in the "
                         "process that gave it; give it again (Trainer(reward_funcs=...), for a resume too), or make it "
                         "a module-level function named as module:function")
     return GroupForm(fn) if takes_batch(fn) else fn
