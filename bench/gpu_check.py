@@ -5,7 +5,8 @@
     python bench/gpu_check.py --device cpu   # a dry run on a CPU: every section at toy sizes
 
 Sections (each one JSON line, also appended to OUT/gpu_check.jsonl; a section that fails prints its error and the
-rest go on):
+rest go on). Numbered by topic; they run in ``--sections``' order: env, learner, train, padding_free, profile,
+engine, fsdp2_ws1, logprob_memory, compile:
 
 1. ``env``: torch, CUDA, GPU, transformers, peft.
 2. ``learner``: forward+backward tokens/s and MFU of the learner on a Qwen2.5-0.5B-shaped model (random init) in
@@ -18,7 +19,8 @@ rest go on):
    them transformers' own continuous batching (``continuous_batching``, ``generate_batch``), as a reference.
 4. ``fsdp2_ws1``: FSDP2 (``fully_shard`` per block and root) at world size 1 on NCCL: one learner step against the
    unsharded learner (float32: the same update to round-off) and its time.
-5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda`` (chunked against full: peak CUDA memory, time), in
+5. ``logprob_memory``: ``bench/logprob_memory.py --device cuda --shape qwen`` (chunked against full: peak CUDA
+   memory, time), in
    float32 and under bf16 autocast (``--precision bf16-mixed``, what the learner's head runs in bf16-mixed), and
    under bf16 autocast with the head frozen (``--frozen-head``, LoRA's case: no logits recomputed in backward).
 6. ``train``: ``trustbatch train train.device=cuda train.steps=3`` of the default job, float32 and bf16-mixed.
@@ -182,13 +184,6 @@ def _learner_arms(out: Path, a, name: str, arms) -> None:
             torch.cuda.empty_cache()
 
 
-def _engine_arm(arm: str):
-    """``decode[+noise][:threads]`` → TransformersEngine keywords (``static_compiled+philox``, ``dynamic:1``)."""
-    arm, _, threads = arm.partition(":")
-    decode, _, noise = arm.partition("+")
-    return dict(decode=decode, noise=noise or "generator", noise_threads=int(threads) if threads else None)
-
-
 @section
 def compile(out: Path, a) -> None:  # noqa: A001 - the section's name on the command line
     """The ``learner`` section's step with ``train.compile`` (regional inductor compile; compare with its eager
@@ -331,10 +326,11 @@ def fsdp2_ws1(out: Path, a) -> None:
 @section
 def logprob_memory(out: Path, a) -> None:
     script = ROOT / "bench" / "logprob_memory.py"
-    shape = ["--shape", "default"] if a.dry else []
+    shape = ["--shape", "default" if a.dry else "qwen"]  # the default shape's GPU numbers are on record (11-26)
     # the learner's head runs under bf16 autocast in bf16-mixed; LoRA's is frozen
     for precision, frozen in (("float32", False), ("bf16-mixed", False), ("bf16-mixed", True)):
-        p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", "2", "--precision", precision,
+        repeats = "2" if precision == "float32" else "1"
+        p = subprocess.run([sys.executable, str(script), "--device", DEVICE, "--repeats", repeats, "--precision", precision,
                             *shape, *(["--frozen-head"] if frozen else [])], capture_output=True, text=True,
                            timeout=a.section_timeout, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
@@ -407,7 +403,8 @@ def profile(out: Path, a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    ap.add_argument("--sections", default="env,learner,padding_free,profile,engine,fsdp2_ws1,logprob_memory,train,"
+    # train early (a timeout cuts the tail), compile last (its compile takes a minute or more)
+    ap.add_argument("--sections", default="env,learner,train,padding_free,profile,engine,fsdp2_ws1,logprob_memory,"
                                           "compile")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run at toy sizes")
     for k in SIZES:

@@ -85,3 +85,30 @@ def test_bad_input_is_refused():
         compile_blocks(_llama(torch.float32), "tensorrt")
     with pytest.raises(ValueError, match="has no decoder blocks to compile"):
         compile_blocks(torch.nn.Linear(2, 2))
+
+
+def test_a_deep_model_compiles_one_graph_for_all_its_blocks():
+    """Ten blocks, groups of rows sharing a prompt: every block reuses one graph (a second shape adds at most one
+    dynamic one). The shared-prompt forward would hand each block the cache's per-layer state, a guard per layer:
+    ten graphs, and blocks past dynamo's recompile limit (8) silently eager; the compiled learner runs the plain
+    forward instead (measured before the fix: 10 graphs here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=10,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    learner = Learner(model, "p3o", {}, lr=1e-2, micro_batch_size=4, compile_backend="eager")
+    for block in model.model.layers:
+        block.forward.compiled = torch.compile(block.forward.eager, backend=backend)
+    calls = _spy(model)
+    batch = _sorted_batch(torch.float32)
+    assert len(set(map(tuple, batch.packed.input_ids[:, :2].tolist()))) < batch.packed.input_ids.shape[0]
+    learner.step(batch)
+    assert len(calls) >= 10 and all(calls) and 1 <= len(graphs) <= 2, len(graphs)

@@ -345,7 +345,9 @@ class TrainConfig(_Strict):
     compile: bool = Field(
         False, description="torch.compile each decoder block's training forward (regional compilation, inductor); "
                            "no-grad forwards (rollouts, evaluation, reference) stay eager. The first micro-batch "
-                           "compiles, a second shape once more")
+                           "compiles, a second shape once more. The learner's forward then runs each row with its own "
+                           "prompt (the shared-prompt forward's cache would compile a graph per layer); "
+                           "train.padding_free still packs")
     logprob_chunk_size: Int | Literal["auto"] | None = Field(
         "auto", description="tokens (rows x completion columns) per LM-head chunk: log-probs, entropy and exact KL "
                             "hold at most this many positions' [tokens, V] logits (recomputed per chunk in "

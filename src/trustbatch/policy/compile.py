@@ -14,6 +14,10 @@ training forward computes what the eager forward computes up to float round-off 
 ``emulate_precision_casts`` rounds to bf16 where eager ops would under bf16 autocast), and the on-policy ESS stays 1
 to that round-off (``tests/unit/test_compile_blocks.py``).
 
+Why not with the shared-prompt forward: it hands each block the prompt's cache, and dynamo guards on that cache's
+per-layer state, so every layer would compile a graph of its own and blocks past the recompile limit (8) would run
+eager. The learner with ``compile_backend`` runs the plain (or padding-free) forward instead.
+
 Cost: the first training forward compiles (seconds on a GPU, tens of seconds for a tiny model on one CPU core), and
 a second shape recompiles once with dynamic sizes; later micro-batches of other lengths reuse that graph.
 

@@ -145,7 +145,8 @@ class Learner(ForwardPasses):
             shared-prompt forward then falls back to the plain one (checkpointed layers drop the cache).
         compile_backend: compile each decoder block's training forward with this ``torch.compile`` backend
             (``policy.compile.compile_blocks``: "inductor" for ``train.compile``; no-grad forwards stay eager), or
-            None.
+            None. The shared-prompt forward then falls back to the plain one (its cache would compile a graph
+            per layer).
         diagnostics: also log, at every optimizer step, the share of tokens GRPO's clip would zero
             (``objectives.clipped.grpo_zeroed_shares``, whatever the objective; the lab sets it).
         lr_schedule, warmup_steps, total_steps: the learning-rate multiplier per optimizer step
@@ -222,9 +223,11 @@ class Learner(ForwardPasses):
             raise ValueError(f"objective {objective!r} with {self.spec.full_logprobs_cause(self.options)} does not run "
                              "under train.strategy=fsdp2; use train.strategy=ddp or kl='k3'")
         # FSDP2 all-gathers a block's weights at each of its forwards, so every rank must run as many;
-        # the shared-prompt forward runs one or two depending on the micro-batch's prompts
-        self.forward_fn, self.teacher_forced = _forward_functions(shared_prompt and not self.sharded, padding_free,
-                                                                  trim_micro_batches, logprob_chunk_size)
+        # the shared-prompt forward runs one or two depending on the micro-batch's prompts. A compiled block would
+        # guard on the shared-prompt cache's per-layer state: one graph per layer, eager past dynamo's recompile limit
+        share = shared_prompt and not self.sharded and compile_backend is None
+        self.forward_fn, self.teacher_forced = _forward_functions(share, padding_free, trim_micro_batches,
+                                                                  logprob_chunk_size)
         self.version = version
         self.max_bad_steps = max_bad_steps
         self.bad_steps = 0  # consecutive skipped steps
