@@ -227,20 +227,26 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict of an FSDP2 ``model`` on rank 0, on CPU ({} on other ranks); every rank must call it.
+def full_model_state(model: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole state dict of an FSDP2 ``model`` (or of a module holding FSDP2 modules, e.g. the ``peft.PeftModel``
+    around one) on rank 0, on CPU ({} on other ranks); every rank must call it.
 
-    Tied weights (e.g. the LM head and the embedding) stay one tensor under both names, as in
+    ``trainable_only``: only the parameters that require grad (LoRA: the adapters; the frozen base is neither
+    gathered nor copied). Tied weights (e.g. the LM head and the embedding) stay one tensor under both names, as in
     ``model.state_dict()``, so ``save_pretrained`` writes them as it writes an unsharded model.
-    Source: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (full_state_dict, cpu_offload).
+    Source: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (full_state_dict, cpu_offload,
+    ignore_frozen_params).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))
     if full:
         first: dict[int, str] = {}
         for name, t in model.state_dict(keep_vars=True).items():
-            full[name] = full[first.setdefault(id(t), name)]
+            owner = first.setdefault(id(t), name)
+            if owner in full:  # not a frozen tensor left out (trainable_only)
+                full[name] = full[owner]
     return full
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 _PARENT_CHECK_S = 1.0  # how often a child checks that its parent is alive
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -63,6 +64,44 @@ def die_with_torchrun_agent() -> None:
         os._exit(1)
     _watching_agent = True
     die_with_parent(parent)
+
+
+def exit_without_finalizing(code: object = 0) -> NoReturn:
+    """End this process as ``sys.exit(code)`` would, but without Python's finalisation: the ``atexit`` handlers run,
+    the standard streams are flushed, and ``os._exit`` ends the process.
+
+    For a rank of a torchrun job (``cli.main``). torch.distributed's gloo backend frees the tensors of a finished
+    collective on its own worker threads, which need the GIL when a tensor holds a Python object. Once the
+    interpreter is finalising (after the ``atexit`` handlers), a thread that asks for the GIL is ended by
+    ``pthread_exit``, which C++ turns into ``std::terminate``: SIGABRT ("terminate called without an active
+    exception") in a rank that had written all its work, and torchrun reports the job as failed
+    (pytorch/pytorch#190489; ``destroy_process_group`` does not stop those threads). Without the finalisation
+    there is no such moment. What finalisation would do first runs here (non-daemon threads are joined, the
+    ``atexit`` handlers run: temporary directories, loggers); what it does after that, freeing every object, the
+    process does not need: its files are closed and its workers stopped by the command itself.
+
+    ``code``: as ``SystemExit.code``: None is 0, an int is the exit status, anything else is printed to stderr and
+    gives 1.
+    """
+    import atexit
+
+    try:
+        # what finalisation runs first, while every thread can still take the GIL: join the non-daemon threads
+        # (and the thread pools' workers, through threading's own exit hooks), then the atexit handlers
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+                pass
+        os._exit(code or 0)
 
 
 def die_with_sentinel(sentinel: int) -> None:

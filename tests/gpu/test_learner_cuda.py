@@ -1,5 +1,5 @@
-"""On CUDA: FSDP2 at world size 1 against the unsharded learner, LoRA's merged weights, padding-free learning, and
-the regionally compiled learner step (``train.compile``) against the eager one.
+"""On CUDA: FSDP2 at world size 1 against the unsharded learner, LoRA's merged weights (unsharded and under FSDP2),
+padding-free learning, and the regionally compiled learner step (``train.compile``) against the eager one.
 
 References: an unsharded learner's step on a copy of the same model; ``W + (α/r)·B·A`` written out from the layer's
 own tensors and peft's ``merge_and_unload``; the padded learner's gradient.
@@ -63,9 +63,11 @@ def test_fsdp2_at_world_size_one_equals_the_unsharded_learner(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_lora_merged_weights_on_cuda(tmp_path):
+def _lora_policy(tmp_path, layers: int = 1) -> tuple[Policy, dict[str, torch.Tensor]]:
+    """A tiny Llama on CUDA with r=4, alpha=8 adapters on every linear layer and a nonzero B (peft starts it at 0,
+    which would hide the merge), and the base's state before the adapters."""
     tok = train_tokenizer(["1 + 2 = 3", "4 - 1 = 3", "State the answer"], vocab_size=300)
-    model = build_small_llama(len(tok), hidden=32, layers=1, heads=2, max_len=32, seed=0, tokenizer=tok)
+    model = build_small_llama(len(tok), hidden=32, layers=layers, heads=2, max_len=32, seed=0, tokenizer=tok)
     policy = Policy(model.to("cuda"), tok, tok.eos_token_id, tok.pad_token_id)
     base = {k: v.clone() for k, v in policy.model.state_dict().items()}
     apply_lora(policy, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base=str(tmp_path))
@@ -74,6 +76,11 @@ def test_lora_merged_weights_on_cuda(tmp_path):
         for n, p in policy.model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.02)
+    return policy, base
+
+
+def test_lora_merged_weights_on_cuda(tmp_path):
+    policy, base = _lora_policy(tmp_path)
     params = dict(policy.model.named_parameters())
     sent = dict(named_weights(policy.model))
     assert sorted(sent) == sorted(base)
@@ -90,6 +97,50 @@ def test_lora_merged_weights_on_cuda(tmp_path):
     peft_merged = copy.deepcopy(policy.adapter).merge_and_unload().state_dict()
     for k in sent:
         torch.testing.assert_close(sent[k], peft_merged[k], rtol=0, atol=1e-6)
+
+
+def test_lora_under_fsdp2_at_world_size_one_sends_merged_weights_and_saves_the_adapter(monkeypatch, tmp_path):
+    """A LoRA policy sharded by FSDP2 on NCCL: ``named_weights`` (what engines receive, merged on the DTensor shards
+    and gathered) against ``W + (α/r)·B·A`` written out from the tensors before sharding, and the checkpoint's
+    adapter (gathered with ``full_model_state(..., trainable_only=True)``) against those tensors, in peft's files."""
+    import json
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from trustbatch.parallel import _fully_shard, full_model_state
+    from trustbatch.policy.lora import save_adapter
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        policy, _ = _lora_policy(tmp_path, layers=2)
+        params = {n: t.detach().cpu().clone() for n, t in policy.model.state_dict().items()}  # the tied head too
+        adapters = {n: p for n, p in params.items() if ".lora_" in n}
+        _fully_shard(policy.model, 1, None)
+        sent = dict(named_weights(policy.model))
+        adapted = 0
+        for k, w in sent.items():
+            stem = k.removesuffix(".weight")
+            if f"{stem}.lora_A.default.weight" in params:
+                A, B = params[f"{stem}.lora_A.default.weight"], params[f"{stem}.lora_B.default.weight"]
+                want = params[f"{stem}.base_layer.weight"].double() + 2.0 * B.double() @ A.double()
+                torch.testing.assert_close(w.cpu().double(), want, rtol=0, atol=1e-6)
+                adapted += 1
+            else:
+                assert not isinstance(w, torch.distributed.tensor.DTensor), k
+                assert torch.equal(w.cpu(), params[k]), k
+        assert adapted == 14
+        save_adapter(policy, tmp_path / "ckpt", state_dict=full_model_state(policy.adapter, trainable_only=True))
+        saved = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
+        assert len(saved) == len(adapters) == 28
+        for n, t in adapters.items():  # peft saves base_model.model.<name> without the adapter's name
+            assert torch.equal(saved["base_model.model." + n.replace(".default.", ".")], t), n
+        config = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+        assert config["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
+    finally:
+        dist.destroy_process_group()
 
 
 def test_padding_free_learner_step_equals_padded_in_float64():

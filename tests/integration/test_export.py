@@ -28,6 +28,8 @@ from trustbatch.errors import UserError  # noqa: E402
 from trustbatch.recipes import train  # noqa: E402
 from trustbatch.recipes.export import export_run  # noqa: E402
 
+from lora_merge import merged_by_hand  # noqa: E402
+
 ROWS = [{"problem": f"Lily has {i} apples and finds {i % 7 + 1} more. How many apples does she have?",
          "answer": i + i % 7 + 1} for i in range(40)]
 RUN = ["reward.name=scorers_for_tests:even_length", "reward.workers=0", "rollout.prompts_per_step=4",
@@ -153,12 +155,7 @@ def test_a_lora_run_on_a_datasets_directory_exports_merged_weights(tmp_path, sha
     adapter, w0 = load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(base / "model.safetensors"))
     exported = load_file(str(out / "model.safetensors"))
     assert set(exported) == set(w0)
-    expected = dict(w0)
-    for key, a in adapter.items():
-        if ".lora_A." in key:  # base_model.model.<name>.lora_A.weight -> <name>.weight
-            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-            b = adapter[key.replace("lora_A", "lora_B")]
-            expected[name] = (w0[name].double() + (8 / 4) * b.double() @ a.double()).float()
+    expected = merged_by_hand(w0, adapter, 8 / 4)
     moved = [k for k in w0 if not torch.equal(expected[k], w0[k])]
     assert len(moved) > 4  # the adapters trained: B is 0 at the start
     for k in w0:

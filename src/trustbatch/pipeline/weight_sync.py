@@ -21,7 +21,7 @@ import torch
 
 from ..parallel import full_tensor
 from ..policy.forward import Teacher
-from ..policy.lora import has_lora, merged_copy, merged_state_dict
+from ..policy.lora import has_lora, merged_copy, merged_weights
 from .batch import TrainBatch
 
 
@@ -29,12 +29,12 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The full state of ``model`` as detached ``(name, tensor)`` pairs, tied weights included.
 
     A model with LoRA adapters gives its merged state, ``W + (α/r)·B·A`` under the base model's names
-    (``policy.lora.merged_state_dict``): engines always receive the policy being trained, never adapters.
+    (``policy.lora.merged_weights``): engines always receive the policy being trained, never adapters.
     Of an FSDP2 (sharded) model, whole tensors: each is all-gathered, so every rank must iterate it to the
     end together (the weight syncs run on every rank after the same optimizer steps).
     """
     if has_lora(model):
-        yield from merged_state_dict(model).items()
+        yield from merged_weights(model)
         return
     for name, t in model.state_dict().items():
         yield name, full_tensor(t.detach())

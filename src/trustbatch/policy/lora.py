@@ -8,25 +8,32 @@ arXiv:2106.09685, Eq. 3; peft's ``LoraConfig(r, lora_alpha)``, scaling ``lora_al
 ``apply_lora`` injects the adapters into ``policy.model`` in place (``peft.get_peft_model``): the module stays the
 transformers model the learner, the shared-prompt forward and ``generate`` already run, with each targeted
 ``Linear`` replaced by peft's LoRA layer. What leaves the learner is the merged policy under the base model's
-parameter names: ``merged_state_dict`` gives ``W + (α/r)·B·A`` (peft's ``get_delta_weight``) for every adapted
+parameter names: ``merged_weights`` gives ``W + (α/r)·B·A`` (peft's ``get_delta_weight``) for every adapted
 layer and the base tensor for the rest, with no ``lora_A``/``lora_B`` keys and no ``base_layer`` in the names,
 so a rollout engine holding its own copy (another precision, a lag, vLLM, a worker process) loads it as it
 loads a full fine-tuning state. A checkpoint stores the adapter (``adapter_config.json``,
 ``adapter_model.safetensors``: peft's ``save_pretrained``) and names its base in ``base_model_name_or_path``;
 ``load_merged`` reads such a directory back as a plain merged model (export).
+
+Under FSDP2 (``parallel.World.wrap(..., "fsdp2")``) the adapters are sharded with their base layers; the merge
+runs on the shards and gathers whole tensors, and a checkpoint writes the adapters' whole tensors gathered by the
+caller (``save_adapter``'s ``state_dict``): the same files as an unsharded run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from ..errors import UserError
+from ..parallel import full_tensor
 
 # ``Policy`` in the annotations is ``policy.model.Policy``, not imported here: model.py imports this module lazily
 # (LoRA checkpoints, merged saves), and the floors allow no cycle.
@@ -93,34 +100,42 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     policy.adapter = wrapped
 
 
-@torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The merged policy's full state under the base model's names: ``W + (α/r)·B·A`` for adapted layers.
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged policy's full state under the base model's names, one ``(name, tensor)`` pair at a time:
+    ``W + (α/r)·B·A`` for adapted layers.
 
     Each adapted weight ``W`` [out, in] becomes ``W + Σ_adapters (α/r)·B·A`` (peft's ``get_delta_weight``, which
     also transposes for ``fan_in_fan_out`` layers), summed in ``W``'s dtype promoted to at least float32 and
     cast back; every other tensor (embeddings, norms, biases, the tied output layer) is the base's, detached.
     Keys drop peft's ``base_layer`` segment, and the ``lora_*`` tensors are left out, so the result loads
-    strictly into the base architecture. A model without adapters gives its own ``state_dict`` (detached).
+    strictly into the base architecture. A model without adapters gives its own state (detached).
+
+    Of an FSDP2 (sharded) model, whole tensors: the merge runs on the DTensor shards (``W``, ``A`` and ``B`` as
+    FSDP2 holds them; DTensor gathers what the product needs) and each result is then all-gathered
+    (``parallel.full_tensor``), so every rank must iterate it to the end together.
     """
     layers = _lora_layers(model)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
-        parts = key.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue
-        name = ".".join(p for p in parts if p != "base_layer")
-        owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner)
-        if layer is not None and leaf == "weight":
-            work = torch.promote_types(t.dtype, torch.float32)
-            merged = t.to(work)
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A and adapter not in layer.merged_adapters:
-                    merged = merged + layer.get_delta_weight(adapter).to(work)
-            t = merged.to(t.dtype)
-        out[name] = t.detach()
-    return out
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            parts = key.split(".")
+            if any(p.startswith("lora_") for p in parts):
+                continue
+            name = ".".join(p for p in parts if p != "base_layer")
+            owner, _, leaf = name.rpartition(".")
+            layer = layers.get(owner)
+            if layer is not None and leaf == "weight":
+                work = torch.promote_types(t.dtype, torch.float32)
+                merged = t.to(work)
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A and adapter not in layer.merged_adapters:
+                        merged = merged + layer.get_delta_weight(adapter).to(work)
+                t = merged.to(t.dtype)
+            yield name, full_tensor(t.detach())
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``merged_weights(model)`` as one dict (whole tensors; of an FSDP2 model every rank must call it)."""
+    return dict(merged_weights(model))
 
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -140,16 +155,40 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def save_adapter(policy: Policy, path: Path) -> None:
+@contextlib.contextmanager
+def _unsharded_class(model: torch.nn.Module):
+    """``model`` under its own class for the block's duration. FSDP2's ``fully_shard`` gives a sharded module a class
+    of its own (``FSDP<Name>``, subclassing ``FSDPModule`` and the module's class), which peft's ``save_pretrained``
+    would write into ``adapter_config.json`` (``auto_mapping``: the class peft's ``AutoPeftModel`` loads the base
+    with); under the module's own class it writes what an unsharded run writes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not issubclass(sharded, FSDPModule):
+        yield
+        return
+    model.__class__ = next(c for c in sharded.__mro__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = sharded
+
+
+def save_adapter(policy: Policy, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write the adapter (peft's ``adapter_config.json`` naming the base, ``adapter_model.safetensors``) and
     the tokenizer to ``path``.
+
+    ``state_dict``: the adapter's whole tensors under ``policy.adapter``'s names, when the module holds them as
+    FSDP2 shards (``parallel.full_model_state(policy.adapter, trainable_only=True)``); peft's ``save_pretrained``
+    keeps its ``lora_*`` entries, as it does of the module's own state.
 
     Raises:
         ValueError: the policy has no adapter.
     """
     if policy.adapter is None:
         raise ValueError("the policy has no LoRA adapter to save")
-    policy.adapter.save_pretrained(str(path))
+    with _unsharded_class(policy.model):
+        policy.adapter.save_pretrained(str(path), state_dict=state_dict)
     policy.tokenizer.save_pretrained(path)
 
 

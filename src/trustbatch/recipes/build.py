@@ -77,9 +77,9 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
-            installed; an engine setting the engine does not run; LoRA with FSDP2; a reward model that is none, or
-            where the run cannot hold it; a ``model.reference`` the run would ignore or cannot load; a reference KL
-            with Ray learner actors (``checks.check_learner``).
+            installed; an engine setting the engine does not run; a reward model that is none, or where the run
+            cannot hold it; a ``model.reference`` the run would ignore or cannot load; a reference KL with Ray
+            learner actors (``checks.check_learner``).
     """
     check_objective(cfg)
     check_learner(cfg)

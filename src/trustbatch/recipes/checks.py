@@ -119,15 +119,13 @@ def check_orchestrator(cfg: Config) -> None:
 
 
 def check_learner(cfg: Config) -> None:
-    """Refuse LoRA under FSDP2: the merged weights an engine, an evaluation copy and a checkpoint take are computed
-    from whole tensors (``policy.lora.merged_state_dict``), which FSDP2 holds as DTensor shards. Refuse what the
-    reference KL's frozen reference cannot be: ``model.reference`` without a reference KL (it would be ignored) or
-    not a local model directory; a reference KL with Ray learner actors (they build the policy alone, from named
-    tensors, and hold no reference).
+    """Refuse what the reference KL's frozen reference cannot be: ``model.reference`` without a reference KL (it
+    would be ignored) or not a local model directory; a reference KL with Ray learner actors (they build the policy
+    alone, from named tensors, and hold no reference).
 
     Raises:
-        UserError: ``model.lora`` with ``train.strategy=fsdp2``; ``model.reference`` without ``ref_kl_coef`` > 0 or
-            without a config.json; ``ref_kl_coef`` > 0 with ``orchestrator=ray`` and ``ray_learners`` > 0.
+        UserError: ``model.reference`` without ``ref_kl_coef`` > 0 or without a config.json; ``ref_kl_coef`` > 0
+            with ``orchestrator=ray`` and ``ray_learners`` > 0.
     """
     ref_kl = bool(cfg.objective.options.get("ref_kl_coef"))
     ref = cfg.model.reference
@@ -140,10 +138,6 @@ def check_learner(cfg: Config) -> None:
     if ref_kl and cfg.orchestrator == "ray" and cfg.ray_learners > 0:
         raise UserError("objective.options ref_kl_coef does not run with Ray learner actors (ray_learners) yet: they "
                         "hold no reference policy; set ray_learners=0")
-    if cfg.model.lora is not None and cfg.train.strategy == "fsdp2":
-        raise UserError("model.lora does not run with train.strategy=fsdp2 (the sharded adapters are not merged "
-                        "for the rollout engine or the checkpoint); use train.strategy=ddp, which replicates only "
-                        "the small adapters' optimizer state, or drop model.lora")
 
 
 def check_reward(cfg: Config) -> None:

@@ -120,7 +120,11 @@ class TrainHooks:
         if not (self.world.is_main or self.sharded):
             return
         parts = self.built.parts
-        model_state = full_model_state(self.policy.model) if self.sharded else None
+        model_state = None
+        if self.sharded:  # LoRA: the adapters alone, under the peft model's names (what save_adapter writes)
+            adapter = self.policy.adapter
+            model_state = (full_model_state(adapter, trainable_only=True) if adapter is not None
+                           else full_model_state(self.policy.model))
         state = {"learner": parts.learner.state_dict(), "source": parts.source.state_dict(), "rank_rng": rank_rng,
                  "wall_s": self.wall_s()}
         if not self.world.is_main:

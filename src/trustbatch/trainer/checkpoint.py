@@ -47,8 +47,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     """Write ``run_dir/checkpoints/step_XXXXXX`` via a temporary folder and a rename. Returns its path.
 
     ``state`` is merged into ``trainer_state.pt`` beside ``step`` and the RNG states. ``model_state``: the
-    policy's whole state dict when ``policy.model`` is sharded (FSDP2: ``parallel.full_model_state``),
-    written in its place, so that the checkpoint loads at any world size. Once it is complete, only the ``keep``
+    policy's whole state dict when ``policy.model`` is sharded (FSDP2: ``parallel.full_model_state``), or of a LoRA
+    policy its adapters' whole tensors under ``policy.adapter``'s names, written in its place, so that the
+    checkpoint loads at any world size. Once it is complete, only the ``keep``
     newest checkpoints stay, and with ``best_of`` (held-out accuracy by round) also ``best_checkpoint``'s, named
     by the ``checkpoints/best`` symlink. By induction the best checkpoint ever written stays: it is the best of
     those on disk at every save, so no rotation deletes it.
@@ -68,7 +69,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     try:
         with _quiet_transformers():  # no "Writing model shards" progress bar on stderr at every checkpoint
             if getattr(policy, "adapter", None) is not None:
-                save_adapter(policy, tmp)  # LoRA: the adapter and its base's name, not the merged model
+                # LoRA: the adapter and its base's name, not the merged model
+                save_adapter(policy, tmp, state_dict=model_state)
             elif model_state is None:
                 policy.save(tmp)
             else:
