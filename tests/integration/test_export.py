@@ -108,6 +108,36 @@ def test_the_model_card_holds_no_local_path_and_names_the_version_without_git(pa
     assert "unknown" not in card
 
 
+def test_the_printed_check_runs_from_anywhere_and_the_card_keeps_relative_paths(tmp_path, shared_dir, hf_cache,
+                                                                                 monkeypatch):
+    """A run given its data relative to the directory it started in, exported from another directory: the printed
+    check command names the data absolute (they exist, from anywhere) and the export by its absolute path; the card's
+    command keeps the relative paths and holds no absolute local path."""
+    import shlex
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    (start / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    pq.write_table(pa.Table.from_pylist(ROWS[8:]), start / "data" / "train.parquet")
+    (start / "data" / "held.json").write_text(json.dumps(ROWS[:8]))
+    model = shared_dir / "models" / "stories260K-hf"
+    monkeypatch.chdir(start)
+    train(load_config(None, RUN + ["data=data/train.parquet", "data.heldout=data/held.json", "data.dir=data",
+                                   f"model.path={model}", "run_dir=run"]), console=QUIET)
+    p = subprocess.run([sys.executable, "-m", "trustbatch", "export", str(start / "run"), "--out", "export"],
+                       cwd=elsewhere, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    [line] = [x for x in p.stdout.splitlines() if x.startswith("check: ")]
+    cmd = shlex.split(line.removeprefix("check: "))
+    arg = {flag: cmd[cmd.index(flag) + 1] for flag in ("--model", "-b", "--data-dir")}
+    assert arg == {"--model": str(elsewhere / "export"), "-b": str(start / "data" / "held.json"),
+                   "--data-dir": str(start / "data")}
+    assert Path(arg["-b"]).is_file() and Path(arg["--data-dir"]).is_dir()
+    card = (elsewhere / "export" / "README.md").read_text()
+    assert str(tmp_path) not in card and str(shared_dir.resolve()) not in card
+    assert "-b data/held.json" in card and "--data-dir data " in card and "--model export " in card
+
+
 def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(parquet_run, support_on_pythonpath):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -5,6 +5,7 @@ again; each evaluation writes sample completions."""
 import hashlib
 import signal
 import subprocess
+import sys
 
 from trustbatch.config import load_config
 from trustbatch.policy import base as base_mod
@@ -54,6 +55,20 @@ def test_a_smaller_heldout_set_starts_from_the_shipped_base(tmp_path, monkeypatc
     pool.close()
     key, _, _ = default_key()
     assert source == f"{tmp_path / 'cache' / 'base' / f'chain_sum-{key}'} (shipped)" and len(task.heldout) == 32
+
+
+def test_sft_building_and_saving_a_base_prints_no_progress_bar(tmp_path):
+    """``trustbatch sft --out DIR`` with an empty cache: the base it builds and the copy it saves to DIR are written
+    without transformers' "Writing model shards" bar on stderr (one for each save before)."""
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "trustbatch", "sft", *TINY, "model.sft_steps=2", "--out",
+                           str(tmp_path / "sft")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRUSTBATCH_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "default base (built now)" in done.stdout and "saved to" in done.stdout  # both saves ran
+    assert (tmp_path / "sft" / "model.safetensors").is_file()
+    assert "Writing model shards" not in done.stderr, done.stderr[-3000:]
 
 
 # ---- a run's stdout to a file, its samples -------------------------------------------------------------------

@@ -71,7 +71,23 @@ def test_the_table_names_exactly_the_key_the_runs_differ_in(two_runs, tmp_path):
         final = f"{last['heldout_accuracy']:.3f} ± {last['heldout_accuracy_se']:.3f} (round 2)"
         wall = json.loads((run / "summary.json").read_text())["wall_s"]
         assert rows[run.name][1] == "2" and rows[run.name][3] == final
-        assert rows[run.name][5] == f"{wall / 60:.1f} min" and rows[run.name][6] == "1"  # one process
+        number, unit = rows[run.name][5].split()
+        # read back: a tiny run lasts seconds, shown to the tenth below 10 s or to the second below a minute
+        assert unit == "s" and abs(float(number) - wall) <= (0.05 if wall < 9.95 else 0.5), (rows[run.name], wall)
+        assert rows[run.name][6] == "1"  # one process
+
+
+@pytest.mark.parametrize("wall_s,shown", [(2.4, "2.4 s"), (9.96, "10 s"), (42.3, "42 s"),
+                                           (59.6, "1.0 min"), (210.0, "3.5 min"), (3600.0, "60.0 min")])
+def test_a_short_wall_time_reads_in_seconds(tmp_path, wall_s, shown):
+    """A run of a few seconds read "0.0 min"; below a minute the table gives seconds, above it minutes."""
+    run = tmp_path / "short"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "heldout_accuracy": 0.5}) + "\n")
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": {"lr": 0.1}}))
+    (run / "summary.json").write_text(json.dumps({"wall_s": wall_s, "world_size": 1}))
+    page = write_comparison([run], tmp_path / "cmp").read_text()
+    assert _table(page, "## Held-out accuracy")[0][5] == shown
 
 
 def test_the_figure_has_a_panel_per_logged_metric(two_runs, tmp_path):

@@ -206,8 +206,8 @@ def _cause(e: BaseException) -> str:
 
 
 class _quiet_transformers:
-    """Silence transformers' load report and progress bar (many lines) while loading; restored after.
-    Whatever they would say, ``_check_loaded`` says in one line."""
+    """Silence transformers' load report and progress bars (many lines) while loading or saving (its "Writing model
+    shards" bar); restored after. Whatever a load would say, ``_check_loaded`` says in one line."""
 
     def __enter__(self):
         from transformers.utils import logging as hf_logging

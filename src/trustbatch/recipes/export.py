@@ -31,6 +31,7 @@ from ..seeding import row_seed
 from ..trainer.checkpoint import BEST, checkpoints, step_of
 from .hooks import EVAL_STREAM
 from .outputs import output_folder
+from .rundir import start_directory
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
 
@@ -43,7 +44,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
 
     Returns:
         ``{"out", "step", "lora", "heldout" (the exported round's held-out metrics, or {}), "eval_command"
-        (a ``trustbatch eval`` command list, or None for a reasoning-gym task)}``.
+        (a ``trustbatch eval`` command list that runs from any directory, its paths absolute; None for a
+        reasoning-gym task)}``. The card's command keeps the config's paths, less their local folders.
 
     Raises:
         UserError: ``run_dir`` is missing or no run directory, holds no checkpoint, or none at ``step`` (the
@@ -68,6 +70,9 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
         _generation_config(policy, cfg).save_pretrained(tmp)
         heldout = _heldout_at(run, step)
         command = eval_command(cfg, dest, step)
+        # printed in the terminal, to run from anywhere; a run from before segments.jsonl recorded its start
+        # directory: its paths as they name files from here, as the command printed before did
+        printed = eval_command(cfg, dest.absolute(), step, start=start_directory(run) or os.getcwd())
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)  # as the run framed its prompts
         card = model_card(cfg, run, ckpt, step, heldout, command, chat=bool(policy.chat_template))
         (tmp / "README.md").write_text(card, encoding="utf-8")
@@ -79,7 +84,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(dest), "step": step, "lora": cfg.model.lora is not None, "heldout": heldout,
-            "eval_command": command}
+            "eval_command": printed}
 
 
 def _checked_run(run: Path, step: int | str | None) -> tuple[Path, Config, Path]:
@@ -132,19 +137,25 @@ def _heldout_at(run: Path, step: int) -> dict:
     return {k: v for k, v in recs[-1].items() if k.startswith("heldout_")} if recs else {}
 
 
-def eval_command(cfg: Config, model: Path, step: int) -> list[str] | None:
+def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) -> list[str] | None:
     """The ``trustbatch eval`` arguments that sample round ``step``'s held-out evaluation of a data-file run again
     (the prompts: ``data.heldout``, else the first ``heldout_size`` distinct ``data.train`` rows); None for a
-    reasoning-gym task, whose prompts are no file."""
+    reasoning-gym task, whose prompts are no file.
+
+    ``start``: the directory the run started in (``rundir.start_directory``). Given, a relative data path
+    (``data.heldout``/``data.train``, ``data.dir``) that exists from there is made absolute, so the command runs from
+    any directory; None keeps the paths as the config has them (the model card's command)."""
     d, n = cfg.data, cfg.eval.samples_per_prompt
     if not d.train:
         return None
-    cmd = ["trustbatch", "eval", "--model", str(model), "-b", d.heldout or d.train, "--limit", str(d.heldout_size),
+    cmd = ["trustbatch", "eval", "--model", str(model), "-b", _from_start(start, d.heldout or d.train),
+           "--limit", str(d.heldout_size),
            "-n", str(n), "-k", "1" if n == 1 else f"1,{n}", "--temperature", f"{cfg.eval.temperature:g}",
            "--max-new-tokens", str(cfg.rollout.max_new_tokens),
            "--seed", str(row_seed(cfg.train.seed, step, EVAL_STREAM))]
-    for flag, value in (("--data-dir", d.dir), ("--reward", cfg.reward.name), ("--prompt-field", d.prompt_field),
-                        ("--answer-field", d.answer_field), ("--system-prompt", d.system_prompt)):
+    for flag, value in (("--data-dir", _from_start(start, d.dir)), ("--reward", cfg.reward.name),
+                        ("--prompt-field", d.prompt_field), ("--answer-field", d.answer_field),
+                        ("--system-prompt", d.system_prompt)):
         if value is not None:
             cmd += [flag, value]
     if d.format != "auto":
@@ -152,6 +163,15 @@ def eval_command(cfg: Config, model: Path, step: int) -> list[str] | None:
     if d.chat_template != "auto":
         cmd += ["--chat-template", d.chat_template]
     return cmd
+
+
+def _from_start(start: str | None, path: str | None) -> str | None:
+    """``path`` as named from ``start``, absolute, where it is relative and exists there; else as given (a benchmark
+    name such as ``gsm8k`` resolves under ``data.dir`` instead, as ``benchmarks.resolve`` does)."""
+    if start is None or path is None or os.path.isabs(os.path.expanduser(path)):
+        return path
+    there = os.path.join(start, path)
+    return os.path.abspath(there) if os.path.exists(there) else path
 
 
 def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, command: list[str] | None,

@@ -124,6 +124,16 @@ PATH_KEYS = ("model.path", "model.reference", "data.train", "data.heldout", "dat
              "rollout.foreign_model")
 
 
+def start_directory(run_dir: Path) -> str | None:
+    """The directory the run started in (the ``cwd`` of the first line of ``segments.jsonl``), which the relative
+    paths of its config are relative to; None for runs from before it was recorded."""
+    seg = Path(run_dir) / "segments.jsonl"
+    try:
+        return json.loads(seg.read_text().splitlines()[0]).get("cwd") if seg.is_file() else None
+    except (IndexError, json.JSONDecodeError, AttributeError):
+        return None
+
+
 def check_resume_paths(saved: dict, run_dir: Path) -> None:
     """Refuse a resume whose relative paths would name other files than the run's: the saved config keeps paths as
     typed, so from another directory ``data.train=../data/train.jsonl`` names nothing (or another file), and an
@@ -134,11 +144,7 @@ def check_resume_paths(saved: dict, run_dir: Path) -> None:
         UserError: a relative path of ``PATH_KEYS`` exists from the start directory and, from here, does not or is
             another file; the line names the key, the start directory and the command to resume from there.
     """
-    seg = Path(run_dir) / "segments.jsonl"
-    try:
-        start = json.loads(seg.read_text().splitlines()[0]).get("cwd") if seg.is_file() else None
-    except (IndexError, json.JSONDecodeError, AttributeError):
-        start = None
+    start = start_directory(run_dir)
     if not start or Path(start).resolve() == Path.cwd().resolve():
         return
     flat = _flat(saved)
