@@ -105,10 +105,7 @@ def sft(
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")
     if out is not None:
-        from .policy.model import _quiet_transformers
-
-        with _quiet_transformers():  # no "Writing model shards" progress bar on stderr
-            policy.save(out)
+        policy.save(out)
         console.print(f"saved to {out}")
 
 

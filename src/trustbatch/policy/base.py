@@ -25,7 +25,7 @@ from typing import Callable
 from ..data import TaskSplit, load_task
 from ..errors import UserError
 from ..records import umask_modes
-from .model import Policy, _quiet_transformers, build_small_llama, load_policy
+from .model import Policy, build_small_llama, load_policy
 from .sft import sft
 from .shipped import install_shipped, shipped_base, shipped_manifests
 from .tokenizer import train_tokenizer
@@ -177,8 +177,7 @@ def build_base(
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
-        with _quiet_transformers():  # no "Writing model shards" progress bar between the SFT steps' lines
-            policy.save(tmp)
+        policy.save(tmp)
         umask_modes(tmp)
         os.replace(tmp, final)
     except OSError:

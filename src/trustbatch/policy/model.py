@@ -92,14 +92,16 @@ class Policy:
     def save(self, path: Path, state_dict: dict | None = None) -> None:
         """A Hugging Face model directory of the policy: its own weights, or ``state_dict``'s (e.g. gathered from
         FSDP2 shards); with LoRA adapters, the base with them merged (``policy.lora.merged_copy``), loadable with
-        no peft (a checkpoint stores the adapter instead)."""
-        if self.adapter is not None:
-            from .lora import merged_copy
+        no peft (a checkpoint stores the adapter instead). transformers' "Writing model shards" progress bar is kept
+        off stderr (``_quiet_transformers``): every save, a base's, ``sft --out``'s, a rollout worker's copy."""
+        with _quiet_transformers():
+            if self.adapter is not None:
+                from .lora import merged_copy
 
-            merged_copy(self.model).save_pretrained(path)
-        else:
-            self.model.save_pretrained(path, state_dict=state_dict)
-        self.tokenizer.save_pretrained(path)
+                merged_copy(self.model).save_pretrained(path)
+            else:
+                self.model.save_pretrained(path, state_dict=state_dict)
+            self.tokenizer.save_pretrained(path)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

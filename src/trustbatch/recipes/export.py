@@ -54,7 +54,6 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
             checkpoint's base moved, corrupt weights).
     """
     from ..policy import load_policy
-    from ..policy.model import _quiet_transformers
 
     run, cfg, ckpt = _checked_run(Path(run_dir), step)
     step = step_of(ckpt)
@@ -65,8 +64,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
     policy = load_policy(ckpt)  # a LoRA checkpoint: its base with the adapter merged, plain layers
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
-        with _quiet_transformers():  # no "Writing model shards" progress bar
-            policy.save(tmp)
+        policy.save(tmp)
         _generation_config(policy, cfg).save_pretrained(tmp)
         heldout = _heldout_at(run, step)
         command = eval_command(cfg, dest, step)

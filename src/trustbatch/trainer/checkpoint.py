@@ -67,7 +67,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     final = root / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        with _quiet_transformers():  # no "Writing model shards" progress bar on stderr at every checkpoint
+        with _quiet_transformers():  # peft's save too: no "Writing model shards" progress bar at every checkpoint
             if getattr(policy, "adapter", None) is not None:
                 # LoRA: the adapter and its base's name, not the merged model
                 save_adapter(policy, tmp, state_dict=model_state)
