@@ -5,13 +5,12 @@ Bad input (a config key, a value, a path, a name) ends with one line on stderr a
 
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import typer
 
 from .errors import UserError, exit_on_error
-from .processes import die_with_torchrun_agent, exit_without_finalizing
+from .processes import die_with_torchrun_agent, exit_without_finalizing, under_torchrun
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
@@ -348,7 +347,7 @@ def main() -> None:
 
     A rank under torchrun dies with its launcher (``processes.die_with_torchrun_agent``), from the start."""
     die_with_torchrun_agent()
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not under_torchrun():
         exit_on_error(app)
         return
     try:  # a torchrun rank: ends without Python's finalisation (processes.exit_without_finalizing says why)

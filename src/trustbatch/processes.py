@@ -46,6 +46,11 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="trustbatch-parent-watch").start()
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (it sets ``TORCHELASTIC_RUN_ID`` in every rank)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def die_with_torchrun_agent() -> None:
     """Under torchrun (``TORCHELASTIC_RUN_ID`` set): this rank dies when the launcher, its parent, dies; else nothing.
 
@@ -57,7 +62,7 @@ def die_with_torchrun_agent() -> None:
     cannot tell, and a rank orphaned before this call waits in ``init_process_group`` for the launcher's store.
     """
     global _watching_agent
-    if _watching_agent or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if _watching_agent or not under_torchrun():
         return
     parent = os.getppid()
     if parent == 1:
