@@ -1,9 +1,9 @@
 """Shared by tests/unit (no processes spawned) and tests/integration (processes, DDP, resume, lab, end to end).
 
 Helpers that test files import (``tiny``, ``runproc``, ``grad_probe``, ``llama_rows``, ``scorers_for_tests``,
-``lora_merge``) live in tests/support, put on ``sys.path`` here; processes spawned by multiprocessing inherit it,
-and tests that start a fresh interpreter put it on that process's PYTHONPATH (the ``support_on_pythonpath``
-fixture).
+``lora_merge``, ``gloo_ranks``) live in tests/support, put on ``sys.path`` here; processes spawned by multiprocessing
+inherit it, and tests that start a fresh interpreter put it on that process's PYTHONPATH (the
+``support_on_pythonpath`` fixture).
 """
 
 import os

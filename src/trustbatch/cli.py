@@ -235,6 +235,7 @@ def lab_run(
     from rich.console import Console
 
     from .lab import load_experiment, run_experiment
+    from .recipes.compare import duration
 
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
@@ -247,7 +248,7 @@ def lab_run(
     if arms is not None:
         exp = exp.select([a.strip() for a in arms.split(",") if a.strip()])
     res = run_experiment(exp, Path(out), jobs=jobs, console=console)
-    console.print(f"{exp.name}: {res['done']} runs done, {len(res['failed'])} failed, {res['wall_s'] / 60:.1f} min")
+    console.print(f"{exp.name}: {res['done']} runs done, {len(res['failed'])} failed, {duration(res['wall_s'])}")
     if res["failed"]:
         raise UserError(f"{len(res['failed'])} runs failed: {', '.join(res['failed'])}; rerun the same command to retry them")
 

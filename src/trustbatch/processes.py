@@ -75,13 +75,15 @@ def exit_without_finalizing(code: object = 0) -> NoReturn:
     """End this process as ``sys.exit(code)`` would, but without Python's finalisation: the ``atexit`` handlers run,
     the standard streams are flushed, and ``os._exit`` ends the process.
 
-    For a rank of a torchrun job (``cli.main``). torch.distributed's gloo backend frees the tensors of a finished
-    collective on its own worker threads, which need the GIL when a tensor holds a Python object. Once the
-    interpreter is finalising (after the ``atexit`` handlers), a thread that asks for the GIL is ended by
-    ``pthread_exit``, which C++ turns into ``std::terminate``: SIGABRT ("terminate called without an active
-    exception") in a rank that had written all its work, and torchrun reports the job as failed
-    (pytorch/pytorch#190489; ``destroy_process_group`` does not stop those threads). Without the finalisation
-    there is no such moment. What finalisation would do first runs here (non-daemon threads are joined, the
+    For a process that held a gloo process group: a rank of a torchrun job (``cli.main``), or a rank a script spawns
+    itself (``torch.multiprocessing``; the tests' ``tests/support/gloo_ranks.py``), called after
+    ``destroy_process_group``. torch.distributed's gloo backend frees the tensors of a finished collective on its own
+    worker threads, which need the GIL when a tensor holds a Python object. Once the interpreter is finalising
+    (after the ``atexit`` handlers), a thread that asks for the GIL is ended by ``pthread_exit``, which C++ turns
+    into ``std::terminate``: SIGABRT ("terminate called without an active exception") in a rank that had written
+    all its work, and torchrun (or ``torch.multiprocessing``'s join) reports the job as failed
+    (pytorch/pytorch#190489; ``destroy_process_group`` does not stop those threads). Without the finalisation there
+    is no such moment. What finalisation would do first runs here (non-daemon threads are joined, the
     ``atexit`` handlers run: temporary directories, loggers); what it does after that, freeing every object, the
     process does not need: its files are closed and its workers stopped by the command itself.
 

@@ -8,13 +8,11 @@ out here. Every chunked case uses several
 chunks that do not divide the width (C = 7 in chunks of 2 or 3), and checks that the chunked path ran.
 """
 
-import os
 import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from trustbatch import objectives
 from trustbatch.pipeline.batch import TrainBatch
@@ -26,6 +24,7 @@ from trustbatch.policy.shared_prompt import grouped_response_logprobs
 from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
+from gloo_ranks import two_gloo_ranks
 from grad_probe import sgd_recording_grads
 from llama_rows import _f64_rmsnorm
 
@@ -508,22 +507,15 @@ def test_learner_refuses_a_chunk_size_below_one():
 DDP_CASES = [("p3o", {"kl": "exact"}), ("grpo", {})]
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    world = World.from_env()
+def _ddp_grads(world: World, out_dir: Path) -> dict:
     res = {name: _learn(name, opts, 2, True, micro=2, world=world)[0] for name, opts in DDP_CASES}
     res["head_positions"] = _HEAD_CALLS
-    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return res
 
 
 @pytest.mark.slow  # two spawned ranks: ~30 s on 2 busy cores; the default job's DDP path is tests/integration/test_parallel.py
 def test_two_gloo_ranks_with_the_chunked_head_equal_one_process_on_the_full_path(tmp_path):
-    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn",
-                       join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = two_gloo_ranks(_ddp_grads, tmp_path)
     assert all(0 in r.pop("head_positions") for r in ranks)  # the chunked head ran under DDP on both ranks
     for name, opts in DDP_CASES:
         want, _ = _learn(name, opts, None, True, micro=8)

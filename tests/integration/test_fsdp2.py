@@ -20,7 +20,8 @@ from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World, decoder_blocks
 
 from grad_probe import sgd_recording_grads
-from test_parallel import _batch, _close, two_gloo_ranks
+from gloo_ranks import two_gloo_ranks
+from test_parallel import _batch, _close
 
 # (objective, rows in the batch, micro-batch size): with 5 rows rank 0 runs two micro-batches and
 # rank 1 one plus an empty one (and P3O's batch statistics pass pads likewise); with 7 both run two

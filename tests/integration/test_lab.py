@@ -5,6 +5,7 @@ import json
 import os
 import re
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -407,8 +408,14 @@ def test_lab_run_arms_trains_only_the_named_arms_and_records_them(tmp_path, monk
     assert call["command"].endswith("--arms p3o@x,g1@x") and call["arms"] == ["g1@x", "p3o@x"]
     assert list(yaml.safe_load((out / "sel" / "experiment.yaml").read_text())["arms"]) == list(spec["arms"])
     visited.clear()
-    assert CliRunner().invoke(app, ["lab", "run", str(f), "--out", str(out), "--jobs", "1"]).exit_code == 0
+    started = time.monotonic()
+    r = CliRunner().invoke(app, ["lab", "run", str(f), "--out", str(out), "--jobs", "1"])
+    took = time.monotonic() - started
+    assert r.exit_code == 0, r.output
     assert len(visited) == 4 * 2 + 2 * 1  # every run arm on seeds 0-1, the grid on seed 7
+    # a call of seconds says so in seconds (it read "0.0 min"), within the time the call took
+    said = re.search(r"sel: 10 runs done, 0 failed, (\d+(?:\.\d)?) s$", r.output.strip())
+    assert said and float(said[1]) <= took + 0.05, r.output
     exp = load_experiment(str(f))
     with pytest.raises(UserError, match="has no arm 'nope'; its run arms are onpolicy, p3o@x, g1@x, g2@x$"):
         exp.select(["p3o@x", "nope"])

@@ -5,7 +5,6 @@ objective declares cover the whole optimizer batch), and a 2-rank ``torchrun`` o
 finishes, its header printed once and naming the world size, as summary.json and ``trustbatch report`` do.
 """
 
-import datetime
 import io
 import json
 import os
@@ -15,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from trustbatch.pipeline.batch import TrainBatch
 from trustbatch.policy.forward import pack
 from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
+from gloo_ranks import two_gloo_ranks
 from grad_probe import sgd_recording_grads
 from runproc import cache  # noqa: F401
 
@@ -66,24 +65,6 @@ def _step(objective: str, world: World | None, micro_batch_size: int):
         batch = batch.select(world.shard(len(batch)))
     learner.step(batch)
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _rank_main(rank: int, body, init_file: str, out_dir: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    # a collective that one rank never reaches fails after the timeout instead of hanging the test run
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                                         timeout=datetime.timedelta(minutes=3))
-    torch.set_num_threads(1)
-    res = body(World.from_env(), Path(out_dir))
-    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
-def two_gloo_ranks(body, out_dir: Path) -> list:
-    """``body(world, out_dir)`` (a module-level function) in two spawned gloo ranks; their results in rank order."""
-    mp.start_processes(_rank_main, args=(body, str(out_dir / "init"), str(out_dir)), nprocs=2, start_method="spawn",
-                       join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _ddp_steps(world: World, out_dir: Path) -> dict:

@@ -19,7 +19,8 @@ import torch
 from trustbatch.trainer.learner import Learner
 
 from runproc import ROOT, cache, records, resume_args, train_args  # noqa: F401  (fixture)
-from test_parallel import _batch, _close, two_gloo_ranks
+from gloo_ranks import two_gloo_ranks
+from test_parallel import _batch, _close
 
 REF_KL = ["objective.options={ref_kl_coef: 0.04, entropy_coef: 0.01}", "train.lr=1e-2", "eval.every=100"]
 

@@ -6,12 +6,10 @@ model's own forward (float64 autograd), and the learner with ``shared_prompt=Fal
 Float64 models here compute RMSNorm in float64 (tests/support/llama_rows.py says why).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from trustbatch.pipeline.batch import TrainBatch
 from trustbatch.policy import shared_prompt as sp
@@ -20,6 +18,7 @@ from trustbatch.policy.shared_prompt import grouped_response_logprobs, shared_pr
 from trustbatch.trainer.learner import Learner
 from trustbatch.parallel import World
 
+from gloo_ranks import two_gloo_ranks
 from grad_probe import sgd_recording_grads
 from llama_rows import G, PROMPT_LENS, TOL, _close, _llama, _rows
 
@@ -173,26 +172,19 @@ def test_no_repeated_prompt_or_a_foreign_layout_takes_the_plain_forward():
 
 # ---- data parallel ------------------------------------------------------------------------------
 
-def _rank_main(rank: int, init_file: str, out_dir: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    world = World.from_env()
+def _ddp_grads(world: World, out_dir: Path) -> dict:
     batch = _batch(torch.float64)
-    res = {(obj, shared): _train_grads(obj, shared, 3, torch.float64, world=world, batch=batch)  # train_on shards
-           for obj in ("p3o_two_anchor", "grpo") for shared in (False, True)}
-    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return {(obj, shared): _train_grads(obj, shared, 3, torch.float64, world=world, batch=batch)  # train_on shards
+            for obj in ("p3o_two_anchor", "grpo") for shared in (False, True)}
 
 
 def test_two_gloo_ranks_with_shared_prompts_equal_the_plain_data_parallel_step(tmp_path):
     """Under DDP the prompt pass bypasses the wrapper and the completion pass goes through it, once per backward."""
-    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn",
-                       join=True)
+    ranks = two_gloo_ranks(_ddp_grads, tmp_path)
     for obj in ("p3o_two_anchor", "grpo"):
         one, _ = _train_grads(obj, False, 64, torch.float64)
         for rank in range(2):
-            res = torch.load(tmp_path / f"rank{rank}.pt")
+            res = ranks[rank]
             want, got = res[(obj, False)][0], res[(obj, True)][0]
             for n in want:
                 _close(got[n], want[n], f"{obj} rank {rank} {n}", 1e-9)

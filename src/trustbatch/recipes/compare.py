@@ -167,7 +167,7 @@ def _acc(rec: dict | None) -> str:
     return f"{rec[HELDOUT]:.3f}" + (f" ± {se:.3f}" if _finite(se) else "") + f" (round {rec['step']})"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """A wall time as read in the table: seconds below a minute (one decimal below 10 s), else minutes with one
     decimal; a run of a few seconds read "0.0 min" in minutes alone. The thresholds sit where rounding would
     otherwise print "10.0 s" or "60 s"."""
@@ -181,7 +181,7 @@ def _duration(seconds: float) -> str:
 def _wall(run: Run) -> str:
     if run.summary is None or not _finite(run.summary.get("wall_s")):
         return "unfinished (no summary.json)"
-    text = _duration(run.summary["wall_s"])
+    text = duration(run.summary["wall_s"])
     if run.segments == 1:
         return text
     # summaries that name the world size count every segment's time; older ones only the last segment's
