@@ -4,6 +4,8 @@ and skips the finalisation itself, whose last garbage collection is when a gloo 
 aborted a finished rank (pytorch/pytorch#190489). ``cli.main`` takes that exit under torchrun only.
 
 Each case has its control: the same process ended by ``sys.exit`` runs the finaliser that the tested exit skips.
+The tests' own spawned gloo ranks (``tests/support/gloo_ranks.py``) end the same way, and one that dies is named
+with its signal and its last lines of stderr.
 """
 
 import os
@@ -90,3 +92,30 @@ def test_the_command_skips_the_finalisation_under_torchrun_only(tmp_path):
         assert p.returncode == 2, p.stderr  # the same exit status and one-line error either way
         assert p.stderr.startswith("trustbatch: error:") and "no_such_key" in p.stderr, p.stderr
         assert marks.exists() is not rank, rank
+
+
+def _rank_number(world, out_dir: Path) -> int:
+    return world.rank
+
+
+def _rank_one_aborts(world, out_dir: Path) -> int:
+    if world.rank == 1:
+        print("rank 1 is about to abort", file=sys.stderr, flush=True)
+        os.abort()
+    return world.rank
+
+
+def test_spawned_ranks_end_cleanly_and_a_dead_rank_is_named_with_its_signal_and_last_stderr(tmp_path):
+    """The tests' spawned ranks (``tests/support/gloo_ranks.py``) exit 0 through ``exit_without_finalizing``, and a
+    rank killed by a signal, which leaves no traceback, is reported with what it last wrote to stderr: the one line
+    a CI log's summary keeps (CI at stop 53 showed only "process 1 terminated with signal SIGABRT")."""
+    import torch.multiprocessing as mp
+    from gloo_ranks import two_gloo_ranks
+
+    (tmp_path / "ok").mkdir()
+    assert two_gloo_ranks(_rank_number, tmp_path / "ok") == [0, 1]
+    (tmp_path / "dies").mkdir()
+    with pytest.raises(mp.ProcessExitedException, match=r"process 1 terminated with signal SIGABRT; its stderr ended: "
+                                                        r".*rank 1 is about to abort") as e:
+        two_gloo_ranks(_rank_one_aborts, tmp_path / "dies")
+    assert (e.value.error_index, e.value.signal_name) == (1, "SIGABRT")
