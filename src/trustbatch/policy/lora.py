@@ -133,18 +133,13 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, full_tensor(t.detach())
 
 
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``merged_weights(model)`` as one dict (whole tensors; of an FSDP2 model every rank must call it)."""
-    return dict(merged_weights(model))
-
-
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of ``model``'s architecture (peft's layers unwrapped) holding ``merged_state_dict(model)``.
+    """A plain copy of ``model``'s architecture (peft's layers unwrapped) holding ``merged_weights(model)``.
 
     What a rollout engine that keeps its own copy, or an export, starts from. Every parameter of the copy
     requires grad again, as in a freshly loaded model. A model without adapters is deep-copied as it is.
     """
-    state = merged_state_dict(model)
+    state = dict(merged_weights(model))
     plain = copy.deepcopy(model)
     for name in sorted(_lora_layers(plain), key=len, reverse=True):  # innermost first (none nest in practice)
         parent_name, _, child = name.rpartition(".")
