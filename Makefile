@@ -154,6 +154,58 @@ $(eval $(call extra_venv,$(TRACKERS_VENV),$(TRACKERS_EXTRAS)))
 test-trackers: $(TRACKERS_VENV)/.installed
 	$(TRACKERS_BIN)/python -m pytest -q tests/unit/test_log_trackers.py tests/integration/test_trackers.py
 
+# The dependency ranges pyproject.toml declares, tested at both ends, each in its own environment:
+# test-lowest: every direct dependency at its lower bound (uv's lowest-direct resolution, held to NAME==LOWER by
+# tests/support/lower_bounds.py: torch 2.10, transformers 5.4, datasets 3.0, numpy 2.0, peft 0.18, pydantic 2.7,
+# typer 0.20.1, ...; no bytecode precompiled, as uv installs by default);
+# test-newest: what `pip install trustbatch` resolves today, nothing pinned (a CUDA build of torch from PyPI).
+# Both run tests/unit and COMPAT_TESTS: the integration tests of what a dependency's version changed before
+# (one-line errors on stderr, gloo ranks, FSDP2 and LoRA under it, the decode loops, scorer processes).
+UV := uv==0.13.9
+LOWEST_VENV := .venv-lowest
+NEWEST_VENV := .venv-newest
+COMPAT_TESTS ?= tests/integration/test_cli.py tests/integration/test_bad_inputs.py tests/integration/test_partition.py \
+	tests/integration/test_fsdp2.py tests/integration/test_fsdp2_lora.py tests/integration/test_parallel.py \
+	tests/integration/test_rank_exit.py tests/integration/test_static_decode_train.py tests/integration/test_eval_cli.py \
+	tests/integration/test_refusals.py::test_scorer_exit_in_process_is_explained_by_the_next_start
+
+$(LOWEST_VENV)/.installed: pyproject.toml tests/support/lower_bounds.py
+	rm -rf $(LOWEST_VENV) && $(PY) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip install -q $(UV)
+	$(PY) tests/support/lower_bounds.py > $(LOWEST_VENV)/lower-bounds.txt
+	$(LOWEST_VENV)/bin/uv pip install -q --python $(LOWEST_VENV)/bin/python --resolution lowest-direct \
+		-c $(LOWEST_VENV)/lower-bounds.txt -e '.[test,lab]'
+	touch $@
+
+$(NEWEST_VENV)/.installed: pyproject.toml
+	rm -rf $(NEWEST_VENV) && $(PY) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/pip install -q -e '.[test,lab]'
+	touch $@
+
+.PHONY: test-lowest test-newest
+test-lowest test-newest: test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|tokenizers|pydantic|typer|datasets|numpy) '
+	.venv-$*/bin/python -m pytest -q $(XDIST) tests/unit
+	.venv-$*/bin/python -m pytest -q $(XDIST) $(COMPAT_TESTS)
+
+# Another CPython than the default one, on demand: `make test-python3.13` (or 3.12, ...) builds .venv-python3.13 with
+# that interpreter (a pyenv 3.13.* if there is one, else `python3.13` on the PATH; the pinned torch, the test and lab
+# extras) and runs tests/unit and COMPAT_TESTS. Not in CI, whose machine has one Python; measured in
+# docs/performance.md.
+other_python = $(firstword $(wildcard $(HOME)/.pyenv/versions/$*.*/bin/python$*) python$*)
+.PRECIOUS: .venv-python%/.installed
+.venv-python%/.installed: pyproject.toml constraints.txt
+	rm -rf .venv-python$* && $(other_python) -m venv .venv-python$*
+	.venv-python$*/bin/pip install -q --upgrade pip
+	.venv-python$*/bin/pip install -q $(TORCH)
+	.venv-python$*/bin/pip install -q $(PIN) -e '.[test,lab]'
+	touch $@
+
+test-python%: .venv-python%/.installed
+	.venv-python$*/bin/python -m pytest -q $(XDIST) tests/unit
+	.venv-python$*/bin/python -m pytest -q $(XDIST) $(COMPAT_TESTS)
+
 # Wheels for the GPU check (bench/gpu_check.py) on a machine with torch + CUDA but no network: what trustbatch
 # needs beyond that machine's image, for CPython 3.12 on manylinux x86-64, into the ignored .whl/ (under 40 MiB).
 WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

@@ -39,3 +39,33 @@ def support_on_pythonpath(monkeypatch, request):
 def _seed_and_threads():
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """The last lines of each failure, again, at the end of the log: CI keeps only the log's tail, and pytest's short
+    summary gives only an error's first line (or, where `CI` is set, every line of every message), while a failed
+    command's cause (a rank's signal, the trainer's one-line error) is at the end of the assertion's message.
+
+    An outer wrapper (tryfirst), so this prints after the terminal reporter's own short summary."""
+    result = yield
+    _repeat_failure_ends(terminalreporter)
+    return result
+
+
+def _repeat_failure_ends(terminalreporter):
+    reports = [r for kind in ("failed", "error") for r in terminalreporter.stats.get(kind, [])
+               if getattr(r, "longrepr", None) is not None]
+    if not reports:
+        return
+    terminalreporter.section("the end of each failure (also above, in full)")
+    for r in reports[:6]:
+        lines = [line for line in r.longreprtext.splitlines() if line.strip()]
+        # the error's own lines ("E   ..."), without the introspection of the compared objects
+        said = [line for line in lines if line.startswith("E ") and "+  where" not in line]
+        tail = (said[-10:] + lines[-1:]) if said else lines[-12:]
+        terminalreporter.write_line(f"{r.nodeid} ({r.when}):")
+        for line in tail:
+            terminalreporter.write_line(f"    {line[:300]}")
+    if len(reports) > 6:
+        terminalreporter.write_line(f"... and {len(reports) - 6} more, above")

@@ -155,6 +155,7 @@ def test_padding_free_learner_step_equals_padded_in_float64():
         g = torch.Generator().manual_seed(11)
         blp = -3.0 + 0.8 * torch.randn(B, C, generator=g, dtype=torch.float64)
         learner.step(TrainBatch(packed, blp, torch.randn(B, generator=g, dtype=torch.float64)))
+    assert grads[0] and grads[0].keys() == grads[1].keys()  # both optimizer steps were recorded
     for n in grads[0]:
         _close(grads[1][n], grads[0][n], f"grad {n}", 1e-10)
 

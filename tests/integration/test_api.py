@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-datasets = pytest.importorskip("datasets")
+import datasets  # noqa: E402 - a core dependency: a datasets that fails to import fails here, not skips
 
 from trustbatch.api import Trainer  # noqa: E402
 from trustbatch.errors import UserError  # noqa: E402

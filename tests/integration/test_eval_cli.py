@@ -91,3 +91,23 @@ def test_data_shorthand_and_heldout_is_disjoint(shared_dir, tmp_path):
     task = configured_task(cfg)
     assert task.reward == "gsm8k" and len(task.heldout) == 10 and len(task.train) == 20
     assert not {e.prompt for e in task.heldout} & {e.prompt for e in task.train}
+
+
+def test_a_datasets_that_fails_to_import_is_one_line_with_its_cause(tmp_path, shared_dir):
+    """pyarrow 26 refuses NumPy 1.x at import, and pip does not know: `datasets` is installed but does not import.
+    A stand-in package that fails the same way comes first on the path."""
+    import os
+
+    fake = tmp_path / "site" / "datasets"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('pyarrow requires NumPy 2.0 or newer, found 1.26.4')\n")
+    (tmp_path / "rows.parquet").write_bytes(b"PAR1")
+    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "trustbatch", "eval", "--model",
+                        str(shared_dir / "models" / "stories260K-hf"), "-b", str(tmp_path / "rows.parquet")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "installed but fails to import (pyarrow requires NumPy 2.0 or newer, found 1.26.4)" in lines[0], lines[0]
+    assert "pip install 'numpy>=2'" in lines[0] and "or give a JSONL file" in lines[0], lines[0]

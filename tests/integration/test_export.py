@@ -18,7 +18,7 @@ import pytest
 import torch
 from rich.console import Console
 
-datasets = pytest.importorskip("datasets")
+import datasets  # noqa: E402 - a core dependency: a datasets that fails to import fails here, not skips
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

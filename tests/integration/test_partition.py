@@ -1,16 +1,13 @@
 """Batch-scope ESS: loss and gradient are invariant to micro-batch and data-parallel partitioning."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trustbatch import objectives
 from trustbatch.objectives import RatioStats
-from trustbatch.processes import exit_without_finalizing
+
+from gloo_ranks import two_gloo_ranks
 
 P3O = objectives.get("p3o")
 
@@ -71,48 +68,27 @@ def test_micro_batch_scope_differs_from_batch_scope():
     assert abs(loss - ref_loss) > 1e-4
 
 
-def _worker(rank, world, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        lp, blp, adv, m = _data()
-        rows = torch.arange(6)[rank::world]  # uneven token counts per rank
-        stats = RatioStats.from_logprobs(lp[rows], blp[rows], m[rows]).all_reduce()
-        n = torch.tensor([float(m[rows].sum())], dtype=torch.float64)
-        dist.all_reduce(n)
-        x = lp[rows].clone().requires_grad_(True)
-        out = P3O(x, blp[rows], adv[rows], m[rows], ess=stats, num_tokens=float(n))
-        out.loss.backward()
-        loss = torch.tensor([out.loss.item()], dtype=torch.float64)
-        dist.all_reduce(loss)
-        q.put((rank, rows, float(loss), x.grad, out.metrics["ess"]))
-    finally:
-        dist.destroy_process_group()
-    exit_without_finalizing(0)  # as tests/support/gloo_ranks.py says why; the queue's feeder is flushed by atexit
+def _rank_part(world, out_dir):
+    lp, blp, adv, m = _data()
+    rows = torch.arange(6)[world.rank::world.size]  # uneven token counts per rank
+    stats = RatioStats.from_logprobs(lp[rows], blp[rows], m[rows]).all_reduce()
+    n = torch.tensor([float(m[rows].sum())], dtype=torch.float64)
+    dist.all_reduce(n)
+    x = lp[rows].clone().requires_grad_(True)
+    out = P3O(x, blp[rows], adv[rows], m[rows], ess=stats, num_tokens=float(n))
+    out.loss.backward()
+    loss = torch.tensor([out.loss.item()], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return rows, float(loss), x.grad, float(out.metrics["ess"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_gloo_processes_equal_single_batch():
+def test_two_gloo_processes_equal_single_batch(tmp_path):
     lp, blp, adv, m = _data()
     ref_loss, ref_grad = _full(lp, blp, adv, m)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = two_gloo_ranks(_rank_part, tmp_path)
     grad = torch.zeros_like(lp)
     e_ref = RatioStats.from_logprobs(lp, blp, m).ess()[0]
-    for rank, rows, loss, g, e in results:
+    for rows, loss, g, e in results:
         assert loss == pytest.approx(ref_loss, abs=1e-6)
         assert e == pytest.approx(e_ref, abs=1e-7)
         grad[rows] = g

@@ -116,6 +116,7 @@ def test_under_fsdp2_the_sharded_reference_gives_the_one_process_gradient(tmp_pa
     ranks = two_gloo_ranks(_fsdp2_reference, tmp_path)
     want = _grads(None, "ddp", micro_batch_size=64)
     assert want["kl_ref"] > 1e-3
+    assert len(want["grads"]) == len(list(_model().parameters()))  # the optimizer step was recorded
     for rank in range(2):
         got = ranks[rank]
         assert got["sharded"]

@@ -5,8 +5,11 @@ Real ``trustbatch train`` processes, their process trees read from /proc, and th
 
 import dataclasses
 import errno
+import shutil
 import signal
 import sys
+from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,32 +221,47 @@ def test_a_disk_that_turns_read_only_during_a_checkpoint_write_is_one_line(tmp_p
     assert path.name == "step_000000" and state["step"] == 0
 
 
+_Usage = namedtuple("usage", "total used free")  # shutil.disk_usage's result, in bytes
+
+
+class _OneFilePolicy:
+    """What save_checkpoint needs of a policy: a module, and a save that writes its weights file."""
+
+    model = torch.nn.Linear(2, 2)
+
+    def save(self, path):
+        (path / "model.safetensors").write_bytes(b"x")
+
+
 def test_torch_save_on_a_full_disk_is_an_enospc_oserror(tmp_path, monkeypatch):
     """torch.save raises RuntimeError, not OSError, when the disk fills: save_checkpoint names it ENOSPC."""
-    import errno
-    import shutil
-    from collections import namedtuple
-
-    import torch
-
-    from trustbatch.trainer import checkpoint
-
-    class P:
-        model = torch.nn.Linear(2, 2)
-
-        def save(self, path):
-            (path / "model.safetensors").write_bytes(b"x")
-
     def torn(*a, **k):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 448 vs 342")
 
-    monkeypatch.setattr(checkpoint.torch, "save", torn)
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 0))
+    monkeypatch.setattr(ckpt_mod.torch, "save", torn)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(10 << 30, 10 << 30, 0))
     with pytest.raises(OSError) as e:
-        checkpoint.save_checkpoint(tmp_path, 1, P(), {})
+        ckpt_mod.save_checkpoint(tmp_path, 1, _OneFilePolicy(), {})
     assert e.value.errno == errno.ENOSPC
     assert not list((tmp_path / "checkpoints").iterdir())  # nothing half-written left behind
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 0, 10 << 30))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(10 << 30, 0, 10 << 30))
     with pytest.raises(RuntimeError):  # with space left it is another fault: not disguised as a full disk
-        checkpoint.save_checkpoint(tmp_path, 1, P(), {})
+        ckpt_mod.save_checkpoint(tmp_path, 1, _OneFilePolicy(), {})
+
+
+def test_a_full_disk_is_told_before_the_torn_checkpoint_is_removed(tmp_path, monkeypatch):
+    """The torn file is what filled the disk: once it is removed the space is back. Here the disk has room exactly
+    while no partial trainer_state.pt exists (as in a 0.5B run whose 3 GB optimizer state found 2.9 GB free), so the
+    full-disk check must read the free space before the cleanup."""
+    def torn(obj, f, *a, **k):
+        Path(f).write_bytes(b"\0" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3047575104 vs 3047574996")
+
+    root = tmp_path / "checkpoints"
+    monkeypatch.setattr(ckpt_mod.torch, "save", torn)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(
+        10 << 30, 0, 0 if list(root.glob(".tmp-*/trainer_state.pt")) else 10 << 30))
+    with pytest.raises(OSError) as e:
+        ckpt_mod.save_checkpoint(tmp_path, 1, _OneFilePolicy(), {})
+    assert e.value.errno == errno.ENOSPC and "unexpected pos" in str(e.value)
+    assert not list(root.iterdir())  # and nothing half-written is left

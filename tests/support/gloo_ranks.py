@@ -52,5 +52,5 @@ def two_gloo_ranks(body, out_dir: Path, finalize: bool = False) -> list:
         log = out_dir / f"rank{e.error_index}.stderr"
         said = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
         raise mp.ProcessExitedException(f"{e}; its stderr ended: {' | '.join(said) or '(nothing)'}", e.error_index,
-                                        e.error_pid, e.exit_code, e.signal_name) from None
+                                        getattr(e, "error_pid", None), e.exit_code, e.signal_name) from None  # torch 2.9: none
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]

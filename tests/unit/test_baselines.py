@@ -126,6 +126,7 @@ def test_decoupled_ppo_weights_and_reduction_to_ppo():
     g0 = torch.Generator().manual_seed(9)
     prox = blp + 0.3 * torch.randn(blp.shape, generator=g0, dtype=blp.dtype)
     _, g = _grad("decoupled_ppo", lp, blp, adv, m, proximal_logprobs=prox, behavior_weight_cap=1.2)
+    lp = lp.detach()  # plain numbers for the computation by hand
     n = int(m.sum())
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
@@ -152,6 +153,7 @@ def test_two_anchor_matches_reference_code_formula():
     lp, blp, adv, m = _batch(13, spread=0.5)
     prox = blp + 0.4 * torch.randn(blp.shape, generator=torch.Generator().manual_seed(1), dtype=blp.dtype)
     out, g = _grad("p3o_two_anchor", lp, blp, adv, m, proximal_logprobs=prox)
+    lp = lp.detach()  # plain numbers for the computation by hand
     n = int(m.sum())
     sel = m.nonzero().tolist()
     rb = [math.exp(lp[i, t] - blp[i, t]) for i, t in sel]
@@ -192,6 +194,7 @@ def test_corrections_compose_with_grpo(kind):
     lp, blp, adv, m = _batch(17, spread=0.1)
     old = blp + 0.8 * torch.randn(blp.shape, generator=torch.Generator().manual_seed(2), dtype=blp.dtype)
     out, g = _grad("grpo", lp, blp, adv, m, old_logprobs=old, correction=kind)
+    lp = lp.detach()  # plain numbers for the computation by hand
     n = int(m.sum())
     for i in range(lp.shape[0]):
         idx = m[i].nonzero().flatten().tolist()

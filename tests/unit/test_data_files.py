@@ -5,10 +5,11 @@ Independent references: the prompts and references written out by hand from each
 module docstring), and the same rows read from a JSONL file (the pinned path)."""
 
 import json
+import sys
 
 import pytest
 
-datasets = pytest.importorskip("datasets")
+import datasets  # noqa: E402 - a core dependency: a datasets that fails to import fails here, not skips
 import pyarrow as pa  # noqa: E402  (comes with datasets)
 import pyarrow.parquet as pq  # noqa: E402
 
@@ -91,3 +92,11 @@ def test_a_bad_file_is_one_line_naming_the_file_and_the_cause(tmp_path, name, ma
     msg = str(e.value)
     assert "\n" not in msg and repr(str(path)) in msg and cause in msg, msg
     assert capfd.readouterr().err == ""  # datasets' own error lines and progress bars stay quiet
+
+
+def test_without_datasets_the_fix_is_to_install_it_or_give_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails and find_spec finds nothing, as when absent
+    with pytest.raises(UserError) as e:
+        load_benchmark(str(_parquet(tmp_path / "rows.parquet", ROWS)))
+    assert str(e.value) == ("Parquet, JSON and datasets directories need the `datasets` package: pip install datasets; "
+                            "or give a JSONL file")

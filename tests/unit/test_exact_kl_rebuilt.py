@@ -61,7 +61,7 @@ def _brute_force(weights, batch, behaviour_full, proximal=None):
         + (1 - e) * kl
     loss = torch.where(mask, per_token, 0.0).sum() / mask.sum()
     loss.backward()
-    return {n: p.grad for n, p in model.named_parameters()}, float(loss), float(e)
+    return {n: p.grad for n, p in model.named_parameters()}, float(loss.detach()), float(e.detach())
 
 
 def _close(got, want, what):

@@ -148,16 +148,28 @@ def test_a_reused_tensorwise_scale_serves_exactly_one_call():
 
 
 def test_rowwise_engine_records_the_fp8_copy_log_probs_and_requantizes_on_load(policy):
-    """Per-token scales make a row independent of its batch, so a plain forward of the copy reproduces the engine."""
+    """Per-token scales make a row independent of its batch, so a plain forward of the copy reproduces the engine.
+
+    Up to E4M3 rounding flips: the cached decoding and a full forward agree to float32 round-off (bit for bit on
+    transformers 5.24; within 6e-6 on 5.21, which computes the cached attention another way), and a round-off can
+    move an activation across an E4M3 rounding boundary, one code (≥ 6 %) away, which then moves that row's later
+    log-probs by up to ~0.05. So: each row's first token (from the prompt's forward, no cache) within 1e-4, and at
+    least 3/4 of all tokens within 1e-4 (21 of 24 on 5.21). Log-probs recorded from the float model instead miss
+    the first condition in every row here (9e-4 to 0.35) and match 3 of 24 tokens."""
     engine = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, precision="fp8_e4m3_rowwise", share=False)
     prompts = [policy.encode_prompt(t) for t in ("Once upon a time", "The dog")]
     ro = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[3, 4])
+    close = []
     for r in ro:
         ids = torch.tensor([r.prompt_ids + r.completion_ids])
         with torch.no_grad():
             lp = torch.log_softmax(engine.model(input_ids=ids).logits[0, len(r.prompt_ids) - 1:-1].float(), -1)
         at = lp.gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
-        torch.testing.assert_close(at, torch.tensor(r.behavior_logprobs), rtol=0, atol=1e-4)
+        err = (at - torch.tensor(r.behavior_logprobs)).abs()
+        assert err[0] <= 1e-4, err.tolist()
+        close.append(err <= 1e-4)
+    close = torch.cat(close)
+    assert close.float().mean() >= 0.75, f"{int(close.sum())} of {close.numel()} tokens within 1e-4"
     new = copy.deepcopy(policy.model)
     with torch.no_grad():
         for p in new.parameters():

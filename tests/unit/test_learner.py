@@ -10,6 +10,7 @@ from trustbatch.policy.model import build_small_llama
 from trustbatch.policy.tokenizer import train_tokenizer
 from trustbatch.trainer import Learner, TrainBatch
 
+from grad_probe import step_gradients
 from llama_rows import learner_batch as _batch
 
 
@@ -23,10 +24,7 @@ def tiny():
 def _grads(model, batch, micro, objective="p3o"):
     m = copy.deepcopy(model)
     learner = Learner(m, objective, micro_batch_size=micro, lr=0.0)
-    learner.optimizer.step = lambda: None  # keep the gradients for the comparison
-    learner.optimizer.zero_grad = lambda **k: None
-    metrics = learner.step(batch)
-    return {n: p.grad.clone() for n, p in m.named_parameters()}, metrics
+    return step_gradients(learner, m, batch)
 
 
 def test_micro_batches_give_the_single_batch_gradient(tiny):

@@ -5,7 +5,6 @@ Gradients are compared with the float32 learner's on the same batch; activation 
 them beyond float summation order.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -20,6 +19,7 @@ from trustbatch.trainer import Learner, TrainBatch
 from trustbatch.parallel import resolve_device
 
 from bf16_rounding import U_BF16, amplification
+from grad_probe import step_gradients
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +44,16 @@ def _batch(tok, rows=8, seed=0):
 def _grads(model, batch, objective="grpo", **kw):
     m = copy.deepcopy(model)
     learner = Learner(m, objective, micro_batch_size=4, lr=0.0, grad_clip=1e9, **kw)
-    learner.optimizer.step = lambda: None  # keep the gradients for the comparison
-    learner.optimizer.zero_grad = lambda **k: None
-    metrics = learner.step(batch)
-    return torch.cat([p.grad.flatten() for p in m.parameters()]), metrics, m
+    grads, metrics = step_gradients(learner, m, batch)
+    return torch.cat([grads[n].flatten() for n, _ in m.named_parameters()]), metrics, m, grads
 
 
 def _grads64(model, batch, mode, objective="grpo"):
     """The float32 learner's flat gradient on a float64 copy of ``model``, with ``mode`` (a ``Jitter``) entered."""
     m = copy.deepcopy(model).double()
     learner = Learner(m, objective, micro_batch_size=4, lr=0.0, grad_clip=1e9)
-    learner.optimizer.step = lambda: None  # keep the gradients
-    learner.optimizer.zero_grad = lambda **k: None
-    with mode or contextlib.nullcontext():
-        learner.step(batch)
-    return torch.cat([p.grad.flatten() for p in m.parameters()])
+    grads, _ = step_gradients(learner, m, batch, mode)
+    return torch.cat([grads[n].flatten() for n, _ in m.named_parameters()])
 
 
 @pytest.mark.parametrize("objective", ["grpo", "p3o"])
@@ -78,12 +73,12 @@ def test_bf16_mixed_gradient_error_is_the_unit_round_off_times_the_measured_ampl
     for GRPO here, 2.06 × for P3O); below u·κ/4: autocast did not run (the two gradients are then equal)."""
     tok, model = tiny
     b = _batch(tok)
-    g32, _, _ = _grads(model, b, objective)
-    g16, _, m = _grads(model, b, objective, precision="bf16-mixed")
+    g32, *_ = _grads(model, b, objective)
+    g16, _, m, grads = _grads(model, b, objective, precision="bf16-mixed")
     rel = float((g16 - g32).norm() / g32.norm())
     predicted = U_BF16 * amplification(lambda mode: _grads64(model, b, mode, objective))
     assert predicted / 4 <= rel <= 2 * predicted, (rel, predicted)
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
+    assert all(p.dtype == torch.float32 and grads[n].dtype == torch.float32 for n, p in m.named_parameters())
 
 
 def test_bf16_mixed_logprobs_are_float32_from_bf16_logits(tiny):
@@ -108,8 +103,8 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny):
     plain forward under checkpointing, which computes the same log-probs)."""
     tok, model = tiny
     b = _batch(tok)
-    g0, m0, _ = _grads(model, b, objective="p3o")
-    g1, m1, m = _grads(model, b, objective="p3o", activation_checkpointing=True)
+    g0, m0, *_ = _grads(model, b, objective="p3o")
+    g1, m1, m, _ = _grads(model, b, objective="p3o", activation_checkpointing=True)
     assert m.model.layers[0].gradient_checkpointing  # it is on
     assert float((g1 - g0).norm() / g0.norm()) < 1e-5
     assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5)

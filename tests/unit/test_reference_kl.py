@@ -16,6 +16,7 @@ from trustbatch.pipeline.batch import TrainBatch
 from trustbatch.policy.forward import pack
 from trustbatch.trainer import Learner
 
+from grad_probe import step_gradients
 from llama_rows import _llama, _rows
 
 
@@ -72,10 +73,7 @@ def _learner_grads(model, reference, batch, chunk, **options):
     m = copy.deepcopy(model)
     learner = Learner(m, "grpo", options, lr=0.0, grad_clip=1e9, micro_batch_size=5, logprob_chunk_size=chunk,
                       reference=copy.deepcopy(reference))
-    learner.optimizer.step = lambda: None  # keep the gradients
-    learner.optimizer.zero_grad = lambda **k: None
-    metrics = learner.step(batch)
-    return {n: p.grad.clone() for n, p in m.named_parameters()}, metrics
+    return step_gradients(learner, m, batch)
 
 
 def _hand_grads(model, reference, batch, ref_kl_coef, entropy_coef):

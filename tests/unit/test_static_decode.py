@@ -134,6 +134,7 @@ def test_a_checkpointed_training_module(model):
     assert m.training
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft calls it
 def test_a_lora_module(model):
     """A peft LoRA wrapper (``model.lora`` on policy): the static loop decodes the transformers model inside it, whose
     layers carry the adapters, and samples what the wrapper's generate samples. The adapters' B is made non-zero,

@@ -41,8 +41,9 @@ FreeDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan=False: `train.lr=.inf` or `.nan` must not pass validation.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # allow_inf_nan=False: `train.lr=.inf` or `.nan` must not pass validation. protected_namespaces=(): keys such as
+    # reward.model_weight are ours; pydantic 2.7 (our lower bound) warns on stderr for every field named model_*.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, protected_namespaces=())
 
     @model_validator(mode="before")
     @classmethod

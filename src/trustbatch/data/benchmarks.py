@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import UserError
-from .files import is_table, read_table
+from .files import import_datasets, is_table, read_table
 from .tasks import Example
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -233,10 +233,7 @@ def _hub_rows(spec: str) -> list[dict]:
     parts = spec.split(":")
     if len(parts) not in (2, 3):
         raise UserError(f"hub benchmark {'hf:' + spec!r} must look like hf:PATH:SPLIT or hf:PATH:CONFIG:SPLIT")
-    try:
-        import datasets
-    except ImportError:
-        raise UserError("hf: benchmarks need the `datasets` package (pip install datasets)") from None
+    datasets = import_datasets("hf: benchmarks")
     path, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
     try:
         return [dict(r) for r in datasets.load_dataset(path, config, split=split)]

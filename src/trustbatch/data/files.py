@@ -14,6 +14,7 @@ detection and field mapping as JSONL rows (``benchmarks.to_example``).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -66,13 +67,28 @@ def _load_dir(datasets, path: Path):
     return ds
 
 
-def _datasets():
+def import_datasets(need: str, otherwise: str = ""):
+    """The ``datasets`` module, imported for ``need`` (what the caller reads with it, the subject of "need").
+
+    ``otherwise`` ends the fix with what else a user may give ("; or give a JSONL file").
+
+    Raises:
+        UserError: it is not installed; or it is but fails to import (pyarrow 26 refuses NumPy 1.x, which pip does
+            not know). One line with the cause and the fix.
+    """
     try:
         import datasets
-    except ImportError:
-        raise UserError("Parquet, JSON and datasets directories are read with the `datasets` package "
-                        "(pip install datasets); or give a JSONL file") from None
+    except ImportError as e:
+        if importlib.util.find_spec("datasets") is None:
+            raise UserError(f"{need} need the `datasets` package: pip install datasets{otherwise}") from None
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{need} need the `datasets` package, which is installed but fails to import ({cause}): "
+                        f"install what that names, e.g. pip install 'numpy>=2' for pyarrow 26{otherwise}") from None
     return datasets
+
+
+def _datasets():
+    return import_datasets("Parquet, JSON and datasets directories", "; or give a JSONL file")
 
 
 @contextlib.contextmanager

@@ -106,9 +106,9 @@ def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, param
     Raises:
         UserError: unknown task, bad params, or too few distinct prompts.
     """
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
+    from ..rewards.scorers import import_reasoning_gym
 
+    reasoning_gym, DATASETS = import_reasoning_gym()
     steps_of = STEPS_TASKS.get(name)
     rg_name = steps_of or name
     if rg_name not in DATASETS:

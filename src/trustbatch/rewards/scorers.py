@@ -75,13 +75,24 @@ def is_model(name: str) -> bool:
     return isinstance(name, str) and name.startswith(MODEL_PREFIX)
 
 
+def import_reasoning_gym():
+    """``(reasoning_gym, reasoning_gym.factory.DATASETS)``, imported without the SyntaxWarnings one of its
+    dependencies (cellpylib 2.4: ``is`` with a literal) prints while Python compiles it: on the first import after an
+    install that did not precompile bytecode (uv's default), they would be the first lines a user sees."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    return reasoning_gym, DATASETS
+
+
 class ReasoningGymScorer:
     """Scores with the reasoning-gym task's ``score_answer(answer, entry)``; the reference is the entry as JSON."""
 
     def __init__(self, task: str):
-        import reasoning_gym
-        from reasoning_gym.factory import DATASETS
-
+        reasoning_gym, DATASETS = import_reasoning_gym()
         if task not in DATASETS:
             raise UserError(f"unknown reasoning-gym task {task!r} in reward 'rg:{task}'")
         self.task = task

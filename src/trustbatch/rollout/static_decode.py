@@ -62,7 +62,7 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     Needs what the shared-prompt forward needs (``policy.shared_prompt.shared_prompt_unsupported``: a decoder-only
     transformers model taking ``position_ids``, ``attention_mask`` and a cache, full attention, no ALiBi), that the
     cache ``generate`` would build has only plain full-attention layers (``policy.kv_cache.growing_cache_fits``), and a
-    transformers whose ``StaticLayer`` keeps its own write position (``cumulative_length``, transformers 5.x). A peft
+    transformers whose ``StaticLayer`` keeps its own write position (``cumulative_length``, transformers ≥ 5.4). A peft
     model is judged (and decoded) by the transformers model inside (``transformers_model``).
     """
     model = transformers_model(model)
@@ -77,7 +77,7 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
         import transformers
 
         return (f"transformers {transformers.__version__}'s StaticLayer takes cache positions from the model "
-                "(5.x keeps its own)")
+                "(5.4 and later keep their own)")
     return None
 
 

@@ -85,14 +85,13 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
             shutil.rmtree(final)
         umask_modes(tmp)
         os.replace(tmp, final)
-    except (RuntimeError, SafetensorError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        cause = _write_error(root, e)
+    except BaseException as e:
+        try:  # told before the cleanup: removing the torn files frees the very space that ran out
+            cause = _write_error(root, e) if isinstance(e, (RuntimeError, SafetensorError)) else None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         if cause is not None:
             raise cause from e
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     best = None if best_of is None else best_checkpoint(run_dir, best_of)
     if best_of is not None:

@@ -75,7 +75,7 @@ def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path, *, dra
             ax.set_title(label, fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
+        _legend(*axes, fontsize=7)
         fig.suptitle(f"{name}: mean ± s.e. over seeds", fontsize=9)
         files.append(_save(fig, out, f"{name}_{tag}.png"))
     # token log-ratio histograms at the first and the last recorded round, summed over seeds
@@ -96,9 +96,18 @@ def experiment_figures(name: str, arms: dict[str, list[dict]], out: Path, *, dra
         ax.set_title(f"ratio histogram, {title}", fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _legend(*axes, fontsize=7)
     files.append(_save(fig, out, f"{name}_ratios.png"))
     return files + _replay_figures(name, arms, out, draw=True)
+
+
+def _legend(*axes, **kw) -> None:
+    """The arms' legend on the first of ``axes`` with labelled artists; none when no panel has data (matplotlib would
+    warn): runs without ratio records, or a panel whose metric the runs never logged."""
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(**kw)
+            return
 
 
 def _replay_figures(name: str, arms: dict[str, list[dict]], out: Path, *, draw: bool) -> list[str]:
