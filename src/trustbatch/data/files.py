@@ -37,7 +37,7 @@ def read_table(path: Path) -> list[tuple[str, dict]]:
             not a ``save_to_disk`` directory, a ``DatasetDict`` of several splits); it holds no rows. One line,
             naming the path and the cause.
     """
-    datasets = _datasets()
+    datasets = import_datasets("Parquet, JSON and datasets directories", "; or give a JSONL file")
     shown = repr(str(path))
     with _quiet(datasets):
         try:
@@ -85,10 +85,6 @@ def import_datasets(need: str, otherwise: str = ""):
         raise UserError(f"{need} need the `datasets` package, which is installed but fails to import ({cause}): "
                         f"install what that names, e.g. pip install 'numpy>=2' for pyarrow 26{otherwise}") from None
     return datasets
-
-
-def _datasets():
-    return import_datasets("Parquet, JSON and datasets directories", "; or give a JSONL file")
 
 
 @contextlib.contextmanager
