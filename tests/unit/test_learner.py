@@ -63,6 +63,29 @@ def test_cap_weight_removed_is_the_batch_ratio_over_micro_batches(tiny):
         assert metrics["cap_weight_removed"] == pytest.approx(want, rel=1e-6), micro  # ρ is float32 in the objective
 
 
+def test_batch_ess_honours_the_objectives_log_ratio_clip_over_micro_batches(tiny):
+    """e_B (Eq. 11) of ρ = exp(clamp(log π_θ − log π_b, ±L)) at the user's L, written out from a plain forward, for one
+    micro-batch (the objective computes it) and for several (the learner sums the statistics over them)."""
+    from trustbatch.policy.forward import response_logprobs
+
+    tok, model = tiny
+    b = _batch(tok, seed=5)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, b.packed)
+    m = b.packed.response_mask
+    log_ratio = (logp - b.behavior_logprobs)[m]
+    clip = 1.0
+    assert float((log_ratio.abs() > clip).double().mean()) > 0.2  # the clip changes many ratios
+    rho = log_ratio.clamp(-clip, clip).exp()
+    want = float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum()))
+    unclipped = log_ratio.clamp(-20, 20).exp()
+    assert abs(want - float(unclipped.sum() ** 2 / (unclipped.numel() * (unclipped * unclipped).sum()))) > 0.05
+    for micro in (6, 2, 1):
+        learner = Learner(copy.deepcopy(model), "p3o", {"log_ratio_clip": clip}, micro_batch_size=micro, lr=0.0)
+        assert learner.step(copy.deepcopy(b))["ess"] == pytest.approx(want, rel=1e-9), micro
+
+
 def test_grpo_zeroed_share_is_logged_only_with_diagnostics(tiny):
     """GRPO's clip diagnostic runs only when asked (train.diagnostics): absent by default, and with it on, the share
     of valid tokens with A > 0 and ρ > 1 + ε or A < 0 and ρ < 1 − ε (ρ = π_θ/π_b), counted by hand over the batch."""

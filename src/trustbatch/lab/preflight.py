@@ -159,13 +159,14 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
     Raises:
         ValueError: an objective rejected the batch.
     """
-    from ..objectives import RatioStats
+    from ..objectives import DEFAULT_LOG_RATIO_CLIP, RatioStats
     from ..policy.forward import response_logprobs
 
     mask = batch.packed.response_mask
     with torch.no_grad():
         logp, _ = response_logprobs(model, batch.packed)
-        ess = RatioStats.from_logprobs(logp, batch.behavior_logprobs, mask).ess()[0]
+        ess = RatioStats.from_logprobs(logp, batch.behavior_logprobs, mask,
+                                       log_ratio_clip=(p3o_options or {}).get("log_ratio_clip", DEFAULT_LOG_RATIO_CLIP)).ess()[0]
         valid = mask.bool()
         gap = (logp.double() - batch.behavior_logprobs.double())[valid].abs()
     g_p3o, _ = learner_gradient(model, batch, PROBED, p3o_options, micro_batch_size=micro_batch_size,

@@ -21,7 +21,7 @@ import copy
 
 import torch
 
-from ..objectives import RatioStats
+from ..objectives import DEFAULT_LOG_RATIO_CLIP, RatioStats
 from ..objectives.p3o import anchor_log_weights
 from ..pipeline.batch import TrainBatch
 from ..policy.budget import vocab_size
@@ -126,14 +126,20 @@ class ForwardPasses:
             with self.autocast():
                 logp, _ = self.forward_fn(self.model, mb.packed)
             for k in names:
-                stats[k] = stats[k] + RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
+                stats[k] = stats[k] + self._ratio_stats(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
         return self._sum_stats(stats)
+
+    def _ratio_stats(self, logp: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor) -> RatioStats:
+        """``RatioStats`` of ``logp`` against ``anchor`` (both [B, C]) at the objective's own ``log_ratio_clip``, so
+        that an ESS summed over micro-batches or ranks equals the one the objective computes from a whole batch."""
+        return RatioStats.from_logprobs(logp, anchor, mask,
+                                        log_ratio_clip=self.options.get("log_ratio_clip", DEFAULT_LOG_RATIO_CLIP))
 
     @torch.no_grad()
     def _local_stats(self, logp: torch.Tensor, mb: TrainBatch) -> dict[str, RatioStats]:
         """The declared ``RatioStats`` of one micro-batch from its log-probs ``logp`` [B, C] (this rank only)."""
         m = mb.packed.response_mask
-        return {k: RatioStats.from_logprobs(logp, getattr(mb, _STAT_ANCHOR[k]), m) for k in self.spec.batch_stats}
+        return {k: self._ratio_stats(logp, getattr(mb, _STAT_ANCHOR[k]), m) for k in self.spec.batch_stats}
 
     def _take_proximal(self, local: TrainBatch) -> None:
         """Store π_θ's snapshot in ``local`` (``proximal_logprobs`` [B, C]; with full distributions also
