@@ -152,6 +152,34 @@ def test_a_lora_module(model):
     assert [r.completion_ids for r in static] != [r.completion_ids for r in sample(model, "static", sp)]
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft calls it
+@pytest.mark.parametrize("wrap", ["plain", "lora"])
+@pytest.mark.parametrize("prefill_once", [True, False])
+def test_the_models_generation_config_does_not_change_the_sampling(model, wrap, prefill_once):
+    """An Instruct model's ``generation_config.json`` (a repetition penalty, top-k, its own cache) must not reach
+    ``generate``: the dynamic loop samples what the static loop samples, and each recorded log-prob is
+    log_softmax(logits / T) of the sampled token from a plain forward of prompt + completion."""
+    m = copy.deepcopy(model)
+    if wrap == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    own = m.generation_config
+    own.update(do_sample=True, repetition_penalty=1.5, top_k=2, no_repeat_ngram_size=2, cache_implementation="static")
+    sp = SamplingParams(temperature=0.8, max_new_tokens=12)
+    dynamic = sample(m, "dynamic", sp, prefill_once=prefill_once)
+    assert worst_difference(dynamic, sample(m, "static", sp, prefill_once=prefill_once)) <= TOL
+    assert m.generation_config is own and own.repetition_penalty == 1.5  # put back as it was
+    worst = 0.0
+    with torch.no_grad():
+        for r in dynamic:
+            seq = torch.tensor([r.prompt_ids + r.completion_ids])
+            logits = m(input_ids=seq).logits[0, len(r.prompt_ids) - 1:-1].double() / sp.temperature
+            want = logits.log_softmax(-1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+            worst = max(worst, float((want - torch.tensor(r.behavior_logprobs, dtype=torch.float64)).abs().max()))
+    assert worst <= TOL
+
+
 def test_caches_are_kept_per_shape(model):
     """A chunk shape seen before gets its cache (and buffers) back, zeroed, so a CUDA graph sees the same addresses;
     at most KEEP shapes are held, the least recently used dropped first."""

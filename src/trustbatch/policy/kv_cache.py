@@ -119,19 +119,16 @@ class GrowingCache(DynamicCache):
 def growing_cache_fits(model: torch.nn.Module) -> bool:
     """Whether ``GrowingCache`` may stand in for the cache ``generate`` would build for ``model``.
 
-    True when the model takes a cache argument, is decoder-only, sets no ``cache_implementation`` in
-    its generation config (``generate`` refuses a cache passed beside one), and the ``DynamicCache``
-    transformers builds from its config has only plain ``DynamicLayer``s: no sliding-window,
-    chunked, linear-attention or shared layers, whose caches differ from ours. False, too, when the
-    config cannot be read that way (e.g. a per-layer heterogeneous config).
+    True when the model takes a cache argument, is decoder-only, and the ``DynamicCache`` transformers
+    builds from its config has only plain ``DynamicLayer``s: no sliding-window, chunked,
+    linear-attention or shared layers, whose caches differ from ours. False, too, when the config
+    cannot be read that way (e.g. a per-layer heterogeneous config). A ``cache_implementation`` in the
+    model's generation config does not count: the rollout engine calls ``generate`` without it.
     """
     if cache_kwarg(model) is None or not hasattr(model, "config"):
         return False
     cfg = model.config
     if getattr(cfg, "is_encoder_decoder", False):
-        return False
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and getattr(gen, "cache_implementation", None):
         return False
     try:
         layers = DynamicCache(config=cfg).layers

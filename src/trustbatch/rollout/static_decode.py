@@ -70,7 +70,7 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     if reason is not None:
         return reason
     if not growing_cache_fits(model):
-        return "its generation cache is not one of plain full-attention layers (or it sets a cache_implementation)"
+        return "its generation cache is not one of plain full-attention layers"
     from transformers.cache_utils import StaticLayer
 
     if "cumulative_length" not in vars(StaticLayer(max_cache_len=1)):

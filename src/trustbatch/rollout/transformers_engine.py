@@ -41,7 +41,8 @@ import contextlib
 import copy
 
 import torch
-from transformers import Cache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (Cache, GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+                          TopPLogitsWarper)
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
 from ..policy.forward import Recorded, Teacher
@@ -276,12 +277,13 @@ class TransformersEngine:
             cache = self._shared_prefill(ids, att, items, reserve, scaled) if self.prefill_once else None
             if cache is None and self.grow_cache:
                 cache = GrowingCache(reserve)
-            gen = self.model.generate(
-                input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
-                eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
-                temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
-                **({} if cache is None else {cache_kwarg(self.model): cache}),
-            )
+            with _only_our_sampling(self.model, self.eos_id, self.pad_id):
+                gen = self.model.generate(
+                    input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
+                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
+                    temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
+                    **({} if cache is None else {cache_kwarg(self.model): cache}),
+                )
         finally:
             for m in scaled:  # a scale left pending (generate failed before its first forward) must not leak
                 m.reuse_scale(False)
@@ -348,6 +350,24 @@ class TransformersEngine:
         for m in scaled:  # generate's first forward, each row's last prompt token, takes the same scales
             m.reuse_scale()
         return cache
+
+
+@contextlib.contextmanager
+def _only_our_sampling(model: torch.nn.Module, eos_id: int, pad_id: int):
+    """Within the block, every ``generation_config`` of ``model`` and its submodules (a peft wrapper copies its own
+    onto the base model) is a blank one with only the special ids: ``generate`` fills each setting it is not given
+    from the model's ``generation_config.json`` (an Instruct model's repetition penalty, top-k, a
+    ``cache_implementation``), which would make the engine sample, and record, another distribution than
+    ``SamplingParams`` describes and than the static loop and the learner's ``Teacher`` rebuild."""
+    saved = [(m, m.__dict__["generation_config"]) for m in model.modules()
+             if isinstance(m.__dict__.get("generation_config"), GenerationConfig)]
+    for m, _ in saved:
+        m.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    try:
+        yield
+    finally:
+        for m, gen in saved:
+            m.generation_config = gen
 
 
 def _prompt_slots(items) -> list[int]:
