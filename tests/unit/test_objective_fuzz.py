@@ -234,6 +234,20 @@ def test_float16_gradient_overflow_raises_in_backward():
         torch.autograd.grad(out.loss, lp)
 
 
+def test_a_deferred_gradient_refusal_is_a_zero_gradient_and_a_message():
+    """Inside ``deferred_grad_refusals`` the same overflow lets the backward pass finish (a data-parallel rank must
+    reach its collectives): a zero gradient, and the message kept; the block's end restores raising."""
+    lp, blp, adv, m = _small(torch.float16)
+    with objectives.deferred_grad_refusals() as refused:
+        out = objectives.get("reinforce")(lp, blp, adv.float() * 1e6, m, importance_weight=False)
+        (g,) = torch.autograd.grad(out.loss, lp)
+    assert g.dtype == torch.float16 and not bool(g.any())
+    assert len(refused) == 1 and refused[0].startswith("the gradient w.r.t. torch.float16 logprobs reaches 1.67e+05")
+    out = objectives.get("reinforce")(lp, blp, adv.float() * 1e6, m, importance_weight=False)
+    with pytest.raises(ValueError, match="reaches 1.67e"):
+        torch.autograd.grad(out.loss, lp)
+
+
 def test_huge_advantages_raise_instead_of_inf():
     lp, blp, adv, m = _small()
     with pytest.raises(ValueError, match="the loss is -?inf .*largest \\|advantage\\| 3e\\+38"):

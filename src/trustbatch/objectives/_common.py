@@ -7,13 +7,15 @@ including inf and NaN: they are replaced by 0 *before* any arithmetic, so that 0
 produces NaN in the forward or the backward pass.
 
 No silent NaN or inf: every objective either raises ValueError or returns a finite loss, and a
-finite gradient w.r.t. ``logprobs`` (else the backward pass raises ValueError). The forward checks
+finite gradient w.r.t. ``logprobs`` (else the backward pass raises ValueError, or, inside
+``deferred_grad_refusals``, gives a zero gradient and keeps the message). The forward checks
 cost no host synchronisation beyond the one ``finish`` makes for the metrics; the gradient check
 costs one in the backward pass (``_GradGuard``), where the loss's backward is a few small kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from numbers import Real
 from dataclasses import dataclass, field, fields, replace
@@ -147,17 +149,40 @@ class Prepared:
                        log_ratio=z(self.log_ratio))
 
 
+_DEFERRED: list[list[str]] = []  # the open deferred_grad_refusals blocks' message lists, innermost last
+
+
+@contextlib.contextmanager
+def deferred_grad_refusals():
+    """Within the block, a gradient the objectives' backward would refuse (``_GradGuard``) becomes a zero gradient
+    and its one-line message is appended to the yielded list, instead of a ValueError raised mid-backward.
+
+    For a data-parallel learner: a backward pass that stops halfway leaves DDP's gradient buckets or FSDP2's
+    reduce-scatters unfinished on one rank while the others wait in them. With the refusal deferred, every rank
+    runs its backward to the end, and the learner skips the step on all ranks. The objective's forward (and so
+    the ``_GradGuard`` it builds) must run inside the block; the backward may run on another thread.
+    """
+    messages: list[str] = []
+    _DEFERRED.append(messages)
+    try:
+        yield messages
+    finally:
+        _DEFERRED.remove(messages)
+
+
 class _GradGuard(torch.autograd.Function):
     """Cast log-probs to the compute dtype; in backward, refuse a gradient the input dtype cannot hold.
 
     Two overflows escape any forward check: a gradient such as −w·A/(seq_constant·S) at a token
     with log p = 0 overflows while the loss term (·log p) is 0; and autograd casts the float32
-    gradient back to float16 inputs, where |g| > 65504 becomes inf. Both raise here instead.
+    gradient back to float16 inputs, where |g| > 65504 becomes inf. Both raise here instead (or, inside
+    ``deferred_grad_refusals``, give a zero gradient and a kept message).
     """
 
     @staticmethod
     def forward(ctx, x, dtype):
         ctx.in_dtype = x.dtype
+        ctx.deferred = _DEFERRED[-1] if _DEFERRED else None
         return x.to(dtype)
 
     @staticmethod
@@ -165,10 +190,13 @@ class _GradGuard(torch.autograd.Function):
         big = float(g.abs().max()) if g.numel() else 0.0
         limit = torch.finfo(ctx.in_dtype).max
         if not big <= limit:
-            raise ValueError(
-                f"the gradient w.r.t. {ctx.in_dtype} logprobs reaches {big:.3g}, beyond that dtype's range "
-                f"({limit:.3g}); scale the advantages down, check num_tokens/seq_constant, or pass float32 logprobs"
-            )
+            message = (f"the gradient w.r.t. {ctx.in_dtype} logprobs reaches {big:.3g}, beyond that dtype's range "
+                       f"({limit:.3g}); scale the advantages down, check num_tokens/seq_constant, or pass float32 "
+                       "logprobs")
+            if ctx.deferred is None:
+                raise ValueError(message)
+            ctx.deferred.append(message)
+            return torch.zeros_like(g, dtype=ctx.in_dtype), None
         return g.to(ctx.in_dtype), None
 
 

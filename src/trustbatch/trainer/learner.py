@@ -319,7 +319,8 @@ class Learner(ForwardPasses):
 
         A step whose loss or gradient is not finite (the objective raises ValueError on a non-finite
         loss or gradient; a NaN or inf gradient norm) is skipped: no update, the version stays, and
-        ``nonfinite_skipped`` is 1. The decision is taken over every rank, so all ranks skip together.
+        ``nonfinite_skipped`` is 1. All ranks skip together; a refusing rank still runs its whole backward (zero
+        gradient), so it reaches the others' collectives (``objectives.deferred_grad_refusals``).
 
         Raises:
             ValueError: the objective needs proximal log-probs and the batch has none.
@@ -431,12 +432,19 @@ class Learner(ForwardPasses):
                 kw["proximal_logprobs"] = mb.proximal_logprobs
             if plan.per_micro_batch_stats:
                 kw.update(self._sum_stats(self._local_stats(logp, mb)))
-            try:
-                out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=plan.n_tokens,
-                                   num_sequences=plan.n_seqs, **kw, **self.options)
+            # A refusal must not stop this rank's backward halfway or skip it: under DDP and FSDP2 the other
+            # ranks wait in the collectives it runs. The step is then skipped on every rank (``step``).
+            with objectives.deferred_grad_refusals() as refused:
+                try:
+                    out = self.spec.fn(logp, mb.behavior_logprobs, mb.advantages, m, num_tokens=plan.n_tokens,
+                                       num_sequences=plan.n_seqs, **kw, **self.options)
+                except ValueError as e:  # a non-finite loss or input (objectives never return NaN silently)
+                    if logp.requires_grad:
+                        (logp.sum() * 0.0).backward()
+                    return str(e).splitlines()[0], None, None
                 (out.loss if self.world.size == 1 else out.loss * self.world.size).backward()
-            except ValueError as e:  # non-finite loss or gradient (objectives never return NaN silently)
-                return str(e).splitlines()[0], None, None
+            if refused:  # a gradient beyond the log-probs' dtype
+                return refused[0], None, None
         return out, logp, ent
 
     def _skip(self, cause: str) -> dict[str, float]:
