@@ -83,10 +83,10 @@ def test_kill9_at_several_points_then_resume_is_bit_identical(tmp_path, cache, c
     # a kill during round 1's checkpoint write leaves only the step-0 checkpoint: that resumes too
     if CASES[case][1][0] == ("ckpt", 1):
         assert segments[1]["start_round"] == 0
-    if SCHEDULE[0] in CASES[case][0]:  # the lr after each optimizer step k (4 a round), by hand: warm-up, cosine
+    if SCHEDULE[0] in CASES[case][0]:  # the lr each optimizer step k (4 a round) uses, by hand: warm-up, cosine
         lr, warm, total = load_config(None, TINY).train.lr, 3, 6 * 4
         f = [(k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm)))
-             for k in range(1, total + 1)]
+             for k in range(total)]
         logged = [(x["step"], x["opt_step"], x["lr"]) for x in records(tmp_path / "run", "steps.jsonl")]
         assert [(r, j) for r, j, _ in logged] == [(r, j) for r in range(1, 7) for j in range(4)]
         assert [x for _, _, x in logged] == pytest.approx([lr * v for v in f], rel=1e-12)

@@ -125,3 +125,29 @@ def test_stop_before_ends_train_on_before_that_optimizer_step(tiny):
     out = learner.train_on(b, stop_before=stop_before)
     assert [s for s, _ in seen] == [0, 1, 2, 3] and sum(n for _, n in seen[:2]) == len(b)  # an epoch covers the batch
     assert learner.version == 3 and out["optimizer_steps"] == 3.0 and len(learner.step_records) == 3
+
+
+def test_minibatches_split_the_rows_evenly_into_that_many_optimizer_steps(tiny):
+    """6 rows in 4 mini-batches: 2 + 2 + 1 + 1 rows, four steps that each train (torch.chunk gave 2 + 2 + 2 and an
+    empty fourth step, which moved the version and the schedule without a gradient)."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    assert len(b) == 6
+    learner = Learner(copy.deepcopy(model), "p3o", lr=1e-3, minibatches=4)
+    sizes = []
+    learner.train_on(b, stop_before=lambda step, mini: sizes.append(len(mini)) or False)
+    assert sizes == [2, 2, 1, 1]
+    assert [r["grad_norm"] > 0 for r in learner.step_records] == [True] * 4 and learner.version == 4
+
+
+def test_the_logged_lr_is_the_rate_the_step_used(tiny):
+    """Linear warm-up over 4 steps to lr = 1: the steps use 1/4, 2/4, 3/4, 1 (by hand), and log those."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    learner = Learner(copy.deepcopy(model), "grpo", lr=1.0, warmup_steps=4, minibatches=5)
+    used = []
+    learner.train_on(b, stop_before=lambda step, mini: used.append(learner.optimizer.param_groups[0]["lr"]) or False)
+    assert used[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert [r["lr"] for r in learner.step_records] == used

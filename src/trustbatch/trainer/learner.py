@@ -297,9 +297,9 @@ class Learner(ForwardPasses):
         self.step_records = []
         for _epoch in range(self.epochs):
             perm = torch.randperm(len(local))
-            pieces = list(perm.chunk(self.minibatches))
-            # every rank takes the same number of optimizer steps, even with fewer rows than minibatches
-            pieces += [perm[:0]] * (self.minibatches - len(pieces))
+            # exactly `minibatches` pieces of sizes that differ by at most one (chunk gave fewer, e.g. 2+2+2 rows and
+            # an empty step for 6 rows in 4); every rank takes as many optimizer steps, even with fewer rows
+            pieces = list(torch.tensor_split(perm, self.minibatches))
             for mb_index, mb in enumerate(pieces):
                 mini = local.select(mb)
                 if stop_before is not None and stop_before(len(step_metrics), mini):
@@ -363,6 +363,7 @@ class Learner(ForwardPasses):
         if self.world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")
         self.bad_steps = 0
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses, logged before the schedule moves on
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -370,10 +371,7 @@ class Learner(ForwardPasses):
         for fn in self.on_step:
             fn(self.version, self.model)
         out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
-        out["grad_norm"] = grad_norm
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        out["nonfinite_skipped"] = 0.0
-        return out
+        return {**out, "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
 
     def _report_ratios(self, step_log_ratios: list[torch.Tensor]) -> None:
         """Hand this step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]) to the
