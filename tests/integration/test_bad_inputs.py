@@ -188,6 +188,19 @@ def test_a_value_of_the_wrong_shape_says_how_to_write_it(override, fix, works):
     load_config(None, [works])
 
 
+@pytest.mark.parametrize("group_size, fraction, gives", [(4, 0.1, 0), (2, 0.25, 0), (4, 0.9, 4), (8, 0.95, 8)])
+def test_a_foreign_fraction_that_rounds_to_none_or_all_of_a_group_is_refused(group_size, fraction, gives):
+    """round(G·f) samples of a group are the foreign model's: none, or all G, would load it and train on none of its
+    samples, or on none of the policy's. The fractions the message offers, 1/G and (G − 1)/G, are accepted."""
+    with pytest.raises(UserError) as e:
+        load_config(None, [f"rollout.group_size={group_size}", f"rollout.foreign_fraction={fraction}"])
+    msg = str(e.value)
+    assert "\n" not in msg and f"gives {gives} of the {group_size} samples" in msg
+    for ok in (1 / group_size, (group_size - 1) / group_size):
+        assert f"{ok:.3g}" in msg
+        load_config(None, [f"rollout.group_size={group_size}", f"rollout.foreign_fraction={ok}"])
+
+
 def test_config_file_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "list.yaml"
     f.write_text("- train.steps=3\n")

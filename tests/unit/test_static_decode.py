@@ -379,3 +379,10 @@ def test_refusals(model):
     with pytest.raises(ValueError, match="noise='mt'"):
         TransformersEngine(model, 2, 0, noise="mt")
     check_engine(EngineSpec(decode="static_compiled", precision="bfloat16"))
+    for decode in ("dynamic", "static"):  # an empty prompt has no position to score its first new token from
+        with pytest.raises(ValueError, match="prompt 1 has no token"):
+            sample(model, decode, SamplingParams(max_new_tokens=3), prompts=[[1, 5], []], seeds=[1, 2])
+    from trustbatch.policy.forward import pack
+
+    with pytest.raises(ValueError, match="prompt 0 has no token"):
+        pack([[], [5, 7]], [[3], [4]], pad_id=0)

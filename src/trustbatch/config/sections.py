@@ -259,6 +259,17 @@ class RolloutConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _foreign_share_of_a_group(self) -> "RolloutConfig":
+        # round(G·f) samples of each group come from the foreign model: a fraction that rounds to none, or to the
+        # whole group, would load the foreign model and train on none of its samples, or on nothing else
+        G, f = self.group_size, self.foreign_fraction
+        if f > 0 and not 1 <= round(G * f) <= G - 1:
+            raise ValueError(f"rollout.foreign_fraction={f:g} gives {round(G * f)} of the {G} samples of a group "
+                             f"(rollout.group_size) to the foreign model; set a fraction from {1 / G:.3g} to "
+                             f"{(G - 1) / G:.3g}, or 0 for no foreign samples")
+        return self
+
+    @model_validator(mode="after")
     def _async_keys_need_async(self) -> "RolloutConfig":
         # Sync mode never reads these: a value the user set would be silently ignored. A set key equal to
         # its default is let through, because every saved config.yaml (resume, a lab run's seed file) holds
@@ -272,7 +283,8 @@ class RolloutConfig(_Strict):
                         f"add rollout.mode=async, or drop it" + (" (rollout.staleness simulates a fixed lag in sync mode)"
                                                                if name == "max_staleness" else ""))
         return self
-    foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model")
+    foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model: "
+                                    "round(group_size · f) of its samples, which must be 1 .. group_size − 1")
     foreign_model: str | FreeDict = Field(
         "initial", description="'initial' (the frozen starting policy), a local HF directory with the same "
                                "tokenizer, or model-config overrides for another default base (e.g. {hidden: 96, seed: 1})")

@@ -206,7 +206,13 @@ class TransformersEngine:
 
         ``seeds`` (one per prompt) fix each group's random streams: completion j of prompt i is drawn
         from ``row_seed(seeds[i], j)``. None draws the group seeds from torch's global generator.
+
+        Raises:
+            ValueError: a prompt without tokens, or not one seed per prompt.
         """
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} has no token; every prompt "
+                             "needs at least one (a BOS token counts)")
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         elif len(seeds) != len(prompts):
