@@ -252,3 +252,38 @@ def test_huge_advantages_raise_instead_of_inf():
     lp, blp, adv, m = _small()
     with pytest.raises(ValueError, match="the loss is -?inf .*largest \\|advantage\\| 3e\\+38"):
         objectives.get("reinforce")(lp * 10, blp, adv * 3e38, m, importance_weight=False)
+
+
+def test_ratio_quantiles_above_torch_quantiles_limit(monkeypatch):
+    """p50 and p99 of the ratios: NumPy's linear interpolation, for a call with more valid tokens than
+    torch.quantile takes (2^24; it raised "input tensor is too large", a bare RuntimeError in the learner)."""
+    import numpy as np
+
+    from trustbatch.objectives import _common
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.rand(2**24 + 3, generator=g)
+    want = np.quantile(big.numpy().astype(np.float64), [0.5, 0.99])
+    assert _common.quantiles(big, (0.5, 0.99)).double().numpy() == pytest.approx(want, rel=1e-6)
+    monkeypatch.setattr(_common, "QUANTILE_MAX_ELEMENTS", 4)  # the sort path on a small call, through an objective
+    lp, blp = -torch.rand(3, 5, generator=g) * 2, -torch.rand(3, 5, generator=g) * 2
+    out = objectives.get("p3o")(lp.requires_grad_(True), blp, torch.randn(3, generator=g), torch.ones(3, 5, dtype=torch.bool))
+    ratio = (lp - blp).exp().detach().flatten().double().numpy()
+    want = np.quantile(ratio, [0.5, 0.99])
+    assert [float(out.metrics["ratio_p50"]), float(out.metrics["ratio_p99"])] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["p3o_two_anchor", "decoupled_ppo"])
+def test_a_missing_proximal_snapshot_is_named(name):
+    lp, blp, adv, m = _small()
+    with pytest.raises(ValueError, match=f"^{name} needs proximal_logprobs \\[B, T\\]"):
+        objectives.get(name)(lp, blp, adv, m, proximal_logprobs=None)
+
+
+def test_per_row_ess_is_refused_outside_sequence_scope():
+    lp, blp, adv, m = _small()
+    with pytest.raises(ValueError, match="ess has 2 values, but ess_scope='batch' takes one"):
+        objectives.get("p3o_two_anchor")(lp, blp, adv, m, proximal_logprobs=blp, ess=torch.tensor([0.5, 0.6]),
+                                         ess_proximal=0.9)
+    with pytest.raises(ValueError, match="ess has 2 values, but ess_scope='micro_batch' takes one"):
+        objectives.get("p3o")(lp, blp, adv, m, ess_scope="micro_batch", ess=torch.tensor([0.5, 0.6]))

@@ -126,9 +126,14 @@ class Prepared:
         c = self.opts.log_ratio_clip
         return self.log_ratio.clamp(-c, c)
 
-    def sanitize(self, name: str, t: torch.Tensor | None, *, grad: bool = False) -> torch.Tensor | None:
-        """Check the shape of an extra [B, T] input and zero it at masked positions."""
+    def sanitize(self, name: str, t: torch.Tensor | None, *, grad: bool = False,
+                 required: str = "") -> torch.Tensor | None:
+        """Check the shape of an extra [B, T] input and zero it at masked positions. None stays None, unless
+        ``required`` names the objective that needs it (then ValueError)."""
         if t is None:
+            if required:
+                raise ValueError(f"{required} needs {name} [B, T] (log-probs under the proximal policy, the one at "
+                                 "the start of the epoch); got None")
             return None
         t = _as_2d(name, t, self.mask.shape)
         check_floating(name, t)
@@ -198,6 +203,22 @@ class _GradGuard(torch.autograd.Function):
             ctx.deferred.append(message)
             return torch.zeros_like(g, dtype=ctx.in_dtype), None
         return g.to(ctx.in_dtype), None
+
+
+QUANTILE_MAX_ELEMENTS = 2**24  # torch.quantile refuses larger inputs ("input tensor is too large")
+
+
+def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+    """The ``qs`` quantiles of a 1-D float tensor ``values`` [N], N ≥ 1, with linear interpolation between the
+    sorted values at position q·(N − 1) (``torch.quantile``'s and NumPy's default): ``torch.quantile`` itself up
+    to ``QUANTILE_MAX_ELEMENTS``, a sort above, where a learner step of many long completions gets."""
+    q = torch.tensor(qs, dtype=values.dtype, device=values.device)
+    if values.numel() <= QUANTILE_MAX_ELEMENTS:
+        return torch.quantile(values, q)
+    s = values.sort().values
+    pos = q.double() * (values.numel() - 1)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo).to(values.dtype)
 
 
 def _as_2d(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -354,7 +375,7 @@ def ratio_metrics(prep: Prepared, ratio: torch.Tensor, clip_eps: float = 0.2) ->
         out.update(ratio_p50=z + 1, ratio_p99=z + 1, ratio_max=z + 1, abs_log_ratio_mean=z,
                    abs_log_ratio_max=z, log_ratio_clamped=z, kl_behavior=z, clip_fraction=z, ess=z + 1)
         return out
-    q = torch.quantile(vals.float(), torch.tensor([0.5, 0.99], dtype=torch.float32, device=vals.device))
+    q = quantiles(vals.float(), (0.5, 0.99))
     alr = lr.abs()
     r64 = vals.double()
     s1, s2 = r64.sum(), (r64 * r64).sum()

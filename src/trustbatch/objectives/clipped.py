@@ -222,7 +222,7 @@ def decoupled_ppo(
         proximal_logprobs: [B, T] log π_prox (no gradient): the policy at the start of the epoch.
     """
     def per_token(prep: Prepared, old: torch.Tensor, metrics: dict):
-        prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
+        prox = prep.sanitize("proximal_logprobs", proximal_logprobs, required="decoupled_ppo")
         c = prep.opts.log_ratio_clip
         w = (prox - prep.behavior_logprobs).clamp(-c, c).exp()
         if behavior_weight_cap is not None:

@@ -127,6 +127,9 @@ def _resolve_ess(
         e, fb = ess.ess()
         return torch.tensor(e, dtype=torch.float64), torch.tensor(float(fb))
     if isinstance(ess, torch.Tensor) and ess.numel() > 1:
+        if scope != "sequence":
+            raise ValueError(f"{name} has {ess.numel()} values, but ess_scope={scope!r} takes one (a float, a 0-dim "
+                             "tensor or RatioStats); per-row values are for ess_scope='sequence'")
         e = ess.detach().to(dtype).reshape(-1, 1)
         if e.shape[0] != ratio.shape[0]:
             raise ValueError(f"{name} has {e.shape[0]} rows but the batch has {ratio.shape[0]}; pass [B] or a scalar")
@@ -326,7 +329,7 @@ def p3o_two_anchor(
         raise ValueError("kl_exact against π_mix needs the ess and ess_proximal its mixture weights came from; "
                          "pass both (anchor_log_weights gives the weights)")
     full = _exact_kl_inputs(prep, kl, **given) if kl_given is None else None
-    prox = prep.sanitize("proximal_logprobs", proximal_logprobs)
+    prox = prep.sanitize("proximal_logprobs", proximal_logprobs, required="p3o_two_anchor")
     c = prep.opts.log_ratio_clip
     lr_b = prep.clamped_log_ratio()
     ratio_b = lr_b.detach().exp()
