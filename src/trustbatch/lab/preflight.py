@@ -255,6 +255,7 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         UserError: the arm cannot be built here (e.g. an engine that is not installed), or no batch had an
             informative group.
     """
+    from ..recipes.backends import learner_options
     from ..recipes.build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
     from ..trainer.loop import run_loop
 
@@ -289,7 +290,7 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         age = parts.learner.version - int(versions.min()) if versions.numel() else 0
         # an arm that trains the probed objective has it probed as it trains it; other arms get its defaults
         own = cfg.objective.name == PROBED
-        res = probe_batch(policy.model, measured, p3o_options=cfg.objective.options if own else {},
+        res = probe_batch(policy.model, measured, p3o_options=learner_options(cfg) if own else {},
                           ess_scope=cfg.train.ess_scope if own else "batch",
                           micro_batch_size=cfg.train.micro_batch_size)
     finally:

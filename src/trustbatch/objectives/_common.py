@@ -56,7 +56,8 @@ class CommonOptions:
         whose loss is then 0.
     num_sequences: global S for the sequence aggregations; None counts this call's non-empty rows.
         Must be ≥ this call's non-empty rows, like ``num_tokens``.
-    seq_constant: the Dr.GRPO constant (> 0); None uses T (the padded response length; 1 if T = 0).
+    seq_constant: the Dr.GRPO constant (> 0); None uses T (the padded response length; 1 if T = 0). The trainer
+        passes the generation budget, rollout.max_new_tokens (docs/design/objectives.md §3.4).
     log_ratio_clip: bound L on |log ρ| before exp (docs/design/objectives.md §1.8 item 3), in (0, 80]; tokens beyond it
         are counted in the ``log_ratio_clamped`` metric.
     ref_logprobs, ref_kl_coef, ref_kl: optional KL to a frozen reference policy, added per token

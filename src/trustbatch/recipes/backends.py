@@ -84,6 +84,17 @@ def learner_autocast(cfg: Config) -> torch.dtype | None:
     return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
 
 
+def learner_options(cfg: Config) -> dict:
+    """``objective.options`` as the learner takes them: with ``aggregation: seq_mean_token_sum`` and no
+    ``seq_constant``, the constant is the generation budget ``rollout.max_new_tokens`` (Dr.GRPO's L_const, arXiv
+    2503.20783 §3.4; TRL's ``dr_grpo`` and verl's ``seq-mean-token-sum-norm`` over responses padded to the budget),
+    not the objective's own default (the batch's longest completion, which would rescale the loss every round)."""
+    opts = dict(cfg.objective.options)
+    if opts.get("aggregation") == "seq_mean_token_sum" and opts.get("seq_constant") is None:
+        opts["seq_constant"] = float(cfg.rollout.max_new_tokens)
+    return opts
+
+
 def _learner_kwargs(cfg: Config, version: int) -> dict:
     tr = cfg.train
     return dict(lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, micro_batch_size=tr.micro_batch_size,
@@ -102,7 +113,7 @@ def local_learner(inp: Inputs) -> Learner:
     param_dtype = torch.bfloat16 if tr.strategy == "fsdp2" and tr.precision == "bf16-mixed" else None
     # the reference KL's model; under LoRA by default the peft model, whose base the learner runs with adapters off
     reference = inp.reference if inp.reference is not None else inp.policy.adapter
-    return Learner(inp.policy.model, cfg.objective.name, cfg.objective.options, world=inp.world,
+    return Learner(inp.policy.model, cfg.objective.name, learner_options(cfg), world=inp.world,
                    strategy=tr.strategy, param_dtype=param_dtype, reference=reference,
                    **_learner_kwargs(cfg, inp.version))
 
@@ -120,7 +131,7 @@ def ray_learner(inp: Inputs):
         raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
     from ..orchestration.ray_learner import RayLearnerGroup
 
-    return RayLearnerGroup(inp.policy.model, cfg.objective.name, cfg.objective.options, ranks=cfg.ray_learners,
+    return RayLearnerGroup(inp.policy.model, cfg.objective.name, learner_options(cfg), ranks=cfg.ray_learners,
                            seed=cfg.train.seed, address=cfg.ray_address, rollout_workers=cfg.rollout.workers,
                            **_learner_kwargs(cfg, inp.version))
 
