@@ -187,6 +187,31 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cach
     assert records(run_dir) == records(four_rounds)
 
 
+def test_resumes_that_would_redo_or_skip_recorded_rounds_are_refused(tmp_path, four_rounds, monkeypatch, capsys):
+    """Each refusal is one line, and leaves every file of the run byte-identical: a run stopped after round 4 (no
+    summary) resumed with train.steps below 4 (it "finished" untrained, its summary naming the base's accuracy); a
+    run whose checkpoints are gone (it restarted from round 0 over its records); run_dir naming another place (it
+    was ignored)."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(four_rounds, stopped)
+    (stopped / "summary.json").unlink()
+    gone = tmp_path / "gone"
+    shutil.copytree(four_rounds, gone)
+    shutil.rmtree(gone / "checkpoints")
+    (gone / "checkpoints").mkdir()
+    cases = [(stopped, ["train.steps=3"], "has trained 4 rounds (its last checkpoint); train.steps=3 is fewer"),
+             (gone, ["train.steps=6"], "has no checkpoint to resume from, but its records hold 4 trained rounds"),
+             (four_rounds, ["train.steps=6", f"run_dir={tmp_path / 'elsewhere'}"], "a resume continues in the run's own")]
+    for run_dir, overrides, said in cases:
+        before = snapshot(run_dir)
+        code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), *overrides)
+        assert code == 2 and said in one_line(err), err
+        assert snapshot(run_dir) == before
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_resume_of_a_run_older_than_a_config_key():
     from trustbatch.recipes.rundir import check_resume_changes
 

@@ -68,6 +68,10 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
             saved["task"].setdefault("heldout_reserve", 0)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
+        if any(o.partition("=")[0].strip() == "run_dir" for o in overrides or []) and \
+                Path(cfg.run_dir or "").resolve() != run_dir.resolve():
+            raise UserError(f"run_dir={cfg.run_dir} with --resume {run_dir}: a resume continues in the run's own "
+                            "directory; copy or move the run directory there and --resume it, or drop run_dir")
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
                                        defaults=load_config().model_dump(mode="json"))
         return cfg, run_dir, changed, []
@@ -181,17 +185,37 @@ def _refuse_config_with_resume(config: str | None, resume: str | None) -> None:
         raise UserError("--resume uses the run's saved config; give overrides as key=value instead of --config")
 
 
+def _check_resumable(cfg: Config, run_dir: Path, found) -> None:
+    """Refuse a resume that would train nothing or redo what the run's records hold: a finished run that
+    ``train.steps`` does not extend, ``train.steps`` below the checkpoint's round, or trained rounds on record but
+    no checkpoint to continue them from (a start from round 0 would overwrite them). A run stopped before its
+    first round resumes from round 0."""
+    finished = (run_dir / "summary.json").exists()
+    if found is None:
+        metrics = run_dir / "metrics.jsonl"
+        trained = max((int(r.get("step", 0)) for r in read_metrics(metrics)), default=0) if metrics.is_file() else 0
+        if trained > 0 or finished:
+            raise UserError(f"run {str(run_dir)!r} has no checkpoint to resume from, but its records hold "
+                            f"{trained} trained rounds; restore its checkpoints/ folder, or start a new run in "
+                            "another run_dir")
+        return
+    done = int(found[2]["step"])
+    if finished and cfg.train.steps <= done:
+        raise UserError(f"run {str(run_dir)!r} already finished at round {done}; "
+                        f"raise train.steps (e.g. train.steps={done * 2}) to continue it")
+    if cfg.train.steps < done:
+        raise UserError(f"run {str(run_dir)!r} has trained {done} rounds (its last checkpoint); train.steps="
+                        f"{cfg.train.steps} is fewer: set train.steps={done} or more to continue it")
+
+
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console,
                   started: float) -> dict:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_temporaries(run_dir)
     found = load_latest(run_dir, checkpoint_loader(cfg)) if resuming else None
-    if resuming and found is not None and (run_dir / "summary.json").exists():
-        done = int(found[2]["step"])
-        if cfg.train.steps <= done:
-            raise UserError(f"run {str(run_dir)!r} already finished at round {done}; "
-                            f"raise train.steps (e.g. train.steps={done * 2}) to continue it")
+    if resuming:
+        _check_resumable(cfg, run_dir, found)
     if world.is_main:
         atomic_write(run_dir / "config.yaml", dump_config(cfg.model_copy(update={"run_dir": str(run_dir)})))
     random.seed(cfg.train.seed)
