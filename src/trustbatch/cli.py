@@ -87,9 +87,14 @@ def sft(
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
     from .recipes.base import load_default_base
+    from .recipes.outputs import output_folder, staged_folder
 
     console = Console(soft_wrap=True)
     cfg = load_config(config, overrides)
+    if out is not None:  # before the SFT, not after it
+        out = output_folder(out, create=False)
+        if out.is_dir() and any(out.iterdir()):
+            raise UserError(f"--out {str(out)!r} exists and is not an empty directory; give a new directory")
     task = configured_task(cfg)
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
@@ -104,7 +109,8 @@ def sft(
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")
     if out is not None:
-        policy.save(out)
+        with staged_folder(out) as tmp:
+            policy.save(tmp)
         console.print(f"saved to {out}")
 
 
@@ -115,7 +121,7 @@ def eval_(
     n: int = typer.Option(16, "-n", help="samples per prompt"),
     k: str = typer.Option("1,2,4,8,16", "-k", help="comma-separated k for pass@k (each <= n)"),
     temperature: float = typer.Option(1.0, "--temperature", "-t"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="new tokens per completion (default: 512, or half the model's context when that is less)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="first N prompts of each benchmark"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where benchmark names resolve (default $TRUSTBATCH_DATA)"),
     reward: Optional[str] = typer.Option(None, "--reward", help="override the benchmark's reward (math, gsm8k, countdown, rg:TASK, module:function)"),
@@ -142,9 +148,11 @@ def eval_(
     from rich.table import Table
 
     from .recipes.evaluate import evaluate, parse_ks, save_results
+    from .recipes.outputs import output_file
     from .trainer.progress import progress_display
 
     ks = parse_ks(k, n)
+    dest = output_file(out or f"eval-{Path(model).name}-{datetime.now():%Y%m%d-%H%M%S}.json")  # before the sampling
     console = Console()
     progress = progress_display(console)
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
@@ -162,7 +170,7 @@ def eval_(
     for name, r in rows:
         table.add_row(name, str(r.get("prompts", "")), *[f"{r[f'pass@{kk}']:.3f} ± {r[f'pass@{kk}_se']:.3f}" for kk in ks])
     console.print(table)
-    dest = save_results(res, out or f"eval-{Path(model).name}-{datetime.now():%Y%m%d-%H%M%S}.json")
+    dest = save_results(res, dest)
     errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
     console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
 

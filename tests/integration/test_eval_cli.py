@@ -54,6 +54,7 @@ def test_eval_warnings_stay_one_line_off_a_terminal(tmp_path, shared_dir):
     (["-b", "gsm8k", "-n", "2", "-k", "1,4"], "need 1 <= k <= n"),
     (["-b", "/nonexistent.jsonl"], "neither a file nor a known benchmark"),
     (["-b", "gsm8k", "--reward", "nosuch"], "unknown reward 'nosuch'"),
+    (["-b", "gsm8k", "-b", "gsm8k"], "benchmark 'gsm8k' is given twice (-b)"),
 ])
 def test_eval_bad_input_one_line(args, message, tmp_path, shared_dir):
     p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "--data-dir",
@@ -111,3 +112,28 @@ def test_a_datasets_that_fails_to_import_is_one_line_with_its_cause(tmp_path, sh
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert "installed but fails to import (pyarrow requires NumPy 2.0 or newer, found 1.26.4)" in lines[0], lines[0]
     assert "pip install 'numpy>=2'" in lines[0] and "or give a JSONL file" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("out, message", [("folder", "is a folder, not a file"), ("file/x.json", "which is a file")])
+def test_eval_out_is_checked_before_anything_loads(tmp_path, shared_dir, out, message):
+    """A --out that cannot take the results fails at once, not after the sampling (it was a traceback then): the
+    model named does not exist, so a check after loading would have said so instead."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    p = _cli("eval", "--model", str(tmp_path / "no-model"), "--data-dir", str(shared_dir / "data"), "-b", "gsm8k",
+             "--out", str(tmp_path / out), tmp_path=tmp_path)
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+
+
+def test_eval_defaults_fit_the_context_and_results_keep_every_benchmark(tmp_path, shared_dir):
+    """Without --max-new-tokens, a model of 512 positions samples 256 new tokens (512 filled its context: an error);
+    gsm8k and its own file, both named "gsm8k", are kept apart under the names given."""
+    out = tmp_path / "eval.json"
+    test_file = str(shared_dir / "data" / "gsm8k" / "test.jsonl")
+    p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "--data-dir", str(shared_dir / "data"),
+             "-b", "gsm8k", "-b", test_file, "--limit", "1", "-n", "1", "-k", "1", "--workers", "0",
+             "--out", str(out), tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["max_new_tokens"] == 256 and sorted(res["benchmarks"]) == sorted(["gsm8k", test_file])

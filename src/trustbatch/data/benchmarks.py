@@ -260,7 +260,8 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
         path = resolve(name_or_path, data_dir)
         rows = read_table(path) if is_table(path) else _read_rows(path)
         stem = path.name if path.is_dir() else path.stem
-        name = name_or_path if name_or_path in KNOWN else path.parent.name if stem in ("test", "train") else stem
+        # data/gsm8k/test.jsonl is "gsm8k"; a bare test.jsonl takes the name of the folder it is in, not ""
+        name = name_or_path if name_or_path in KNOWN else path.resolve().parent.name if stem in ("test", "train") else stem
         source = str(path)
     fmt = format
     if fmt == "auto":

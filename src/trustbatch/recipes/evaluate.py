@@ -36,14 +36,15 @@ def _check_ks(n: int, ks: Sequence[int], shown: str) -> None:
 
 
 def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: Sequence[int] = (1, 2, 4, 8, 16),
-             temperature: float = 1.0, max_new_tokens: int = 512, limit: int | None = None,
+             temperature: float = 1.0, max_new_tokens: int | None = None, limit: int | None = None,
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
              decode: str = "dynamic", noise: str = "generator", chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
-    ``model``: a local Hugging Face model directory. ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
+    ``model``: a local Hugging Face model directory; ``max_new_tokens`` None: 512, or half its context if less (as
+    training caps its default). ``benchmarks``: names (gsm8k, math500, aime2024, amc2023,
     countdown, resolved under ``data_dir`` or $TRUSTBATCH_DATA), JSONL, JSON or Parquet files, saved ``datasets``
     directories, or ``hf:PATH:SPLIT``. ``reward``
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
@@ -77,12 +78,13 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
     ks = sorted(set(ks))
     spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
-    dev = _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers, spec, reward, device)
-    benches = [load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
-                              answer_field=answer_field, limit=limit) for b in benchmarks]
+    dev = _checked_device(n, ks, temperature, max_new_tokens or 1, limit, timeout, workers, spec, reward, device)
+    benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
+                                              answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
     policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
+    max_new_tokens = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
     eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens)
@@ -96,6 +98,26 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "n": n, "k": ks, "temperature": temperature,
             "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
 
+
+def _distinct_names(benches: list, given: list[str]) -> list:
+    """``benches`` with names that key the results apart: two that would share one (``d/train`` and ``d/test``, or
+    ``gsm8k`` and ``data/gsm8k/test.jsonl``) are named as given instead.
+
+    Raises:
+        UserError: one benchmark given twice.
+    """
+    names = [b.name for b in benches]
+    for b, arg in zip(benches, given):
+        if names.count(b.name) > 1:
+            b.name = arg
+    seen = [b.name for b in benches]
+    twice = next((n for n in seen if seen.count(n) > 1), None)
+    if twice is not None:
+        raise UserError(f"benchmark {twice!r} is given twice (-b); give each benchmark once")
+    return benches
+
+
+DEFAULT_MAX_NEW_TOKENS = 512
 
 # the engine checks name the training keys; the same settings are options here
 _OPTION_NAMES = (("rollout.engine=", "--engine "), ("rollout.decode=", "--decode "), ("rollout.noise=", "--noise "),

@@ -18,19 +18,17 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from ..config import Config, load_config, read_yaml_file
 from ..errors import UserError
-from ..records import git_commit, package_version, read_metrics, umask_modes
+from ..records import git_commit, package_version, read_metrics
 from ..seeding import row_seed
 from ..trainer.checkpoint import BEST, checkpoints, step_of
 from .hooks import EVAL_STREAM
-from .outputs import output_folder
+from .outputs import output_folder, staged_folder
 from .rundir import start_directory
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
@@ -62,8 +60,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
         raise UserError(f"--out {str(dest)!r} exists and is not an empty directory; give a new directory")
     output_folder(dest, create=False)  # a file, inside a file, unwritable: said before the model loads
     policy = load_policy(ckpt)  # a LoRA checkpoint: its base with the adapter merged, plain layers
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with staged_folder(dest) as tmp:
         policy.save(tmp)
         _generation_config(policy, cfg).save_pretrained(tmp)
         heldout = _heldout_at(run, step)
@@ -74,13 +71,6 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)  # as the run framed its prompts
         card = model_card(cfg, run, ckpt, step, heldout, command, chat=bool(policy.chat_template))
         (tmp / "README.md").write_text(card, encoding="utf-8")
-        if dest.exists():
-            dest.rmdir()
-        umask_modes(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out": str(dest), "step": step, "lora": cfg.model.lora is not None, "heldout": heldout,
             "eval_command": printed}
 

@@ -1,12 +1,17 @@
-"""The folder a command writes to (``export --out``, ``report --out``), checked before any work: one line, not a
-traceback, when it is a file, lies inside one, or cannot be created or written."""
+"""Where a command writes (``export``, ``report`` and ``sft --out`` folders, ``eval --out`` files), checked before any
+work: one line, not a traceback, when a folder is a file or a file a folder, it lies inside a file, or cannot be
+created or written."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from ..records import umask_modes
 
 
 def output_folder(path: str | Path, flag: str = "--out", *, create: bool = True) -> Path:
@@ -22,14 +27,49 @@ def output_folder(path: str | Path, flag: str = "--out", *, create: bool = True)
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {str(p)!r} is a file, not a folder; give a folder")
+    _writable(p, p if create else p.parent, flag, "a folder")
+    return p
+
+
+def output_file(path: str | Path, flag: str = "--out") -> Path:
+    """Check that file ``path`` can be written (its folder is made, with its parents); returns it (``~`` expanded).
+
+    Raises:
+        UserError: ``path`` is a folder or lies inside a file; its folder cannot be created, or takes no file; the
+            message gives the system's reason.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"{flag} {str(p)!r} is a folder, not a file; give a file path such as "
+                        f"{str(p / 'results.json')!r}")
+    _writable(p, p.parent, flag, "a path")
+    return p
+
+
+def _writable(p: Path, where: Path, flag: str, what: str) -> None:
+    """Make folder ``where`` (holding or being ``p``) and write a temporary file in it, or say in one line why not."""
     above = next(a for a in p.parents if a.exists())  # "." or "/" at worst
     if not above.is_dir():
-        raise UserError(f"{flag} {str(p)!r} lies inside {str(above)!r}, which is a file; give a folder elsewhere")
-    where = p if create else p.parent
+        raise UserError(f"{flag} {str(p)!r} lies inside {str(above)!r}, which is a file; give {what} elsewhere")
     try:
         where.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
-        raise UserError(f"cannot write {flag} {str(p)!r} ({e.strerror or e}); give a folder you can write, or fix "
+        raise UserError(f"cannot write {flag} {str(p)!r} ({e.strerror or e}); give {what} you can write, or fix "
                         "its permissions or free disk space") from None
-    return p
+
+
+@contextlib.contextmanager
+def staged_folder(dest: Path):
+    """A temporary folder beside ``dest`` (absent or empty), renamed to ``dest`` with the umask's modes when the block
+    ends, removed when it raises: nobody ever sees a half-written ``dest``."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            dest.rmdir()
+        umask_modes(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
