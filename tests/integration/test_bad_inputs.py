@@ -201,6 +201,23 @@ def test_a_foreign_fraction_that_rounds_to_none_or_all_of_a_group_is_refused(gro
         load_config(None, [f"rollout.group_size={group_size}", f"rollout.foreign_fraction={ok}"])
 
 
+@pytest.mark.parametrize("text, said", [
+    ("train:\n  steps: [1\n", "line 3, column 1: while parsing a flow sequence, expected ',' or ']', but got "
+                               "'<stream end>'; fix that line"),
+    ("train:\n\tsteps: 1\n", "line 2, column 1: while scanning for the next token, found character '\\t' that "
+                              "cannot start any token; fix that line"),
+])
+def test_a_config_file_that_is_not_yaml_names_the_line_and_the_problem(tmp_path, text, said):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert "\n" not in str(e.value) and str(e.value) == f"config file {str(f)!r} is not valid YAML: {said}"
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(UserError, match="d.yaml' is a folder, not a file; give a YAML file"):
+        load_config(tmp_path / "d.yaml")
+
+
 def test_config_file_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "list.yaml"
     f.write_text("- train.steps=3\n")

@@ -64,6 +64,8 @@ def read_yaml_file(path: str | Path, what: str = "config file", words: bool = Fa
         UserError: the file is missing, not UTF-8 (names the line) or not valid YAML.
     """
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{what} {str(p)!r} is a folder, not a file; give a YAML file")
     if not p.is_file():
         raise UserError(f"{what} {str(p)!r} does not exist")
     raw = p.read_bytes()
@@ -76,4 +78,14 @@ def read_yaml_file(path: str | Path, what: str = "config file", words: bool = Fa
     try:
         return yaml_loads(text, words)
     except yaml.YAMLError as e:
-        raise UserError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{what} {str(p)!r} is not valid YAML: {yaml_error_line(e)}; fix that line") from None
+
+
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (line and column, from 1) and what it found, e.g. "line 2, column 9: while
+    parsing a flow sequence, expected ',' or ']', but got '<stream end>'" (its message is several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    said = ", ".join(" ".join(str(x).split()) for x in parts if x)
+    return where + (said or str(e).splitlines()[0])
