@@ -23,6 +23,23 @@ def test_the_shared_benchmarks_are_recognised(shared_dir, name, kind):
     assert benchmark_kind(str(shared_dir / "data" / name / "test.jsonl")) == kind
 
 
+@pytest.mark.parametrize("form", ["parquet", "json", "datasets"])
+def test_tables_are_recognised_as_their_jsonl_is(shared_dir, tmp_path, form):
+    """GSM8K rows as Parquet, a JSON array or a saved ``datasets`` directory are gsm8k, as they load (the first
+    line of such a file is no JSON row: they were None, and a run on them kept the 8-token default budget)."""
+    import datasets
+
+    rows = [json.loads(l) for l in (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:5]]
+    path = tmp_path / {"parquet": "rows.parquet", "json": "rows.json", "datasets": "rows"}[form]
+    if form == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    elif form == "json":
+        path.write_text(json.dumps(rows))
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    assert benchmark_kind(str(path)) == "gsm8k"
+
+
 def test_a_file_that_is_no_benchmark_or_unreadable_is_none(tmp_path):
     plain = tmp_path / "mine.jsonl"
     plain.write_text(json.dumps({"q": "2+2", "a": "4"}) + "\n")

@@ -167,11 +167,14 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
     """Which long-answer benchmark (a key of ``ANSWER_TOKENS``) a data file holds, or None.
 
     GSM8K by its row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
-    first row only. A file that cannot be read or whose format is unknown gives None (loading it says why).
+    first row of a JSON Lines file, and a Parquet or JSON file or a ``datasets`` directory as ``load_benchmark``
+    reads it. A file that cannot be read or whose format is unknown gives None (loading it says why).
     """
     try:
         path = resolve(name_or_path, data_dir)
-        if format == "auto":
+        if format == "auto" and is_table(path):
+            format = detect_format(read_table(path)[0][1])
+        elif format == "auto":
             with open(path, "rb") as f:
                 first = next((line for line in f if line.strip()), b"")
             format = detect_format(json.loads(first))
