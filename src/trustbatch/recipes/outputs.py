@@ -32,7 +32,8 @@ def output_folder(path: str | Path, flag: str = "--out", *, create: bool = True)
 
 
 def output_file(path: str | Path, flag: str = "--out") -> Path:
-    """Check that file ``path`` can be written (its folder is made, with its parents); returns it (``~`` expanded).
+    """Check that file ``path`` can be written: a file can be made in its folder, or in the nearest folder above it
+    that exists (nothing is created here); returns it (``~`` expanded).
 
     Raises:
         UserError: ``path`` is a folder or lies inside a file; its folder cannot be created, or takes no file; the
@@ -42,18 +43,20 @@ def output_file(path: str | Path, flag: str = "--out") -> Path:
     if p.is_dir():
         raise UserError(f"{flag} {str(p)!r} is a folder, not a file; give a file path such as "
                         f"{str(p / 'results.json')!r}")
-    _writable(p, p.parent, flag, "a path")
+    _writable(p, None, flag, "a path")
     return p
 
 
-def _writable(p: Path, where: Path, flag: str, what: str) -> None:
-    """Make folder ``where`` (holding or being ``p``) and write a temporary file in it, or say in one line why not."""
+def _writable(p: Path, where: Path | None, flag: str, what: str) -> None:
+    """Make folder ``where`` (holding or being ``p``) and write a temporary file in it (``where`` None: in the nearest
+    existing folder above ``p``, making nothing), or say in one line why not."""
     above = next(a for a in p.parents if a.exists())  # "." or "/" at worst
     if not above.is_dir():
         raise UserError(f"{flag} {str(p)!r} lies inside {str(above)!r}, which is a file; give {what} elsewhere")
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=where).close()
+        if where is not None:
+            where.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=where or above).close()
     except OSError as e:
         raise UserError(f"cannot write {flag} {str(p)!r} ({e.strerror or e}); give {what} you can write, or fix "
                         "its permissions or free disk space") from None
