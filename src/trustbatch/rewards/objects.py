@@ -19,7 +19,7 @@ import math
 from typing import Callable
 
 from ..errors import UserError
-from .scorers import Scorer, ScoreResult, is_score, one_line, takes_batch
+from .scorers import GROUP_KEY, Scorer, ScoreResult, is_score, one_line, takes_batch
 
 PREFIX = "python:"
 _OBJECTS: dict[str, Callable] = {}
@@ -92,8 +92,8 @@ def in_other_processes(names: list[str], where: str) -> None:
 class GroupForm:
     """A batch-form reward ``f(prompts, completions, **columns) -> list`` called once per group of completions.
 
-    A group is a run of consecutive completions with the same prompt (a rollout's samples of one prompt are
-    consecutive). ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
+    A group is a run of consecutive completions with the same ``GROUP_KEY`` in their contexts (the rollout source
+    numbers a round's groups: one prompt drawn twice in a row is two groups), or, without one, the same prompt. ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
     lists of the group's length. A raise, a list of the wrong length, or a value that is not a score fails the whole
     group (reward 0, counted per completion); ``None`` scores 0 (TRL's "does not apply"); a finite score outside
     [0, 1] is clamped and counted, as for every scorer.
@@ -105,18 +105,20 @@ class GroupForm:
     def score(self, completions: list[str], references: list[str], contexts: list[dict] | None) -> ScoreResult:
         """Rewards in order for ``completions`` (``contexts[i]`` = ``{"prompt": ..., **columns}``, or None)."""
         ctx = contexts or [{"prompt": ""} for _ in completions]
+        group = [c.get(GROUP_KEY, ("prompt", c.get("prompt"))) for c in ctx]
         res = ScoreResult([], 0, 0)
         start = 0
         while start < len(completions):
             end = start + 1
-            while end < len(completions) and ctx[end].get("prompt") == ctx[start].get("prompt"):
+            while end < len(completions) and group[end] == group[start]:
                 end += 1
             self._group(res, completions[start:end], references[start:end], ctx[start:end])
             start = end
         return res
 
     def _group(self, res: ScoreResult, completions: list[str], references: list[str], ctx: list[dict]) -> None:
-        cols = {k: [c.get(k) for c in ctx] for k in ctx[0] if k not in ("prompt", "prompts", "completions", "reference")}
+        cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
+                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY)}
         try:
             out = self.fn(prompts=[c.get("prompt", "") for c in ctx], completions=completions, reference=references,
                           **cols)

@@ -120,6 +120,11 @@ class FinalAnswerScorer:
         return self.inner(m.group(1), reference) if m else 0.0
 
 
+# In a completion's context: which group of its round it belongs to (set by the rollout source and held-out
+# evaluation), for ``objects.GroupForm``'s one call per group; never passed to a reward function as a column.
+GROUP_KEY = "_trustbatch_group"
+
+
 class BatchForm:
     """A reward function in TRL's batch form, ``f(prompts, completions, **columns) -> list``, as a per-completion scorer.
 
@@ -137,6 +142,7 @@ class BatchForm:
     def pack(reference: str, context: dict | None) -> str:
         """The reference for one completion: its gold answer, prompt and data columns as one JSON string."""
         context = dict(context or {})
+        context.pop(GROUP_KEY, None)
         return json.dumps({"reference": reference, "prompt": context.pop("prompt", ""), "columns": context}, default=str)
 
     def __call__(self, completion: str, reference: str):
