@@ -44,6 +44,39 @@ def test_the_time_limit_is_per_completion_not_per_chunk(tmp_path, monkeypatch):
     assert res.rewards == [1.0] * 4 and res.timeouts == 0 and res.errors == 0
 
 
+def test_a_scorers_warm_up_is_not_charged_to_a_completion(tmp_path, monkeypatch):
+    """A scorer's ``warm_up`` (math's: importing math-verify and sympy) runs once per worker before its first
+    completion, and the time limit starts after it: here 1.2 s of warm-up against a 0.5 s limit, for a chunk sent
+    at once and for the worker that replaces one killed by a hang (before, the first completion timed out)."""
+    (tmp_path / "slow_start.py").write_text(textwrap.dedent('''
+        import time
+        loaded = []
+        def load():  # what math does on first use: import math-verify
+            time.sleep(1.2)
+            loaded.append(True)
+        def score(completion, reference):
+            if not loaded:
+                load()
+            if completion == "hang":
+                time.sleep(30)
+            return 1.0
+        score.warm_up = load
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with RewardPool("slow_start:score", workers=1, timeout_s=0.5, chunk_size=2) as pool:
+        res = pool.score(["x", "hang", "x", "x"], [""] * 4)
+    assert res.rewards == [1.0, 0.0, 1.0, 1.0] and res.timeouts == 1 and res.errors == 0
+
+
+def test_the_math_scorer_warms_up_math_verify():
+    import subprocess
+    import sys
+
+    code = ("import sys; from trustbatch.rewards import get; get('math').warm_up(); "
+            "print('math_verify' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+
+
 def test_one_message_per_chunk(monkeypatch):
     sent = []
     real = pool_mod._Worker.send

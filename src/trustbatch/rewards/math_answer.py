@@ -78,3 +78,11 @@ def math_reward(completion: str, reference: str) -> float:
     if not gold or not got:
         return 0.0
     return 1.0 if verify(gold, got) else 0.0
+
+
+def _import_math_verify() -> None:
+    import math_verify  # noqa: F401 - sympy and its parsers: about 0.6 s, once per process
+
+
+# called by a reward worker before its first completion, so its time limit never pays for the import
+math_reward.warm_up = _import_math_verify

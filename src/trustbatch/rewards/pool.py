@@ -35,6 +35,10 @@ from .objects import GroupForm, is_object, lookup
 from .scorers import BatchForm, ScoreResult, get, one_line, score_local, score_one, stopped_early
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
+# a new worker's start (imports, its scorer's libraries) may take this long beyond a completion's time limit; a
+# worker that hangs while starting is still replaced after it
+WORKER_START_S = 60.0
+STARTING_POLL_S = 0.05  # how often the parent looks whether a starting worker is ready
 
 # Parent ends of every live worker pipe in this process. A forked worker inherits them all and
 # must close them: a worker holding another worker's parent end keeps that pipe open after the
@@ -94,8 +98,12 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None, pr
 
     try:
         scorer, load_error = get(name), None
+        warm_up = getattr(scorer, "warm_up", None)
+        if warm_up is not None:  # the libraries a scorer loads on first use (math-verify's sympy), before any clock
+            warm_up()
     except BaseException as e:  # noqa: BLE001 - reported with every completion instead of a silent death
         scorer, load_error = None, one_line(f"{type(e).__name__}: {e}")
+    progress[2] = 1.0  # ready: from now on a completion's time is its own
     _rewind_output(out_fd)
     while True:
         try:
@@ -126,9 +134,9 @@ class _Worker:
         # Only a forked child inherits this descriptor; a spawned one leaves its output on the terminal.
         self.out = tempfile.TemporaryFile() if forked else None
         out_fd = self.out.fileno() if self.out else None
-        # [position in the chunk, monotonic start time] of the completion being scored; no lock: a
-        # worker killed while holding one would block the parent
-        self.progress = ctx.RawArray("d", 2)
+        # [position in the chunk, monotonic start time] of the completion being scored, and 1 once the worker has
+        # loaded its scorer; no lock: a worker killed while holding one would block the parent
+        self.progress = ctx.RawArray("d", 3)
         self.proc = ctx.Process(target=_worker, args=(name, child, self.conn, os.getpid(), out_fd, self.progress),
                                 daemon=True)
         # SIGINT stays blocked from fork until the child ignores it, so a Ctrl-C in between cannot
@@ -156,7 +164,8 @@ class _Worker:
     def current(self, timeout_s: float) -> tuple[int, float]:
         """(position in the chunk, deadline) of the completion this worker is scoring."""
         k = int(self.progress[0])
-        return k, self.progress[1] + timeout_s
+        starting = 0.0 if self.progress[2] else WORKER_START_S  # a chunk sent before the worker was ready
+        return k, self.progress[1] + timeout_s + starting
 
     def output(self) -> str:
         """The tail of what the scorer printed during the current completion (for a worker that died or hung)."""
@@ -310,6 +319,8 @@ class RewardPool:
         its chunk goes back to the front of ``todo``.
         """
         next_deadline = min(w.current(self.timeout_s)[1] for w in busy)
+        if not all(w.progress[2] for w in busy):  # a worker still starting: look again soon, its limit starts then
+            next_deadline = min(next_deadline, time.monotonic() + STARTING_POLL_S)
         ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
         for k, w in enumerate(list(self._pool)):
             if w.job is None:
