@@ -83,6 +83,9 @@ def test_registering_twice_or_over_verls_own_names_is_refused(registered):
         register_with_verl(["grpo"], options={"grpo": {"aggregation": "token_mean"}}, prefix="tbother_")
     with pytest.raises(UserError, match="eps_hihg"):
         register_with_verl(["grpo"], options={"grpo": {"eps_hihg": 0.3}}, prefix="tbother_")
+    # verl passes its own constant (loss_scale_factor): both gave a bare TypeError in the loss, or one silently won
+    with pytest.raises(UserError, match="loss_scale_factor"):
+        register_with_verl(["p3o"], options={"p3o": {"seq_constant": 512}}, prefix="tbother_")
     assert core_algos.POLICY_LOSS_REGISTRY == before
 
 

@@ -212,8 +212,37 @@ def test_bad_settings_are_one_line_errors(model_dir, tmp_path):
         _trainer(model_dir, tmp_path, objective="p3o", objective_options={"kl": "exact"})
     with pytest.raises(UserError, match="top_entropy_quantile"):
         _trainer(model_dir, tmp_path, objective="p3o", top_entropy_quantile=0.5)
+    # TRL's clip widths would be silently replaced by the objective's (0.2, 0.2)
+    with pytest.raises(UserError, match=r"GRPOConfig.epsilon_high=0.28 .*objective_options eps_high"):
+        _trainer(model_dir, tmp_path, objective="grpo", epsilon_high=0.28)
+    with pytest.raises(UserError, match=r"GRPOConfig.epsilon=0.1 .*objective_options eps_low"):
+        _trainer(model_dir, tmp_path, objective="grpo", epsilon=0.1)
     with pytest.raises(UserError, match="multiple of gradient_accumulation_steps"):
         _trainer(model_dir, tmp_path, objective="p3o", gradient_accumulation_steps=3, steps_per_generation=2,
                  per_device_train_batch_size=2)
     t = _trainer(model_dir, tmp_path, objective="p3o", use_vllm=False)
     assert t.vllm_importance_sampling_correction is False
+
+
+def test_dr_grpo_matches_trls_own_dr_grpo(model_dir, tmp_path):
+    """aggregation seq_mean_token_sum is TRL's loss_type="dr_grpo": the masked sums over rows × max_completion_length
+    (8 here; the hand-made batch is 7 tokens wide, which the adapter divided by before), gradients equal."""
+    ours = _trainer(model_dir, tmp_path / "ours", objective="grpo", dtype=torch.float64,
+                    objective_options={"aggregation": "seq_mean_token_sum"})
+    theirs = _trainer(model_dir, tmp_path / "trl", cls=trl.GRPOTrainer, loss_type="dr_grpo", dtype=torch.float64)
+    gen = _generation_batch(ours.model)
+    assert gen["completion_ids"].shape[1] != ours.args.max_completion_length
+    got, want = _accumulate_two_micro_steps(ours, gen), _accumulate_two_micro_steps(theirs, gen)
+    assert got.keys() == want.keys()
+    # TRL's own loss goes through its float32 token scoring (~1e-6, _trl_logprobs); the old divisor was 8/7 off
+    worst = max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
+    assert worst < 1e-4, worst
+
+
+def test_logged_entropy_leaves_out_tool_output_tokens(model_dir, tmp_path):
+    """TRL's entropy metric averages over completion_mask · tool_mask; the adapter's did over completion_mask."""
+    trainer = _trainer(model_dir, tmp_path, objective="p3o")
+    entropies = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    inputs = {"completion_mask": torch.ones(2, 3), "tool_mask": torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])}
+    trainer._log_tb_metrics("train", {"loss": 0.0}, inputs, entropies)
+    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx((1 + 4 + 3 + 5) / 4)

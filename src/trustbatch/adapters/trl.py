@@ -177,7 +177,10 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
                ("delta", getattr(a, "delta", None) is not None, "None"),
                ("entropy_coef", self._entropy_bonus_enabled, "0 (or trustbatch's entropy_coef needs entropies; not carried)"),
                ("use_bias_correction_kl", bool(self.beta) and bool(getattr(a, "use_bias_correction_kl", False)), "False"),
-               ("router_aux_loss_coef", self.aux_loss_enabled, "0")]
+               ("router_aux_loss_coef", self.aux_loss_enabled, "0"),
+               ("epsilon", a.epsilon != 0.2, "0.2 (the objective's clip is objective_options eps_low)"),
+               ("epsilon_high", getattr(a, "epsilon_high", None) is not None,
+                "None (the objective's clip is objective_options eps_high)")]
         for key, on, fix in bad:
             if on:
                 raise UserError(f"TrustbatchGRPOTrainer: GRPOConfig.{key}={getattr(a, key, None)!r} reshapes TRL's own loss "
@@ -237,7 +240,12 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
                 m = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
                 ess = RatioStats.from_logprobs(logps, behaviour_logprobs(inputs, logps), m.bool(),
                                                self.tb_options.get("log_ratio_clip", 20.0)).all_reduce()
-        out = trl_objective_loss(self.tb_objective, logps, inputs, self.tb_options, grad_accum_steps=ga,
+        options = self.tb_options
+        if (options.get("aggregation") == "seq_mean_token_sum" and options.get("seq_constant") is None
+                and self.args.max_completion_length):
+            # Dr.GRPO's constant is the generation budget, as TRL's dr_grpo divides by (not the padded width)
+            options = {**options, "seq_constant": float(self.args.max_completion_length)}
+        out = trl_objective_loss(self.tb_objective, logps, inputs, options, grad_accum_steps=ga,
                                  steps_per_generation=spg, num_processes=self.accelerator.num_processes, ess=ess,
                                  ess_scope=self.tb_ess_scope, ref_kl_coef=float(self.beta or 0.0))
         self._log_tb_metrics(mode, out.metrics, inputs, entropies)
@@ -246,6 +254,8 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
     def _log_tb_metrics(self, mode: str, metrics: dict, inputs: dict, entropies: torch.Tensor) -> None:
         keys = sorted(k for k in metrics if k != "loss")
         mask = inputs["completion_mask"].to(entropies.dtype)
+        if "tool_mask" in inputs:  # as TRL's entropy and the loss: tool outputs are no completion tokens
+            mask = mask * inputs["tool_mask"].to(entropies.dtype)
         ent = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
         vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=ent.device)
         vals = self.accelerator.reduce(vals, reduction="mean")

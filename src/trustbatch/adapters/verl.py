@@ -54,6 +54,11 @@ _AGGREGATION = {
 }
 
 
+# options verl's own config sets: given as objective options too, they would clash with (or silently override) it
+VERL_FIXED = {"aggregation": "set actor_rollout_ref.actor.loss_agg_mode",
+              "seq_constant": "set actor_rollout_ref.actor.loss_scale_factor"}
+
+
 def _core_algos():
     return import_stack("verl.trainer.ppo.core_algos", "verl")
 
@@ -86,9 +91,7 @@ def register_with_verl(names: Iterable[str] | None = None, *, options: dict[str,
     if stray:
         raise UserError(f"register_with_verl: options given for {stray}, which are not registered; "
                         f"add them to names= or drop their options")
-    checked = {n: check_objective(n, options.get(n), stack="verl",
-                                  fixed={"aggregation": "set actor_rollout_ref.actor.loss_agg_mode"})
-               for n in names}
+    checked = {n: check_objective(n, options.get(n), stack="verl", fixed=VERL_FIXED) for n in names}
     registry = core_algos.POLICY_LOSS_REGISTRY
     taken = [prefix + n for n in names if prefix + n in registry]
     if taken:
@@ -123,7 +126,7 @@ def make_policy_loss(name: str, options: dict | None = None) -> Callable[..., tu
         ValueError: the objective's own errors (shapes, non-finite values).
     """
     fn = objectives.get(name)
-    opts = check_objective(name, options, stack="verl", fixed={"aggregation": "set actor_rollout_ref.actor.loss_agg_mode"})
+    opts = check_objective(name, options, stack="verl", fixed=VERL_FIXED)
     scope = ess_kwargs(name, "micro_batch")
 
     def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
