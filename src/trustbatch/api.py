@@ -21,12 +21,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .config import Config, load_config
+from .config import Config, load_config, read_yaml_file
 from .errors import UserError
 from .policy.base import cache_dir
 from .records import atomic_write
 from .recipes.train import train
-from .rewards.objects import in_other_processes, reward_name
+from .rewards.objects import in_other_processes, register_again, reward_name
 
 
 class Trainer:
@@ -64,7 +64,8 @@ class Trainer:
                 raise UserError("resume continues a run with its saved config; give only reward_funcs (the same "
                                 "callables as before) and overrides of the resumable keys")
             for f in reward_funcs or []:
-                reward_name(f)  # registered again under the names the saved config holds
+                reward_name(f)  # refuses what is not callable
+            register_again(list(reward_funcs or []), _saved_reward_names(Path(self.resume)))
             self.config, self._overrides = None, _override_list(overrides)
             return
         base = config.model_dump(mode="json") if isinstance(config, Config) else None
@@ -98,6 +99,16 @@ class Trainer:
         if self.resume is not None:
             return train(None, resume=self.resume, overrides=self._overrides)
         return train(self.config)
+
+
+def _saved_reward_names(run: Path) -> list[str]:
+    """The reward function names of the run's saved config (none when it cannot be read: the resume says why)."""
+    try:
+        saved = read_yaml_file(run / "config.yaml", what="the run's config")
+    except UserError:
+        return []
+    functions = ((saved or {}).get("reward") or {}).get("functions") or [] if isinstance(saved, dict) else []
+    return [t["name"] for t in functions if isinstance(t, dict) and isinstance(t.get("name"), str)]
 
 
 def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[str]:

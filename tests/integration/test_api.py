@@ -64,6 +64,23 @@ def test_a_closure_reward_on_a_dataset_logs_what_it_returned(tmp_path, shared_di
     assert [r["step"] for r in _rounds(run)] == [1, 2, 3] and len(seen) == 3 * P * G
 
 
+def test_a_resume_scores_with_the_callables_given_to_it(tmp_path, shared_dir):
+    """In one process (a notebook) a reward redefined before the resume is the one the resumed rounds use: it takes
+    the run's saved name (it went to "NAME#1" before, and the run kept scoring with the old function)."""
+    def make(value):
+        def constant(completion, reference):
+            return value
+        return constant
+
+    run = tmp_path / "run"
+    Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[make(0.25)], train_dataset=ROWS[8:],
+            eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={run}"]).train()
+    Trainer(resume=run, reward_funcs=[make(0.75)], overrides={"train.steps": 3}).train()
+    assert [r["reward_mean"] for r in _rounds(run)] == [0.25, 0.25, 0.75]
+    with pytest.raises(UserError, match=r"trained with 1 Python-object rewards .* and 2 are given"):
+        Trainer(resume=run, reward_funcs=[make(0.5), make(0.5)], overrides={"train.steps": 4})
+
+
 @pytest.mark.parametrize("train_rows", [ROWS[8:], ROWS[8:9]], ids=["many_prompts", "one_prompt"])
 def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, shared_dir, train_rows):
     """With one training prompt every round draws it P times: P groups of the same prompt side by side, which the

@@ -47,6 +47,29 @@ def reward_name(fn: Callable | str) -> str:
     return name
 
 
+def register_again(fns: list, saved: list[str]) -> None:
+    """For a resume: the Python-object rewards among ``fns`` (if any) take the run's ``python:`` names ``saved`` (its
+    config's, in order), replacing whatever this process registered under them (a notebook that redefined the
+    function would otherwise resume with the old one, the new one going to ``NAME#1``).
+
+    Raises:
+        UserError: a count or a name that does not match the run's.
+    """
+    objs = [f for f in fns if not isinstance(f, str) and callable(f) and _importable_name(f) is None]
+    wanted = [n for n in saved if is_object(n)]
+    if not objs:  # none given: the run looks them up by name (one line if this process has none)
+        return
+    if len(objs) != len(wanted):
+        raise UserError(f"the run was trained with {len(wanted)} Python-object rewards {wanted}, and {len(objs)} are "
+                        "given; give the same callables, in the same order, as reward_funcs")
+    for fn, name in zip(objs, wanted):
+        own = PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+        if name.split("#")[0] != own:
+            raise UserError(f"the run's reward {name!r} is given {own!r}; give the same callables, in the same "
+                            "order, as reward_funcs")
+        _OBJECTS[name] = fn
+
+
 def _importable_name(fn: Callable) -> str | None:
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not mod or not qual or mod == "__main__" or not qual.isidentifier():  # "<locals>", "<lambda>", "A.method"
