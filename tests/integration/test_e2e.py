@@ -82,6 +82,27 @@ def test_dapo_with_dynamic_sampling_and_overlong_shaping(tmp_path, cache):
             assert r["num_tokens"] > 0
 
 
+def test_skipped_last_rounds_still_checkpoint_and_evaluate_the_trained_policy(tmp_path, cache):
+    """Dynamic sampling skips rounds 2 and 3 (no informative group): round 2, a checkpoint round, still saves, and
+    round 3, the last, saves and evaluates. Before, the run ended with round 0's checkpoint alone, and its summary
+    and `trustbatch export` gave a policy older than the one round 1 trained."""
+    import scorers_for_tests
+
+    run = tmp_path / "run"
+    scorers_for_tests.informative_first.left = 16  # TINY's first round: 4 prompts x 4 samples
+    summary = train(load_config(None, TINY + [
+        "train.steps=3", "checkpoint_every=2", "eval.every=100", f"run_dir={run}", "reward.workers=0",
+        "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=1",
+        "reward.functions=[{name: 'scorers_for_tests:informative_first'}]"]))
+    recs = _records(run)
+    assert [("skipped_step" in r) for r in recs[1:]] == [False, True, True]
+    # checkpoint_keep (2) keeps the newest two: round 0's only, before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_000002", "step_000003"]
+    assert "heldout_accuracy" in recs[3] and "heldout_accuracy" not in recs[2]
+    assert summary["final_heldout_accuracy"] == recs[3]["heldout_accuracy"]
+
+
 def test_train_from_a_local_hf_model_directory(tmp_path, cache, shared_dir):
     run = tmp_path / "run"
     model = shared_dir / "models" / "stories260K-hf"

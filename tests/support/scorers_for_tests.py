@@ -95,3 +95,14 @@ def by_round(completion: str, reference: str) -> float:
     with open(path) if os.path.exists(path) else open(os.devnull) as f:
         r = sum(1 for _ in f)
     return HELDOUT_SCRIPT[r % len(HELDOUT_SCRIPT)]
+
+
+def informative_first(completion: str, reference: str) -> float:
+    """1 for every second completion while ``informative_first.left`` (set by a test to the first round's completion
+    count) lasts, then 0: the first round's groups are informative, every later one is not (dynamic sampling
+    skips those rounds). In-process scoring only (reward.workers=0): the count lives in this process."""
+    informative_first.left -= 1
+    return float(informative_first.left >= 0 and informative_first.left % 2 == 0)
+
+
+informative_first.left = 0

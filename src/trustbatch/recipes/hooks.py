@@ -178,8 +178,12 @@ class TrainHooks:
 
     def after_round(self, round_: int, m: dict) -> None:
         skipped = "skipped_step" in m
-        evaluate = not skipped and self.is_eval(round_)
-        save = not skipped and (round_ % self.cfg.checkpoint_every == 0 or round_ == self.cfg.train.steps)
+        final = round_ == self.cfg.train.steps
+        # A skipped round (no informative group) trained nothing, but its state is a valid resume point: a checkpoint
+        # round saves, and the last round saves and evaluates, so the run's newest checkpoint and its summary are
+        # the trained policy's, not one of checkpoint_every rounds before.
+        evaluate = self.is_eval(round_) and (final or not skipped)
+        save = round_ % self.cfg.checkpoint_every == 0 or final
         if evaluate:
             self.refresh_eval()
         if not self.world.is_main:
@@ -188,7 +192,11 @@ class TrainHooks:
             return
         self.warn_truncation(round_, m)
         if skipped:
+            if evaluate:
+                m.update(self.evaluate(round_))
             self.log.log(round_, m)
+            if save:
+                self.save(round_)
             self.progress.advance(round_, "all groups uninformative: step skipped")
             return
         if evaluate:
