@@ -103,6 +103,27 @@ def test_skipped_last_rounds_still_checkpoint_and_evaluate_the_trained_policy(tm
     assert summary["final_heldout_accuracy"] == recs[3]["heldout_accuracy"]
 
 
+def test_lora_dropout_training_does_not_depend_on_how_often_it_evaluates(tmp_path, cache):
+    """With dropout in the policy (LoRA dropout 0.1), decoupled PPO's proximal snapshot and the logged ratios are
+    no-grad passes of the learner: in train mode (left so by the previous step) they were dropout samples, drawing
+    from the global random stream, so eval.every (resumable, documented as never moving training) changed the
+    trained weights, and a resume did too. Now they run in eval mode: the same weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for every in (2, 100):
+        run = tmp_path / f"every{every}"
+        # the shipped base, whose groups are informative in every round (TINY's own base gives rounds 2-4 no gradient)
+        train(load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=4", "reward.workers=0",
+                                 "eval.samples_per_prompt=1", "train.steps=4", f"eval.every={every}", f"run_dir={run}",
+                                 "checkpoint_every=100", "objective.name=decoupled_ppo",
+                                 "model.lora={r: 4, alpha: 8, dropout: 0.1}"]))
+        assert all(r["grad_norm"] > 0 for r in _records(run)[1:])
+        weights[every] = load_file(str(run / "checkpoints" / "step_000004" / "adapter_model.safetensors"))
+    assert weights[2].keys() == weights[100].keys() and weights[2]
+    assert all(torch.equal(weights[2][k], weights[100][k]) for k in weights[2])
+
+
 def test_train_from_a_local_hf_model_directory(tmp_path, cache, shared_dir):
     run = tmp_path / "run"
     model = shared_dir / "models" / "stories260K-hf"

@@ -33,6 +33,19 @@ from ..policy.lora import has_lora
 _STAT_ANCHOR = {"ess": "behavior_logprobs", "ess_proximal": "proximal_logprobs"}
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode within the block, then back to its mode: the learner's no-grad passes (the proximal
+    snapshot, the batch ESS, the logged ratios) are the policy's, as the engine samples it, never a dropout sample
+    (which would also draw from the global random stream: a resume or another ``eval.every`` trained differently)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 class ForwardPasses:
     """The forward passes of ``Learner`` other than its training micro-step (module docstring)."""
 
@@ -60,17 +73,12 @@ class ForwardPasses:
         every rank must call it (the reference is sharded as the policy)."""
         if not _is_peft(self.reference):
             return self._no_grad_logprobs(self.reference, batch)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self.reference.disable_adapter():
-                return self._no_grad_logprobs(self.model, batch)
-        finally:
-            self.model.train(was_training)
+        with self.reference.disable_adapter():
+            return self._no_grad_logprobs(self.model, batch)
 
     def _no_grad_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         packed = batch.packed.to(self.device)
-        with self.autocast():
+        with self.autocast(), eval_mode(model):
             return torch.cat([self.forward_fn(model, packed.select(c))[0] for c in self._no_grad_chunks(batch, model)])
 
     def _take_reference(self, reference: torch.nn.Module | None, strategy: str, param_dtype) -> torch.nn.Module | None:
@@ -123,7 +131,7 @@ class ForwardPasses:
         batch = batch.to(self.device)
         for c in self._no_grad_chunks(batch):
             mb = batch.select(c)
-            with self.autocast():
+            with self.autocast(), eval_mode(self.model):
                 logp, _ = self.forward_fn(self.model, mb.packed)
             for k in names:
                 stats[k] = stats[k] + self._ratio_stats(logp, getattr(mb, _STAT_ANCHOR[k]), mb.packed.response_mask)
