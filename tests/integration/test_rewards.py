@@ -68,6 +68,9 @@ def test_gsm8k_reward_gold_scores_one_and_perturbed_zero_on_every_row(shared_dir
             (gsm8k(f"#### {wrong}", gold), 0.0),
             (gsm8k(f"I think {gold}. #### {wrong}", gold), 0.0),  # the #### answer wins over earlier numbers
         ]
+        if not gold.startswith("-"):  # the answer negated is not the gold, its sign before or after a $ ("-$5" was 5)
+            checks += [(gsm8k(f"#### $-{gold}", gold), float(float(gold) == 0)),
+                       (gsm8k(f"#### -${gold}", gold), float(float(gold) == 0)), (gsm8k(f"#### -${gold}", f"-{gold}"), 1.0)]
         if [a for a, _ in checks] != [b for _, b in checks]:
             bad.append((gold, [a for a, _ in checks]))
     assert not bad, bad[:5]

@@ -7,17 +7,24 @@ from decimal import Decimal, InvalidOperation
 
 from .math_answer import last_number
 
-_AFTER_HASHES = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+# a sign may come before the dollar sign ("#### -$5") as well as after it ("#### $-5")
+_AFTER_HASHES = re.compile(r"####\s*(-?)\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def _signed(sign: str, number: str) -> str:
+    """The number of an ``_AFTER_HASHES`` match, commas dropped (``-``, ``1,000`` → ``-1000``)."""
+    number = number.replace(",", "")
+    return number[1:] if sign and number.startswith("-") else sign + number
 
 
 def gsm8k_answer(text: str) -> str | None:
     """The answer of a GSM8K-format text: the number after the last ``####``, else the last number.
 
-    ``1,000`` becomes ``1000``; a leading ``$`` is skipped. None if the text holds no number.
+    ``1,000`` becomes ``1000``; a ``$`` is skipped, before or after a ``-``. None if the text holds no number.
     """
     found = _AFTER_HASHES.findall(text)
     if found:
-        return found[-1].replace(",", "")
+        return _signed(*found[-1])
     return last_number(text)
 
 
@@ -29,7 +36,7 @@ def after_last_hashes(text: str) -> str | None:
     """
     at = text.rfind("####")
     found = _AFTER_HASHES.match(text, at) if at >= 0 else None
-    return found.group(1).replace(",", "") if found else None
+    return _signed(found.group(1), found.group(2)) if found else None
 
 
 def _same_number(a: str, b: str) -> bool:
