@@ -241,15 +241,18 @@ class BoundedSource:
         return range(max(0, self.batch_index - (ahead or 0)), self.batch_index)
 
     def state_dict(self) -> dict:
-        """The next batch, the bound, and in deterministic order the weights of the ``ahead`` rounds before the
-        next batch (``ahead`` copies of the policy's state: the price of a bit-identical resume)."""
-        state = {"batch_index": self.batch_index, "max_staleness": int(self.k)}
+        """The next batch, the bound, the counts of dropped batches and worker restarts, and in deterministic order
+        the weights of the ``ahead`` rounds before the next batch (``ahead`` copies of the policy's state: the price
+        of a bit-identical resume)."""
+        state = {"batch_index": self.batch_index, "max_staleness": int(self.k),
+                 "dropped": self.dropped, "restarts": self.restarts}  # the run's counts, not the segment's
         if self.transport.ahead is not None:
             state["snapshots"] = self.transport.snapshots(self._older_rounds())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_index = int(state["batch_index"])
+        self.dropped, self.restarts = int(state.get("dropped", 0)), int(state.get("restarts", 0))
         if self.controller is not None and "max_staleness" in state:
             self.controller.k = int(state["max_staleness"])
             self.k = self.controller.k
