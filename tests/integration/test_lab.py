@@ -221,6 +221,11 @@ def test_preflight_only_arms_are_probed_but_not_run(tmp_path, monkeypatch):
                      "grpo@T1.2": {"objective.name": "grpo", "rollout.temperature": 1.2}}}
     f = tmp_path / "tiny_only.yaml"
     f.write_text(yaml.safe_dump(spec, sort_keys=False))
+    # a registered pair of an arm that never trains would leave the family silently: refused, not dropped
+    with pytest.raises(UserError, match="names a preflight_only arm, which never trains"):
+        load_experiment(str(f))
+    spec["compare"] = []
+    f.write_text(yaml.safe_dump(spec, sort_keys=False))
     exp = load_experiment(str(f))
     assert list(exp.arms) == ["p3o@T1.2", "grpo@T1.2"] and exp.run_arms == ["p3o@T1.2"] and exp.compare == []
     res = run_experiment(exp, tmp_path / "runs", jobs=1)

@@ -156,7 +156,9 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
     only = spec.get("preflight_only") or []
     if not isinstance(only, list) or any(a not in arms for a in only):
         raise UserError(f"experiment {str(path)!r}: 'preflight_only' must be a list naming arms of the experiment")
-    compare = [c for c in compare if not set(c) & set(only)]
+    if probed := [c for c in compare if set(c) & set(only)]:
+        raise UserError(f"experiment {str(path)!r}: 'compare' pair {probed[0]} names a preflight_only arm, which "
+                        "never trains; drop the pair or move the arm out of preflight_only")
     _check_analysis(spec, arms, str(path))
     main_seeds = list(seeds or spec.get("seeds") or LAB_SEEDS)
     if len(set(main_seeds)) != len(main_seeds):

@@ -18,7 +18,7 @@ from .figures import dose_figure, experiment_figures
 from .header import header_lines
 from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_spec, experiment_time, git_commit,
                          mixed_bases, mixed_line, prompts_per_round, registration_line, rule_standing, run_commits, standing_label)
-from .runs import arm_scores, load_runs
+from .runs import arm_scores, load_runs, unscored
 from .tables import (arm_table, base_table, cost_table, equivalence_lines, preflight_summary, preflight_table,
                      step_ratio_line, tuned_baseline, within_round_lines)
 
@@ -47,8 +47,13 @@ def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "d
     mixed = mixed_bases(_compared_bases(scored))
     lines += [mixed_line(mixed), ""] if mixed else []
     lines += arm_table(arms, scored)
-    pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(list(arms))
-    pairs = [(a, b) for a, b in pairs if a in scored and b in scored]
+    if left_out := [f"{arm} seed {seed} ({why})" for arm, runs in arms.items() for seed, why in unscored(runs).items()]:
+        lines += [f"Finished but not scored, so in no comparison: {'; '.join(left_out)}.", ""]
+    # The family is what was registered (or, without a compare list, the defaults over every arm the experiment
+    # runs), whatever finished: a pair of an arm without finished runs stays in it, "not compared", so that the
+    # Bonferroni level never loosens because runs are missing.
+    planned = [a for a in (spec.get("arms") or arms) if a not in (spec.get("preflight_only") or [])]
+    pairs = [tuple(c) for c in spec.get("compare") or []] or default_comparisons(planned)
     tuned, tuned_lines = tuned_baseline(tune, tuning)
     margin = float(spec.get("equivalence_margin") or MARGIN)
     findings, equivalence = _comparisons(pairs, scored, mixed, tuned, rule_standing(BOTH_COLLAPSE_RULE, commits), margin)
@@ -120,6 +125,9 @@ def _comparisons(pairs: list[tuple[str, str]], scored: dict[str, tuple[dict, dic
     [(``stats.tost`` result, whether the interval rule read 'match')] for the pairs not both collapsed)."""
     findings, equivalence = [], []
     for a, b in pairs:
+        if missing := [x for x in (a, b) if x not in scored]:
+            findings.append(f"{a} vs {b}: not compared (arm {missing[0]} has no finished runs).")
+            continue
         mark = f" ({tuned} is the tuned baseline)" if tuned in (a, b) else ""
         if broken := sorted(s for s, arms in mixed.items() if a in arms and b in arms and arms[a] != arms[b]):
             mark += f" (bases differ at seeds {broken}: not a clean pairing)"
@@ -146,6 +154,9 @@ def _secondary_lines(spec: dict, pairs: list[tuple[str, str]], scored: dict[str,
         lines += [f"**Sensitivity: Wilcoxon signed-rank** (rule of `{SENSITIVITY_RULE}`, {label}; beside the interval, "
                   "it decides no verdict):", ""]
         for a, b in pairs:
+            if a not in scored or b not in scored:
+                lines.append(f"- {a} vs {b}: no signed-rank test (an arm without finished runs).")
+                continue
             try:
                 test = signed_rank(a, b, scored[a][0], scored[b][0])
                 result = paired_interval(a, b, scored[a][0], scored[b][0], comparisons=len(pairs))

@@ -113,17 +113,30 @@ def run_scores(run: dict) -> tuple[list[tuple[int, float]], list[float]]:
 
 
 def arm_scores(runs: list[dict]) -> tuple[dict[int, float], dict[int, str | None], dict[int, float]]:
-    """({seed: primary score}, {seed: collapse reason or None}, {seed: base pass@1}) for one arm's runs."""
+    """({seed: primary score}, {seed: collapse reason or None}, {seed: base pass@1}) for one arm's runs; a run
+    either has all three or none (``unscored`` says why)."""
     scores, collapses, bases = {}, {}, {}
     for run in runs:
         evals, rewards = run_scores(run)
-        try:
-            scores[run["seed"]] = primary_score(evals)
-            collapses[run["seed"]] = collapse_reason(evals, rewards)
+        try:  # both before either is kept: a run the collapse rule cannot read is not compared either
+            score, why = primary_score(evals), collapse_reason(evals, rewards)
         except ValueError:
-            continue  # too few evaluations: reported as missing, not scored
+            continue
+        scores[run["seed"]], collapses[run["seed"]] = score, why
         bases[run["seed"]] = next((v for s, v in evals if s == 0), float("nan"))
     return scores, collapses, bases
+
+
+def unscored(runs: list[dict]) -> dict[int, str]:
+    """{seed: why} of the finished runs ``arm_scores`` leaves out (too few held-out evaluations, no round-0 one)."""
+    out = {}
+    for run in runs:
+        evals, rewards = run_scores(run)
+        try:
+            primary_score(evals), collapse_reason(evals, rewards)
+        except ValueError as e:
+            out[run["seed"]] = str(e).split(";")[0]
+    return out
 
 
 def histogram_quantile(edges: list[float], counts: list[int], q: float) -> float:
