@@ -49,3 +49,29 @@ def test_missing_model_path_is_a_user_error(tmp_path):
         load_policy(tmp_path / "nope")
     with pytest.raises(UserError, match="no config.json"):
         load_policy(tmp_path)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_every_end_token_the_model_names_ends_a_completion(shared_dir, tmp_path, decode):
+    """An Instruct model names its end of turn beside the tokenizer's EOS (Qwen2.5-Instruct's generation_config:
+    eos_token_id [<|im_end|>, <|endoftext|>]). Here stories260K's generation_config names its greedy third token too:
+    the completion ends there (it ran on to the budget, past the end of the turn, before)."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(shared_dir / "models" / "stories260K-hf", model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 286]}))
+    policy = load_policy(model)
+    assert policy.eos_id == 2 and policy.end_ids == (2, 286)
+    prompt = policy.encode_prompt("Once upon a time")
+    sp = SamplingParams(max_new_tokens=30, greedy=True)
+    ro = TransformersEngine(policy.model, policy.end_ids, policy.pad_id, decode=decode).generate([prompt], 1, sp)[0]
+    assert ro.completion_ids == [432, 383, 286] and not ro.truncated  # shared/models/README.md's greedy tokens
+    plain = TransformersEngine(policy.model, policy.eos_id, policy.pad_id, decode=decode).generate([prompt], 1, sp)[0]
+    assert plain.completion_ids[:10] == [432, 383, 286, 261, 376, 298, 315, 421, 395, 317]
+    from trustbatch.config import load_config
+    from trustbatch.recipes.export import _generation_config
+
+    assert _generation_config(policy, load_config()).eos_token_id == [2, 286]  # an export keeps both (it kept 2)

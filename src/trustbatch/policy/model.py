@@ -42,6 +42,14 @@ class Policy:
     chat_template: bool | None = None  # prompts through the tokenizer's chat template; None: when it has one
     system_prompt: str | None = None  # the system message before each prompt (chat template only)
     max_prompt_tokens: int | None = None  # encode_prompt keeps a prompt's last this many tokens (data.long_prompts)
+    # the model's other end tokens (its generation_config's eos_token_id list): an Instruct model's end of turn
+    # beside the tokenizer's EOS, e.g. <|im_end|> and <|endoftext|>
+    more_end_ids: tuple[int, ...] = ()
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every token that ends a completion: the tokenizer's EOS first, then the model's other end tokens."""
+        return (self.eos_id, *(i for i in self.more_end_ids if i != self.eos_id))
 
     def set_prompt_format(self, chat_template: str = "auto", system_prompt: str | None = None,
                           keys: tuple[str, str] = ("data.chat_template", "data.system_prompt")) -> None:
@@ -142,7 +150,15 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     model.config.pad_token_id = tok.pad_token_id
-    return Policy(model=model, tokenizer=tok, eos_id=int(tok.eos_token_id), pad_id=int(tok.pad_token_id))
+    return Policy(model=model, tokenizer=tok, eos_id=int(tok.eos_token_id), pad_id=int(tok.pad_token_id),
+                  more_end_ids=generation_end_ids(model))
+
+
+def generation_end_ids(model) -> tuple[int, ...]:
+    """The end tokens the model's ``generation_config`` names (``eos_token_id``: one id, a list, or none)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def read_model_config(p: Path) -> dict:

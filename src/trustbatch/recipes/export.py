@@ -113,7 +113,8 @@ def _generation_config(policy, cfg: Config):
 
     gen = policy.model.generation_config or GenerationConfig.from_model_config(policy.model.config)
     ro = cfg.rollout
-    gen.update(eos_token_id=policy.eos_id, pad_token_id=policy.pad_id, do_sample=True, temperature=ro.temperature,
+    ends = policy.end_ids  # every end token the model has (an Instruct model's end of turn too), not only the EOS
+    gen.update(eos_token_id=list(ends) if len(ends) > 1 else ends[0], pad_token_id=policy.pad_id, do_sample=True, temperature=ro.temperature,
                top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     return gen
 

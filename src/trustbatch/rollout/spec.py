@@ -173,7 +173,7 @@ def _transformers(spec: EngineSpec, policy, *, model, model_dir, version, share,
     if spec.decode != "dynamic" and (reason := static_decode_unsupported(model)) is not None:
         raise UserError(f"rollout.decode={spec.decode} cannot run {type(model).__name__}: {reason}; "
                         "use rollout.decode=dynamic")
-    return TransformersEngine(model, policy.eos_id, policy.pad_id, precision=spec.precision, share=share,
+    return TransformersEngine(model, policy.end_ids, policy.pad_id, precision=spec.precision, share=share,
                               version=version, autocast=autocast,
                               record=spec.record and behaviour_distribution(spec) == "recorded", decode=spec.decode,
                               noise=spec.noise)
@@ -210,7 +210,7 @@ def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocas
     try:
         from .vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, policy.eos_id, policy.pad_id, precision=spec.precision,
+        return VLLMEngine(model_dir, policy.end_ids, policy.pad_id, precision=spec.precision,
                           quantization=spec.quantization, seed=spec.seed, threads=spec.threads, version=version,
                           max_model_len=max_model_len, top_k=spec.top_k if spec.record else 0)
     except (ImportError, ValueError) as e:

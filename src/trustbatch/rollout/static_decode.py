@@ -155,7 +155,7 @@ class StaticDecoder:
         return self._held[key]
 
     def decode(self, model, ids: torch.Tensor, att: torch.Tensor, procs, seeds: list[int] | None, *,
-               max_new_tokens: int, eos_id: int, pad_id: int, row_slot: list[int] | None = None,
+               max_new_tokens: int, eos_id: int | tuple[int, ...], pad_id: int, row_slot: list[int] | None = None,
                record: bool = False, noise: str = "generator", noise_threads: int | None = None):
         """Sample up to ``max_new_tokens`` tokens after each row of ``ids`` [N, P] (left-padded, ``att`` its mask).
 
@@ -188,6 +188,7 @@ class StaticDecoder:
         logp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
         full = [] if record else None
         unfinished = torch.ones(N, 1, dtype=torch.bool, device=device)
+        ends = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=device)
         check = 1 if device.type == "cpu" else CHECK_EVERY
         steps = 0
         for t in range(max_new_tokens):
@@ -202,7 +203,7 @@ class StaticDecoder:
             logp[:, t] = lp
             if full is not None:
                 full.append(lsm.clone())
-            unfinished &= tok != eos_id
+            unfinished &= ~torch.isin(tok, ends)
             cur.copy_(tok)
             pos.add_(1)
             steps = t + 1

@@ -96,6 +96,9 @@ class TransformersEngine:
     ``generate`` returns, per step, the scores after temperature and top-p; their log-softmax at
     the sampled token is exactly the log-prob under the sampling distribution.
 
+    ``eos_id``: the token that ends a completion, or several (``Policy.end_ids``: an Instruct model's end of turn
+    beside the tokenizer's EOS); a completion ends at the first of them, which it keeps.
+
     With ``share=True`` (the default in float32) the engine samples from ``model`` itself and
     ``load_weights`` with no tensors only moves the version; otherwise it keeps its own copy in
     ``precision`` (see ``rollout.shifts``) and loads the learner's named weights into it, cast to
@@ -137,7 +140,7 @@ class TransformersEngine:
     unknown ``noise``.
     """
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, *, batch_size: int = 512,
+    def __init__(self, model: torch.nn.Module, eos_id: int | tuple[int, ...], pad_id: int, *, batch_size: int = 512,
                  logits_bytes: int = LOGITS_BYTES, kv_bytes: int = KV_BYTES,
                  precision: str = "float32", share: bool | None = None, version: int = 0,
                  prefill_once: bool | None = None, autocast: torch.dtype | None = None, record: bool = False,
@@ -164,7 +167,8 @@ class TransformersEngine:
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
         self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
-        self.eos_id = eos_id
+        self.end_ids = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+        self.eos_id = self.end_ids[0]
         self.pad_id = pad_id
         self.batch_size, self.logits_bytes, self.kv_bytes = batch_size, logits_bytes, kv_bytes
         self.version = version
@@ -249,7 +253,7 @@ class TransformersEngine:
         if self._static is not None:
             slot = _prompt_slots(items) if self.prefill_once else None
             new, logp, full = self._static.decode(
-                self.model, ids, att, procs, seeds, max_new_tokens=sp.max_new_tokens, eos_id=self.eos_id,
+                self.model, ids, att, procs, seeds, max_new_tokens=sp.max_new_tokens, eos_id=self.end_ids,
                 pad_id=self.pad_id, row_slot=None if slot is None or max(slot) + 1 == len(items) else slot,
                 record=self.record, noise=self.noise, noise_threads=self.noise_threads)
         else:
@@ -259,10 +263,11 @@ class TransformersEngine:
         rows = []
         for j, (i, p, _) in enumerate(items):
             toks = new[j].tolist()
-            end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
+            ended = next((k for k, t in enumerate(toks) if t in self.end_ids), None)
+            end = len(toks) if ended is None else ended + 1
             rows.append(Rollout(
                 prompt_index=i, prompt_ids=list(p), completion_ids=toks[:end],
-                behavior_logprobs=logp[j, :end].tolist(), truncated=self.eos_id not in toks,
+                behavior_logprobs=logp[j, :end].tolist(), truncated=ended is None,
                 policy_version=self.version,
                 behavior_logprobs_full=None if full is None else full[j, :end].clone(),
             ))
@@ -283,10 +288,10 @@ class TransformersEngine:
             cache = self._shared_prefill(ids, att, items, reserve, scaled) if self.prefill_once else None
             if cache is None and self.grow_cache:
                 cache = GrowingCache(reserve)
-            with _only_our_sampling(self.model, self.eos_id, self.pad_id):
+            with _only_our_sampling(self.model, list(self.end_ids), self.pad_id):
                 gen = self.model.generate(
                     input_ids=ids, attention_mask=att, max_new_tokens=sp.max_new_tokens,
-                    eos_token_id=self.eos_id, pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
+                    eos_token_id=list(self.end_ids), pad_token_id=self.pad_id, do_sample=False, top_k=None, top_p=None,
                     temperature=None, logits_processor=LogitsProcessorList(procs + [noise]), return_dict_in_generate=True,
                     **({} if cache is None else {cache_kwarg(self.model): cache}),
                 )
@@ -359,7 +364,7 @@ class TransformersEngine:
 
 
 @contextlib.contextmanager
-def _only_our_sampling(model: torch.nn.Module, eos_id: int, pad_id: int):
+def _only_our_sampling(model: torch.nn.Module, eos_id: list[int], pad_id: int):
     """Within the block, every ``generation_config`` of ``model`` and its submodules (a peft wrapper copies its own
     onto the base model) is a blank one with only the special ids: ``generate`` fills each setting it is not given
     from the model's ``generation_config.json`` (an Instruct model's repetition penalty, top-k, a

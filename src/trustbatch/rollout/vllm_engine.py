@@ -53,8 +53,8 @@ class VLLMEngine:
 
     Arguments:
         model_dir: a local Hugging Face model directory (config.json, weights, tokenizer).
-        eos_id: the token that ends a completion; the only stop token (the model's own
-            generation-config EOS ids are ignored, as in ``TransformersEngine``).
+        eos_id: the token that ends a completion, or several (``Policy.end_ids``); the only stop tokens (what else
+            the model's files name is ignored, as in ``TransformersEngine``).
         pad_id: kept for symmetry with ``TransformersEngine``; vLLM never pads.
         precision: ``float32``, ``bfloat16`` or ``float16``: vLLM's ``dtype``.
         quantization: None, or a vLLM online quantization method of the float checkpoint: on CPU
@@ -86,7 +86,7 @@ class VLLMEngine:
             float32; a head size the CPU attention kernel lacks (stories260K: head_dim 8).
     """
 
-    def __init__(self, model_dir: str | Path, eos_id: int, pad_id: int, *, precision: str = "float32",
+    def __init__(self, model_dir: str | Path, eos_id: int | tuple[int, ...], pad_id: int, *, precision: str = "float32",
                  quantization: str | None = None, kv_cache_bytes: int = 256 << 20, seed: int = 0,
                  max_model_len: int | None = None, threads: int | None = None,
                  logprobs_mode: str = "processed_logprobs", version: int = 0, top_k: int = 0):
@@ -151,7 +151,8 @@ class VLLMEngine:
         self.names = _checkpoint_names(model_dir)
         if self.tied:
             self.names.add("lm_head.weight")  # save_pretrained drops it, but reload needs it
-        self.eos_id = eos_id
+        self.end_ids = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+        self.eos_id = self.end_ids[0]
         self.pad_id = pad_id
         self.precision = precision
         self.quantization = quantization
@@ -225,8 +226,8 @@ class VLLMEngine:
                              f"exceeds the vllm engine's max_model_len={self.max_model_len}; "
                              "build the engine with a larger max_model_len or lower max_new_tokens")
         common = dict(max_tokens=sampling.max_new_tokens, logprobs=self.top_k, detokenize=False,
-                      # stop at eos_id only, whatever EOS the model's files name
-                      ignore_eos=True, stop_token_ids=[self.eos_id])
+                      # stop at end_ids only, whatever EOS the model's files name
+                      ignore_eos=True, stop_token_ids=list(self.end_ids))
         if sampling.greedy:  # vLLM's greedy allows n=1 only: send each prompt n times
             requests = [p for p in prompts for _ in range(n)]
             sp = VSamplingParams(n=1, temperature=0.0, **common)
@@ -244,7 +245,7 @@ class VLLMEngine:
                     prompt_index=i, prompt_ids=list(prompts[i]), completion_ids=toks,
                     # vLLM computes them in float32; logprobs=0 returns the sampled token's only
                     behavior_logprobs=[d[t].logprob for d, t in zip(c.logprobs, toks)],
-                    truncated=not toks or toks[-1] != self.eos_id, policy_version=self.version,
+                    truncated=not toks or toks[-1] not in self.end_ids, policy_version=self.version,
                     **(self._top(c.logprobs) if self.top_k else {}),
                 ))
         return rows
