@@ -60,3 +60,15 @@ def test_config_keys_default_to_auto_without_a_system_prompt():
     assert (load_config().data.chat_template, load_config().data.system_prompt) == ("auto", None)
     with pytest.raises(UserError, match="data.chat_template"):
         load_config(None, ["data.chat_template=yes"])
+
+
+def test_a_template_that_refuses_a_system_message_is_one_line_at_set_up():
+    """Gemma's and Mistral-Instruct's templates raise on a system role; that is said when the format is set (the
+    command's start), not as jinja2's traceback at the first prompt encoded."""
+    p = _policy(template=True)
+    p.tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                                 "supported') }}{% endif %}" + TEMPLATE)
+    with pytest.raises(UserError, match=r"^the model's chat template refuses a system message \(TemplateError: System "
+                                        r"role not supported\); drop --system-prompt"):
+        p.set_prompt_format("auto", SYSTEM, keys=("--chat-template", "--system-prompt"))
+    assert p.system_prompt is None and p.encode_prompt(PROMPT)  # left usable without it

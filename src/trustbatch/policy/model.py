@@ -58,7 +58,8 @@ class Policy:
         in the messages (config keys or CLI options).
 
         Raises:
-            UserError: ``on`` for a tokenizer without a chat template; a system prompt without one (or with off).
+            UserError: ``on`` for a tokenizer without a chat template; a system prompt without one (or with off),
+                or one the template refuses (Gemma's and Mistral's raise "System role not supported").
         """
         has = bool(getattr(self.tokenizer, "chat_template", None))
         if chat_template not in ("auto", "on", "off"):
@@ -72,6 +73,14 @@ class Policy:
                             + ("the model's tokenizer has none" if not has else f"{keys[0]}=off")
                             + f"; drop {keys[1]} or put the instruction into the prompts")
         self.chat_template, self.system_prompt = use, system_prompt or None
+        if self.system_prompt:  # the template's own refusal, now, as one line: not a traceback at the first prompt
+            try:
+                self._encode_whole_prompt("")
+            except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception in the template)
+                self.system_prompt = None
+                raise UserError(f"the model's chat template refuses a system message ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else 'no message'}); drop {keys[1]} or put "
+                                "the instruction into the prompts") from None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids: through the tokenizer's chat template (``set_prompt_format``; by default when it has one) as
