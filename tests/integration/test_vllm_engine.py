@@ -70,7 +70,7 @@ def test_eos_truncation_and_greedy_match_transformers_greedy(base_policy, base_d
     ref = [r.completion_ids for r in free.generate(prompts, 1, SamplingParams(max_new_tokens=16, greedy=True))]
     eos = ref[0][5]  # a token greedy decoding reaches: completion 0 must end there
     eng = make_engine("vllm", base_policy, base_dir)
-    eng.eos_id = eos
+    eng.end_ids = (eos,)  # the engine stops at its end_ids (Policy.end_ids) alone
     ro = eng.generate(prompts, 2, SamplingParams(max_new_tokens=16, greedy=True))
     assert [r.prompt_index for r in ro] == [0, 0, 1, 1, 2, 2]
     for r in ro:
@@ -83,6 +83,12 @@ def test_eos_truncation_and_greedy_match_transformers_greedy(base_policy, base_d
     assert max_abs_diff(base_policy.model, ro, 1.0, 1.0) <= TOL
     short = eng.generate(prompts[1:2], 1, SamplingParams(max_new_tokens=3, greedy=True))[0]
     assert short.completion_ids == ref[1][:3] and short.truncated == (eos not in ref[1][:3])
+    # several end tokens (an Instruct model's end of turn beside the EOS): each completion ends at the first of them
+    eng.end_ids = (eos, ref[1][2])
+    for r in eng.generate(prompts, 1, SamplingParams(max_new_tokens=16, greedy=True)):
+        want = ref[r.prompt_index]
+        at = next((k for k, t in enumerate(want) if t in eng.end_ids), None)
+        assert r.completion_ids == (want if at is None else want[:at + 1]) and r.truncated == (at is None)
 
 
 @pytest.mark.vllm
