@@ -240,11 +240,8 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
                 m = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
                 ess = RatioStats.from_logprobs(logps, behaviour_logprobs(inputs, logps), m.bool(),
                                                self.tb_options.get("log_ratio_clip", 20.0)).all_reduce()
-        options = self.tb_options
-        if (options.get("aggregation") == "seq_mean_token_sum" and options.get("seq_constant") is None
-                and self.args.max_completion_length):
-            # Dr.GRPO's constant is the generation budget, as TRL's dr_grpo divides by (not the padded width)
-            options = {**options, "seq_constant": float(self.args.max_completion_length)}
+        # Dr.GRPO's constant is the generation budget, as TRL's dr_grpo divides by (not the padded width)
+        options = objectives.with_budget_constant(self.tb_options, self.args.max_completion_length)
         out = trl_objective_loss(self.tb_objective, logps, inputs, options, grad_accum_steps=ga,
                                  steps_per_generation=spg, num_processes=self.accelerator.num_processes, ess=ess,
                                  ess_scope=self.tb_ess_scope, ref_kl_coef=float(self.beta or 0.0))

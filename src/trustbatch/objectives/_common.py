@@ -310,6 +310,16 @@ def prepare(
     )
 
 
+def with_budget_constant(options: dict, budget: int | None) -> dict:
+    """``options`` with Dr.GRPO's constant L_const (``seq_constant``) set to the generation budget ``budget`` where
+    the aggregation is ``seq_mean_token_sum`` and none is given (arXiv 2503.20783 §3.4; TRL's ``dr_grpo`` divides by
+    ``max_completion_length``, verl by the responses' width, padded to the budget); else ``options`` as they are.
+    Without it the objective divides by its input's padded width, the longest completion of each batch."""
+    if options.get("aggregation") != "seq_mean_token_sum" or options.get("seq_constant") is not None or not budget:
+        return options
+    return {**options, "seq_constant": float(budget)}
+
+
 def aggregate(per_token: torch.Tensor, prep: Prepared) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` (already 0 at masked positions) to a scalar.
 

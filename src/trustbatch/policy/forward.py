@@ -40,6 +40,14 @@ class Packed:
                       self.response_mask.to(device))
 
 
+def refuse_empty_prompts(prompts: list[list[int]]) -> None:
+    """ValueError naming the first prompt without a token: its completion's first token has no position to be
+    scored (or sampled) from."""
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:
+        raise ValueError(f"prompt {empty} has no token; every prompt needs at least one (a BOS token counts)")
+
+
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Packed:
     """Left-pad ``prompt + completion`` pairs. Raises ValueError on empty prompts or completions (a completion's
     first token is scored from the prompt's last position) or a length mismatch."""
@@ -47,9 +55,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) ->
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token (EOS counts)")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} has no token; every prompt needs "
-                         "at least one (a BOS token counts)")
+    refuse_empty_prompts(prompts)
     seqs = [p + c for p, c in zip(prompts, completions)]
     L = max(len(s) for s in seqs)
     C = max(len(c) for c in completions)

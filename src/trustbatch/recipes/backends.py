@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .. import objectives
 from ..config import Config
 from ..errors import UserError
 from ..orchestration.process_rollout import AsyncSource
@@ -89,10 +90,7 @@ def learner_options(cfg: Config) -> dict:
     ``seq_constant``, the constant is the generation budget ``rollout.max_new_tokens`` (Dr.GRPO's L_const, arXiv
     2503.20783 §3.4; TRL's ``dr_grpo`` and verl's ``seq-mean-token-sum-norm`` over responses padded to the budget),
     not the objective's own default (the batch's longest completion, which would rescale the loss every round)."""
-    opts = dict(cfg.objective.options)
-    if opts.get("aggregation") == "seq_mean_token_sum" and opts.get("seq_constant") is None:
-        opts["seq_constant"] = float(cfg.rollout.max_new_tokens)
-    return opts
+    return objectives.with_budget_constant(dict(cfg.objective.options), cfg.rollout.max_new_tokens)
 
 
 def _learner_kwargs(cfg: Config, version: int) -> dict:

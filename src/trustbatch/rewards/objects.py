@@ -39,7 +39,7 @@ def reward_name(fn: Callable | str) -> str:
     named = _importable_name(fn)
     if named:
         return named
-    base = PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+    base = _object_name(fn)
     name, k = base, 1
     while _OBJECTS.get(name, fn) is not fn:
         name, k = f"{base}#{k}", k + 1
@@ -63,11 +63,16 @@ def register_again(fns: list, saved: list[str]) -> None:
         raise UserError(f"the run was trained with {len(wanted)} Python-object rewards {wanted}, and {len(objs)} are "
                         "given; give the same callables, in the same order, as reward_funcs")
     for fn, name in zip(objs, wanted):
-        own = PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+        own = _object_name(fn)
         if name.split("#")[0] != own:
             raise UserError(f"the run's reward {name!r} is given {own!r}; give the same callables, in the same "
                             "order, as reward_funcs")
         _OBJECTS[name] = fn
+
+
+def _object_name(fn: Callable) -> str:
+    """``python:QUALNAME`` of a callable object, before any ``#k`` that tells apart two of one name."""
+    return PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
 
 
 def _importable_name(fn: Callable) -> str | None:
@@ -116,8 +121,9 @@ class GroupForm:
     """A batch-form reward ``f(prompts, completions, **columns) -> list`` called once per group of completions.
 
     A group is a run of consecutive completions with the same ``GROUP_KEY`` in their contexts (the rollout source
-    numbers a round's groups: one prompt drawn twice in a row is two groups), or, without one, the same prompt. ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
-    lists of the group's length. A raise, a list of the wrong length, or a value that is not a score fails the whole
+    numbers a round's groups: one prompt drawn twice in a row is two groups), or, without one, the same prompt.
+    ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as lists of the
+    group's length. A raise, a list of the wrong length, or a value that is not a score fails the whole
     group (reward 0, counted per completion); ``None`` scores 0 (TRL's "does not apply"); a finite score outside
     [0, 1] is clamped and counted, as for every scorer.
     """

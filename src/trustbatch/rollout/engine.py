@@ -46,6 +46,11 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def end_ids_of(eos_id: int | Iterable[int]) -> tuple[int, ...]:
+    """The tokens that end a completion, as a tuple: one EOS id, or several (``Policy.end_ids``)."""
+    return (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+
+
 @dataclass
 class Rollout:
     """One sampled completion.

