@@ -37,8 +37,8 @@ class Trainer:
         model: a local model directory (``model.path``).
         reward_funcs: a reward function or a list of them, each a scorer name (``"gsm8k"``, ``"module:function"``) or a callable:
             ``f(completion, reference) -> float`` per completion, or TRL's batch form
-            ``f(prompts, completions, reference, **columns) -> list`` (a callable's batch form is called once per
-            group, the completions of one prompt together, so it may rank them).
+            ``f(prompts, completions, reference, **columns) -> list`` (the batch form is called once per group, the
+            completions of one prompt together, so it may rank them).
         reward_weights: one weight per reward function (default 1 each); the training reward is Σ w_i r_i. A reward
             model (TRL's model-id reward_funcs) is ``overrides={"reward.model": DIR}``, one more term of that sum.
         train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset`` or a file path, in any format

@@ -16,7 +16,7 @@ from trustbatch.errors import UserError  # noqa: E402
 from trustbatch.rewards import objects  # noqa: E402
 
 from runproc import ROOT, assert_same_weights, cache, records  # noqa: E402,F401
-from scorers_for_tests import digit_fraction, even_length  # noqa: E402
+from scorers_for_tests import digit_fraction, even_length, longer_than_others  # noqa: E402
 from tiny import TINY  # noqa: E402
 
 ROWS = [{"problem": f"Lily has {i} apples and finds {i % 7 + 1} more. How many apples does she have?",
@@ -105,6 +105,23 @@ def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, s
         # the second closure of this name in one process is registered as "...longer_than_others#1"
         logged = next(v for key, v in rec.items() if key.startswith("rewards/longer_than_others"))
         assert logged == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
+
+
+def test_a_named_group_form_reward_sees_whole_groups_in_the_reward_workers(tmp_path, shared_dir, monkeypatch):
+    """The same reward, importable by name: it runs in reward.workers=2 processes and still gets one call per group
+    (it got one call per completion, so every reward was 0). One training prompt: P groups of one prompt a round."""
+    monkeypatch.setenv("SCORER_CALLS", str(tmp_path / "calls.jsonl"))
+    run = tmp_path / "run"
+    Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[longer_than_others],
+            train_dataset=ROWS[8:9], eval_dataset=ROWS[:8],
+            overrides=RUN + [f"run_dir={run}", "reward.workers=2"]).train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())["reward"]
+    assert saved["workers"] == 2 and "scorers_for_tests:longer_than_others" in str(saved)
+    calls = [json.loads(line)[1] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 * P and all(len(c) == G for c in calls)
+    for k, rec in enumerate(_rounds(run)):  # rounds are scored one after the other; within one, in any order
+        by_hand = [sorted(len(o) for o in g).index(len(c)) / (G - 1) for g in calls[k * P:(k + 1) * P] for c in g]
+        assert rec["rewards/longer_than_others"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
 
 
 def test_the_api_trains_what_the_command_line_trains(tmp_path, cache, support_on_pythonpath):

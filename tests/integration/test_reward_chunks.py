@@ -4,11 +4,12 @@ Expected rewards and counts are worked out from the scorer's definition, item by
 the middle of a chunk must cost that completion alone, and the time limit must stay per completion.
 """
 
+import json
 import textwrap
 
 import pytest
 
-from trustbatch.rewards import RewardPool
+from trustbatch.rewards import GROUP_KEY, RewardPool
 from trustbatch.rewards import pool as pool_mod
 
 ITEMS = ["ok", "a", "hang", "ok", "die", "ok", "raise", "nan", "ok", "no", "ok", "ok", "die", "ok"]
@@ -80,7 +81,7 @@ def test_the_math_scorer_warms_up_math_verify():
 def test_one_message_per_chunk(monkeypatch):
     sent = []
     real = pool_mod._Worker.send
-    monkeypatch.setattr(pool_mod._Worker, "send", lambda self, job, c, r: (sent.append(list(job)), real(self, job, c, r)))
+    monkeypatch.setattr(pool_mod._Worker, "send", lambda self, job, *rest: (sent.append(list(job)), real(self, job, *rest)))
     comps = [str(i) for i in range(10)]
     with RewardPool("scorers_for_tests:misbehave", workers=1, chunk_size=4) as pool:
         res = pool.score(comps, [str(i) if i % 3 else "x" for i in range(10)])
@@ -91,3 +92,43 @@ def test_one_message_per_chunk(monkeypatch):
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         RewardPool("scorers_for_tests:misbehave", chunk_size=0)
+
+
+def _group_contexts(sizes):
+    """Contexts of consecutive groups of these sizes, numbered as the rollout source numbers them; every group has
+    the same prompt, so only the group numbers tell them apart."""
+    return [{"prompt": "p", GROUP_KEY: g} for g, k in enumerate(sizes) for _ in range(k)]
+
+
+def _by_hand(group):
+    """longer_than_others, worked out again: the share of the group's other completions each is longer than."""
+    return [sum(len(o) < len(c) for o in group) / max(1, len(group) - 1) for c in group]
+
+
+@pytest.mark.parametrize("workers,chunk", [(0, 32), (1, 32), (2, 4), (2, 1)])
+def test_a_named_batch_form_function_is_called_once_per_group_in_the_workers(tmp_path, monkeypatch, workers, chunk):
+    """Before, a named batch-form function was called one completion at a time: every reward was 0/0 → 0."""
+    monkeypatch.setenv("SCORER_CALLS", str(tmp_path / "calls.jsonl"))
+    sizes = [3, 1, 4, 2]
+    comps = ["a", "bbb", "cc", "z", "dddd", "e", "ff", "ggg", "hh", "h"]
+    with RewardPool("scorers_for_tests:longer_than_others", workers=workers, chunk_size=chunk) as pool:
+        res = pool.score(comps, [""] * len(comps), contexts=_group_contexts(sizes))
+    groups, start = [], 0
+    for k in sizes:
+        groups.append(comps[start:start + k])
+        start += k
+    assert res.rewards == [v for g in groups for v in _by_hand(g)]
+    assert res.errors == res.timeouts == 0
+    calls = [json.loads(line)[1] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert sorted(calls) == sorted(groups)  # one call per group, whichever worker made it
+
+
+def test_a_groups_time_limit_is_its_size_times_timeout_and_a_hung_group_fails_whole(tmp_path):
+    """A group of 4 taking 2 s is within 4 × 1 s; the group that hangs is timed out, each of its completions
+    counted, and the groups after it are scored by a fresh worker."""
+    comps = ["slow", "slow", "slow", "slowest", "x", "hang", "yy", "ok", "okk"]
+    with RewardPool("scorers_for_tests:longer_than_others", workers=1, timeout_s=1.0) as pool:
+        res = pool.score(comps, [""] * len(comps), contexts=_group_contexts([4, 3, 2]))
+    assert res.rewards == _by_hand(comps[:4]) + [0.0] * 3 + _by_hand(comps[7:])
+    assert (res.timeouts, res.errors) == (3, 0)
+    assert "reward.timeout_s=1 s" in res.last_error

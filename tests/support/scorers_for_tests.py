@@ -1,5 +1,6 @@
 """User scorers (``module:function``) that misbehave, for the reward-pool tests."""
 
+import json
 import os
 import time
 
@@ -106,3 +107,18 @@ def informative_first(completion: str, reference: str) -> float:
 
 
 informative_first.left = 0
+
+
+def longer_than_others(prompts, completions, reference, **columns):
+    """TRL's batch form comparing one call's completions: the share of the others each is longer than. Each call's
+    prompts and completions go as one JSON line to the file ``$SCORER_CALLS`` (when set), so that a test sees the
+    calls made in worker processes. A completion "hang" makes the call sleep for good; "slow" for 0.5 s each."""
+    if os.environ.get("SCORER_CALLS"):
+        with open(os.environ["SCORER_CALLS"], "a", encoding="utf-8") as f:
+            f.write(json.dumps([list(prompts), list(completions)]) + "\n")
+    if "hang" in completions:
+        while True:
+            time.sleep(3600)
+    time.sleep(0.5 * completions.count("slow"))
+    n = len(completions)
+    return [sum(len(o) < len(c) for o in completions) / max(1, n - 1) for c in completions]

@@ -7,7 +7,8 @@ Names (``get``):
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
 - ``rg-final:TASK``: worked steps ending in ``answer X``: ``score_answer`` of X (``data.tasks.chain_sum_steps``);
 - ``module:function``: a user function with the scorer signature, or TRL's batch form
-  ``f(prompts, completions, **columns) -> list`` (``scorers.BatchForm``: it has a ``completions`` parameter).
+  ``f(prompts, completions, **columns) -> list`` (``scorers.BatchForm``: it has a ``completions`` parameter),
+  called once per group of one prompt's completions.
 
 ``functions.WeightedRewards`` combines several with weights (``reward.functions``).
 

@@ -3,12 +3,14 @@
 A scorer that raises, returns a non-finite value, kills its process or runs past ``timeout_s``
 gives reward 0; the pool counts each case, replaces a dead or hung worker, and goes on.
 
-Completions travel in chunks (one message each way per ``chunk_size`` completions, not per
-completion). The time limit stays per completion: a worker writes the position and start time of
-the completion it is scoring into a two-slot shared array, and the parent times that completion
-out. When a worker dies or hangs, that completion alone counts as failed and the rest of its chunk
-is scored again by a fresh worker (the finished part's results died with the process).
-Workers build the scorer from its name (``scorers.get``), so user functions need only be importable.
+A scorer scores units (``scorers.groups``): one completion each, or for TRL's batch form (``scorers.BatchForm``)
+the whole group of one prompt's completions in one call, so that it may compare them. Units travel in chunks (one
+message each way per about ``chunk_size`` completions, not per unit). The time limit stays per completion: a unit
+of k completions gets k · ``timeout_s``. A worker writes the position and start time of the unit it is scoring into
+a shared array, and the parent times that unit out. When a worker dies or hangs, that unit alone fails (each of its
+completions counted) and the rest of its chunk is scored again by a fresh worker (the finished part's results died
+with the process). Workers build the scorer from its name (``scorers.get``), so user functions need only be
+importable.
 
 Workers die with the process that made them, however it ends (kill -9 included): on Linux the
 kernel sends them SIGKILL (``PR_SET_PDEATHSIG``); elsewhere, and as a fallback, each worker sees
@@ -31,8 +33,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from ..processes import die_with_parent
-from .objects import GroupForm, is_object, lookup
-from .scorers import BatchForm, ScoreResult, get, one_line, score_local, score_one, stopped_early
+from .objects import is_object, lookup
+from .scorers import ScoreResult, get, groups, one_line, record, score_local, score_unit, stopped_early
 
 OUTPUT_TAIL = 2048  # bytes of a failing scorer's stdout/stderr kept for the error message
 # a new worker's start (imports, its scorer's libraries) may take this long beyond a completion's time limit; a
@@ -113,17 +115,18 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None, pr
         if msg is None:
             return
         results = []
-        for k, (completion, reference) in enumerate(msg):
+        for k, (completions, references, contexts) in enumerate(msg):
             # start time before position: the parent reads the position first, so it never pairs a
-            # new position with the previous completion's (earlier) start and times it out early
+            # new position with the previous unit's (earlier) start and times it out early
             progress[1] = time.monotonic()
             progress[0] = k
             if scorer is None:
-                v, status, cause = 0.0, "error", f"the scorer failed to load in the worker: {load_error}"
+                outcomes = [(0.0, "error", f"the scorer failed to load in the worker: {load_error}")] * len(completions)
             else:
-                v, status, cause = score_one(scorer, completion, reference)  # the same checks as in-process
+                outcomes = score_unit(scorer, completions, references, contexts)  # the same checks as in-process
             output = _rewind_output(out_fd)
-            results.append((v, status, _with_output(cause, output) if status == "error" else None))
+            results.append([(v, status, _with_output(cause, output) if status == "error" else None)
+                            for v, status, cause in outcomes])
         conn.send(results)
 
 
@@ -149,23 +152,26 @@ class _Worker:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         _PARENT_ENDS.add(self.conn)
-        self.job: list[int] | None = None  # completion indices of the chunk in flight
+        self.job: list[int] | None = None  # unit indices of the chunk in flight
+        self.sizes: list[int] = []  # completions in each of them
 
-    def send(self, job: list[int], completions: list[str], references: list[str]) -> None:
-        """Send a chunk; its first completion's clock starts now (the worker restarts it per completion).
+    def send(self, job: list[int], units: list[list[int]], completions: list[str], references: list[str],
+             contexts: list[dict] | None) -> None:
+        """Send a chunk of units; its first unit's clock starts now (the worker restarts it per unit).
 
         Raises:
             OSError: the worker's pipe is closed (it died while idle).
         """
         self.progress[0], self.progress[1] = 0, time.monotonic()
-        self.conn.send([(completions[i], references[i]) for i in job])
-        self.job = job
+        self.conn.send([([completions[i] for i in units[u]], [references[i] for i in units[u]],
+                         None if contexts is None else [contexts[i] for i in units[u]]) for u in job])
+        self.job, self.sizes = job, [len(units[u]) for u in job]
 
     def current(self, timeout_s: float) -> tuple[int, float]:
-        """(position in the chunk, deadline) of the completion this worker is scoring."""
-        k = int(self.progress[0])
+        """(position in the chunk, deadline) of the unit this worker is scoring: ``timeout_s`` per completion."""
+        k = min(int(self.progress[0]), len(self.sizes) - 1)
         starting = 0.0 if self.progress[2] else WORKER_START_S  # a chunk sent before the worker was ready
-        return k, self.progress[1] + timeout_s + starting
+        return k, self.progress[1] + timeout_s * self.sizes[k] + starting
 
     def output(self) -> str:
         """The tail of what the scorer printed during the current completion (for a worker that died or hung)."""
@@ -253,8 +259,8 @@ class RewardPool:
               max_failure_rate: float | None = None) -> ScoreResult:
         """Rewards for ``completions[i]`` against ``references[i]``, in order; failures give 0 and are counted.
 
-        ``contexts[i]`` (optional) is the prompt text and data row of completion i (``{"prompt": ..., **columns}``);
-        only a batch-form scorer (``scorers.BatchForm``) reads it.
+        ``contexts[i]`` (optional) is the prompt text and data row of completion i (``{"prompt": ..., **columns}``,
+        and ``GROUP_KEY``); only a batch-form scorer (``scorers.BatchForm``, one call per group) reads it.
         With ``max_failure_rate``, scoring stops as soon as the failures (errors + timeouts) exceed that
         fraction of all ``completions`` (``scorers.stopped_early``: ``check_scoring`` at that rate refuses
         the call whatever the rest would score), so a scorer that always times out costs about
@@ -267,20 +273,18 @@ class RewardPool:
         if len(completions) != len(references) or (contexts is not None and len(contexts) != len(references)):
             raise ValueError(f"{len(completions)} completions but {len(references)} references"
                              + ("" if contexts is None else f" and {len(contexts)} contexts"))
-        if isinstance(self._local, GroupForm):  # whole groups, in this process (rewards.objects)
-            return self._local.score(completions, references, contexts)
-        if isinstance(self._local, BatchForm):
-            references = [BatchForm.pack(r, None if contexts is None else contexts[i]) for i, r in enumerate(references)]
         if self.workers == 0:
-            return self._score_in_process(completions, references, max_failure_rate)
+            return self._score_in_process(completions, references, contexts, max_failure_rate)
         self._ensure_workers()
         res = ScoreResult([0.0] * len(completions), 0, 0)
-        # a chunk per worker at least, so that both share a small call
-        size = max(1, min(self.chunk_size, -(-len(completions) // self.workers)))
-        todo = deque(range(len(completions)))
+        units = groups(self._local, contexts, len(completions))
+        # about chunk_size completions per message, and a chunk per worker at least, so that both share a small call
+        widest = max((len(u) for u in units), default=1)
+        size = max(1, min(self.chunk_size // widest, -(-len(units) // self.workers)))
+        todo = deque(range(len(units)))
         while todo or any(w.job for w in self._pool):
             if stopped_early(res.errors + res.timeouts, len(completions), max_failure_rate):
-                res.unscored = len(todo) + sum(len(w.job) for w in self._pool if w.job)
+                res.unscored = sum(len(units[u]) for u in todo) + sum(sum(w.sizes) for w in self._pool if w.job)
                 for w in [w for w in self._pool if w.job]:  # mid-chunk: its results would arrive late, unasked
                     w.close(kill=True)
                     self._pool.remove(w)
@@ -289,7 +293,7 @@ class RewardPool:
                 if w.job is None and todo:
                     job = [todo[j] for j in range(min(size, len(todo)))]
                     try:
-                        w.send(job, completions, references)
+                        w.send(job, units, completions, references, contexts)
                     except OSError:  # the worker died while idle (e.g. the OOM killer): replace it, retry
                         w.close(kill=True)
                         self._pool[k] = _Worker(self._ctx, self.name)
@@ -298,25 +302,27 @@ class RewardPool:
                         todo.popleft()
             busy = [w for w in self._pool if w.job]
             if busy:
-                self._collect(busy, res, todo)
+                self._collect(busy, res, todo, units)
         return res
 
-    def _score_in_process(self, completions: list[str], references: list[str],
+    def _score_in_process(self, completions: list[str], references: list[str], contexts: list[dict] | None,
                           max_failure_rate: float | None) -> ScoreResult:
         if self.in_process_marker is None:
-            return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+            return score_local(self._local, completions, references, contexts=contexts,
+                               max_failure_rate=max_failure_rate)
         marker = Path(self.in_process_marker)
         marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
         try:
-            return score_local(self._local, completions, references, max_failure_rate=max_failure_rate)
+            return score_local(self._local, completions, references, contexts=contexts,
+                               max_failure_rate=max_failure_rate)
         finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended
             marker.unlink(missing_ok=True)
 
-    def _collect(self, busy: list[_Worker], res: ScoreResult, todo: deque) -> None:
+    def _collect(self, busy: list[_Worker], res: ScoreResult, todo: deque, units: list[list[int]]) -> None:
         """Wait for the first busy worker to answer or pass its deadline; record what came back in ``res``.
 
-        A worker that died or timed out is replaced: its current completion keeps reward 0 (counted), the rest of
-        its chunk goes back to the front of ``todo``.
+        A worker that died or timed out is replaced: its current unit keeps reward 0 (each completion counted), the
+        rest of its chunk goes back to the front of ``todo``.
         """
         next_deadline = min(w.current(self.timeout_s)[1] for w in busy)
         if not all(w.progress[2] for w in busy):  # a worker still starting: look again soon, its limit starts then
@@ -329,24 +335,21 @@ class RewardPool:
                 try:
                     results = w.conn.recv()
                 except (EOFError, OSError):  # the scorer took its process down
-                    res.errors += 1
+                    res.errors += w.sizes[w.current(self.timeout_s)[0]]
                     w.proc.join(1)
                     code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
                     res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
                 else:
-                    for i, (v, status, cause) in zip(w.job, results):
-                        res.rewards[i] = v
-                        res.errors += status == "error"
-                        res.clamped += status == "clamped"
-                        res.last_error = cause or res.last_error
+                    for u, outcomes in zip(w.job, results):
+                        record(res, units[u], outcomes)
                     w.job = None
                     continue
             elif time.monotonic() < w.current(self.timeout_s)[1]:
                 continue
             else:
-                res.timeouts += 1
+                res.timeouts += w.sizes[w.current(self.timeout_s)[0]]
                 res.last_error = _with_output(f"the scorer ran past reward.timeout_s={self.timeout_s:g} s", w.output())
-            failed = min(w.current(self.timeout_s)[0], len(w.job) - 1)
+            failed = w.current(self.timeout_s)[0]
             todo.extendleft(reversed(w.job[:failed] + w.job[failed + 1:]))
             w.close(kill=True)
             self._pool[k] = _Worker(self._ctx, self.name)

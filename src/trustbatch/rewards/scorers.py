@@ -121,38 +121,75 @@ class FinalAnswerScorer:
 
 
 # In a completion's context: which group of its round it belongs to (set by the rollout source and held-out
-# evaluation), for ``objects.GroupForm``'s one call per group; never passed to a reward function as a column.
+# evaluation), for ``BatchForm``'s one call per group; never passed to a reward function as a column.
 GROUP_KEY = "_trustbatch_group"
+
+Outcome = tuple[float, str, str | None]  # one completion's (reward, status, cause), as ``score_one`` gives
 
 
 class BatchForm:
-    """A reward function in TRL's batch form, ``f(prompts, completions, **columns) -> list``, as a per-completion scorer.
+    """A reward function in TRL's batch form, ``f(prompts, completions, **columns) -> list``, called once per group.
 
-    It is called with lists of one (``prompts=[p]``, ``completions=[c]``, ``reference=[r]`` and each other field of
-    the data row as ``name=[value]``), so the worker pool's per-completion time limit and failure counts apply to
-    it as to any scorer; a function that compares the completions of one call with each other sees only one.
-    The reference it is given is a ``pack``-ed context (``RewardPool.score`` packs it). ``None`` from the function
-    means "does not apply" (as in TRL) and scores 0.
+    A group is a run of consecutive completions with the same ``GROUP_KEY`` in their contexts (the rollout source
+    numbers a round's groups: one prompt drawn twice in a row is two groups), or, without one, the same prompt
+    (``groups``). ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
+    lists of the group's length, so it may compare them (rank within the group). A raise, a list of the wrong
+    length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
+    ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is clamped and counted.
     """
 
     def __init__(self, fn: Callable):
         self.fn = fn
 
-    @staticmethod
-    def pack(reference: str, context: dict | None) -> str:
-        """The reference for one completion: its gold answer, prompt and data columns as one JSON string."""
-        context = dict(context or {})
-        context.pop(GROUP_KEY, None)
-        return json.dumps({"reference": reference, "prompt": context.pop("prompt", ""), "columns": context}, default=str)
+    def score_group(self, completions: list[str], references: list[str],
+                    contexts: list[dict] | None) -> list[Outcome]:
+        """One call of ``f`` on one group: an outcome per completion, in order (only KeyboardInterrupt propagates).
 
-    def __call__(self, completion: str, reference: str):
-        ctx = json.loads(reference)
-        cols = {k: [v] for k, v in ctx["columns"].items() if k not in ("prompts", "completions", "reference")}
-        out = self.fn(prompts=[ctx["prompt"]], completions=[completion], reference=[ctx["reference"]], **cols)
-        if not isinstance(out, (list, tuple)) or len(out) != 1:
-            raise ValueError(f"a batch-form reward returned {type(out).__name__} {one_line(repr(out), 60)} for 1 "
-                             "completion; return a list with one score per completion")
-        return 0.0 if out[0] is None else out[0]
+        ``contexts[i]`` is ``{"prompt": ..., **columns}`` of completion i, or None (empty prompts, no columns).
+        """
+        ctx = contexts or [{"prompt": ""} for _ in completions]
+        cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
+                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY)}
+        try:
+            out = self.fn(prompts=[c.get("prompt", "") for c in ctx], completions=list(completions),
+                          reference=list(references), **cols)
+            if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+                raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
+                                 "completions; return one score per completion")
+            bad = next((v for v in out if v is not None and not (is_score(v) and math.isfinite(float(v)))), None)
+            if bad is not None:
+                raise ValueError(f"returned {type(bad).__name__} {bad!r}, not a finite number")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
+            cause = one_line(f"{type(e).__name__}: {e}")
+            return [(0.0, "error", cause)] * len(completions)
+        values = [0.0 if v is None else float(v) for v in out]
+        return [(v, "ok", None) if 0.0 <= v <= 1.0 else (min(1.0, max(0.0, v)), "clamped", None) for v in values]
+
+
+def groups(scorer: Scorer | BatchForm, contexts: list[dict] | None, n: int) -> list[list[int]]:
+    """The units ``scorer`` scores among ``n`` completions, as index lists in order: each completion alone, or for a
+    ``BatchForm`` each group (its docstring; without contexts, all ``n`` are one group)."""
+    if not isinstance(scorer, BatchForm):
+        return [[i] for i in range(n)]
+    key = [("all",)] * n if contexts is None else [c.get(GROUP_KEY, ("prompt", c.get("prompt"))) for c in contexts]
+    units: list[list[int]] = []
+    for i in range(n):
+        if units and key[i] == key[units[-1][-1]]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def score_unit(scorer: Scorer | BatchForm, completions: list[str], references: list[str],
+               contexts: list[dict] | None) -> list[Outcome]:
+    """The outcomes of one unit of ``groups``: a group's one call of a ``BatchForm``, else ``score_one`` of its
+    single completion."""
+    if isinstance(scorer, BatchForm):
+        return scorer.score_group(completions, references, contexts)
+    return [score_one(scorer, completions[0], references[0])]
 
 
 def takes_batch(fn: Callable) -> bool:
@@ -249,25 +286,33 @@ def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, s
     return min(1.0, max(0.0, v)), "clamped", None
 
 
-def score_local(scorer: Scorer, completions: list[str], references: list[str], *,
-                max_failure_rate: float | None = None) -> ScoreResult:
-    """Score each completion in this process with ``score_one``, counting errors and clamped rewards (no time limit).
+def score_local(scorer: Scorer | BatchForm, completions: list[str], references: list[str], *,
+                contexts: list[dict] | None = None, max_failure_rate: float | None = None) -> ScoreResult:
+    """Score each completion (a ``BatchForm`` each group, ``groups``) in this process, counting errors and clamped
+    rewards (no time limit). ``contexts``: as in ``RewardPool.score``.
 
     With ``max_failure_rate``, scoring stops once the errors exceed that fraction of all ``completions``
     (``stopped_early``); the rest get reward 0 and are counted in ``unscored``.
     """
-    res = ScoreResult([], 0, 0)
-    for k, (c, r) in enumerate(zip(completions, references)):
+    res = ScoreResult([0.0] * len(completions), 0, 0)
+    units = groups(scorer, contexts, len(completions))
+    for k, unit in enumerate(units):
         if stopped_early(res.errors, len(completions), max_failure_rate):
-            res.unscored = len(completions) - k
-            res.rewards += [0.0] * res.unscored
+            res.unscored = sum(len(u) for u in units[k:])
             break
-        v, status, cause = score_one(scorer, c, r)
-        res.rewards.append(v)
+        outcomes = score_unit(scorer, [completions[i] for i in unit], [references[i] for i in unit],
+                              None if contexts is None else [contexts[i] for i in unit])
+        record(res, unit, outcomes)
+    return res
+
+
+def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome]) -> None:
+    """Put one unit's outcomes into ``res``: rewards at the unit's indices, its errors, clamps and last error."""
+    for i, (v, status, cause) in zip(unit, outcomes):
+        res.rewards[i] = v
         res.errors += status == "error"
         res.clamped += status == "clamped"
         res.last_error = cause or res.last_error
-    return res
 
 
 def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, where: str,
