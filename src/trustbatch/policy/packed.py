@@ -14,7 +14,11 @@ sequences:
 - shared prompts (``share_prompts``): each distinct prompt once, followed in its row by every completion
   segment that reads it (last prompt token + completion, ``shared_prompt.split_prompts``), with a 4-D
   mask in which a segment sees its own prompt and its own earlier tokens: the prefix-tree mask. Only the
-  sdpa and eager implementations take an arbitrary 4-D mask; others pack plainly.
+  sdpa and eager implementations take an arbitrary 4-D mask, and every layer reads it as given, so a model
+  with sliding-window or chunked attention layers packs plainly too.
+
+A model whose attention would cross packed sequences even so (ALiBi biases computed from the attention mask,
+OPT's mask built without positions: ``packing_unsupported``) takes the padded forward, with one warning.
 
 The LM head runs only on the Σ n_i positions that predict a completion token (the full head, or
 ``chunked_logprobs``, on those hidden states), and the results are spread back to the ``[B, C]``
@@ -25,6 +29,8 @@ right-aligned layout of ``forward.response_logprobs``: a drop-in replacement for
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,9 +39,26 @@ import torch
 from .chunked_logprobs import HeadInput, KLReference, TeacherForced, full_logprobs, head_logprobs
 from .forward import (Packed, Teacher, decoder_hidden, head_parts, last_hidden, response_logprobs, teacher_forced,
                       teaching, unwrap)
-from .shared_prompt import split_prompts
+from .shared_prompt import shared_prompt_unsupported, split_prompts, uses_alibi
 
 _TREE_MASK_ATTN = ("sdpa", "eager")  # attention implementations that take an arbitrary 4-D mask as given
+# model types whose causal mask ignores restarting position_ids (OPT builds it from the attention mask alone), so
+# packed sequences would see each other; tests/unit/test_packed_models.py finds them by a sweep of decoder types
+_MASK_WITHOUT_POSITIONS = ("opt",)
+_WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+log = logging.getLogger(__name__)
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why packed sequences would attend to each other in ``model`` (unwrapped), or None: ALiBi biases, computed from
+    the attention mask, or a causal mask built without ``position_ids``. Such a model takes the padded forward."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if uses_alibi(text):
+        return "ALiBi position biases are computed from the attention mask"
+    if getattr(text, "model_type", "") in _MASK_WITHOUT_POSITIONS:
+        return f"{text.model_type}'s causal mask ignores position_ids"
+    return None
 
 
 @dataclass
@@ -174,14 +197,23 @@ def _spread(t: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor | None:
 
 def _layout(model: torch.nn.Module, packed: Packed, share_prompts: bool, min_saving: float) -> _Rows | None:
     """The packed rows ``model`` runs ``packed`` as: plain, or the prefix tree where ``model``'s attention takes
-    the 4-D mask and it saves ``min_saving`` of the tokens; None (the padded path) for a micro-batch without a valid
-    response position or not in ``pack``'s layout."""
+    the 4-D mask, every layer attends in full, and it saves ``min_saving`` of the tokens; None (the padded path) for
+    a micro-batch without a valid response position or not in ``pack``'s layout, or a model that cannot pack
+    (``packing_unsupported``)."""
     tokens = _plain(packed) if bool(packed.response_mask.any()) else None
     if tokens is None:
         return None
     inner = unwrap(model)
+    reason = packing_unsupported(inner)
+    if reason is not None:
+        if inner not in _WARNED:
+            _WARNED.add(inner)
+            log.warning("padding-free forward off for %s: %s; using the padded forward", type(inner).__name__, reason)
+        return None
     attn = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    if share_prompts and attn in _TREE_MASK_ATTN:
+    # the tree's 4-D mask is taken as given by every layer: a sliding window or chunked layer would see the whole
+    # prompt, so only models the shared-prompt forward accepts (full attention everywhere) get it
+    if share_prompts and attn in _TREE_MASK_ATTN and shared_prompt_unsupported(inner, inference=True) is None:
         tree = _tree(packed)
         if tree is not None and tree.ids.shape[0] <= (1 - min_saving) * tokens.ids.shape[0]:
             tokens = tree

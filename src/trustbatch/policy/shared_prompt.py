@@ -60,6 +60,11 @@ _RUNTIME_REFUSALS: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.W
 _ALIBI_TYPES = ("bloom", "mpt")
 
 
+def uses_alibi(config) -> bool:
+    """Whether a (text) model config has ALiBi position biases, which transformers computes from the attention mask."""
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") in _ALIBI_TYPES
+
+
 def shared_prompt_unsupported(model: torch.nn.Module, inference: bool = False) -> str | None:
     """Why ``model`` cannot reuse a prompt's key/value cache for its completions, or None if it can.
 
@@ -95,7 +100,7 @@ def shared_prompt_unsupported(model: torch.nn.Module, inference: bool = False) -
         return f"sliding-window attention ({text.sliding_window})"
     if getattr(text, "attention_chunk_size", None):
         return "chunked attention"
-    if getattr(text, "alibi", False) or getattr(text, "model_type", "") in _ALIBI_TYPES:
+    if uses_alibi(text):
         return "ALiBi position biases are computed from the attention mask"
     ckpt = getattr(m, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
     if ckpt is None:
