@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,20 @@ class World:
         t = torch.tensor(values, dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
+
+    def random_states(self) -> tuple:
+        """This rank's random streams, as a checkpoint keeps them: torch's CPU generator, Python's, and the CUDA
+        generator of this rank's device (None on the CPU). Dropout on a GPU draws from the last, so a resume
+        without it would drop other units. The CUDA part is untested here: no GPU in CI."""
+        device = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), random.getstate(), device
+
+    def set_random_states(self, states: tuple) -> None:
+        """Take back ``random_states`` (a checkpoint's before the CUDA part was kept: the CPU streams only)."""
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        if len(states) > 2 and states[2] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(states[2], self.device)
 
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""

@@ -3,7 +3,6 @@ the metrics log, checkpoints, progress and the truncation warning."""
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
@@ -112,11 +111,11 @@ class TrainHooks:
             self.built.eval_sync.push(learner.model, learner.version)
 
     def save(self, round_: int) -> None:
-        """Rank 0 writes the checkpoint; every rank calls this. Every rank's torch and Python random states are
-        gathered (``rank_rng``, in rank order): a resume at the same world size continues each rank's own streams
+        """Rank 0 writes the checkpoint; every rank calls this. Every rank's torch (CPU and CUDA) and Python random
+        states are gathered (``rank_rng``, in rank order): a resume at the same world size continues each rank's own streams
         (rank r's mini-batch order, ``Learner.train_on``). Under FSDP2 the whole weights and optimizer state are
         gathered to rank 0 too, so the checkpoint loads at any world size."""
-        rank_rng = self.world.gather((torch.get_rng_state(), random.getstate()))
+        rank_rng = self.world.gather(self.world.random_states())
         if not (self.world.is_main or self.sharded):
             return
         parts = self.built.parts

@@ -295,7 +295,8 @@ def _print_header(cfg: Config, task, source: str, run_dir: Path, world: World, c
 
 
 def _restore_state(parts, state: dict, model, version: int, world: World) -> None:
-    """The checkpoint's learner, source and weight-sync state and this rank's torch and Python random streams.
+    """The checkpoint's learner, source and weight-sync state and this rank's torch and Python random streams (and
+    its CUDA generator's, ``World.random_states``).
 
     At the world size the checkpoint was written at, each rank takes its own streams (``rank_rng``); at another
     (or from a checkpoint without them) every rank takes rank 0's, and the run goes on, though not as it would have.
@@ -306,10 +307,8 @@ def _restore_state(parts, state: dict, model, version: int, world: World) -> Non
         parts.sync.load_state_dict(state["sync"])
         parts.sync.push(model, version)  # serve the restored (lagged) weights
     rank_rng = state.get("rank_rng") or []
-    torch_rng, python_rng = (rank_rng[world.rank] if len(rank_rng) == world.size
-                             else (state["torch_rng"], state["python_rng"]))
-    torch.set_rng_state(torch_rng)
-    random.setstate(python_rng)
+    world.set_random_states(rank_rng[world.rank] if len(rank_rng) == world.size
+                            else (state["torch_rng"], state["python_rng"]))
 
 
 def _in_process_scoring(cfg: Config, run_dir: Path, pool, console) -> None:
