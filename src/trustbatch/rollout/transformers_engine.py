@@ -2,8 +2,8 @@
 
 Sampling is Gumbel-max with one random stream per completion: token = argmax(s + g), where s are the
 processed scores (logits / T, top-p filtered) and g is standard Gumbel noise drawn from that
-completion's own ``torch.Generator``. That draws exactly from softmax(s) (Gumbel 1954; the
-Gumbel-max trick), and makes a completion depend only on its seed, prompt and weights, never on
+completion's own ``torch.Generator``. That draws from softmax(s) (Gumbel 1954; the Gumbel-max trick; down to
+token probabilities near 1e-7: ``rollout.gumbel``'s limits), and makes a completion depend only on its seed, prompt and weights, never on
 which other prompts share the batch or which process generates it: what lets an asynchronous
 pipeline reproduce a synchronous one.
 
@@ -31,8 +31,9 @@ the whole cache per token) wherever it fits the model; its samples and log-probs
 
 ``decode="static"`` replaces ``generate``'s loop by ``rollout.static_decode``'s: a ``StaticCache`` and fixed shapes
 for a whole chunk, the same processors, noise and stopping rule; ``"static_compiled"`` also compiles its step
-(CUDA graphs on a GPU). Samples equal the dynamic loop's, log-probs to float round-off
-(``tests/unit/test_static_decode.py``). Not for the batch-scaled precisions (int8, fp8_e4m3).
+(CUDA graphs on a GPU). In float32, samples equal the dynamic loop's, log-probs to float round-off
+(``tests/unit/test_static_decode.py``); at bf16 or fp16 the two loops' round-off differs, and so do some samples
+(each loop's samples follow its own recorded log-probs). Not for the batch-scaled precisions (int8, fp8_e4m3).
 """
 
 from __future__ import annotations
