@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from pydantic import BaseModel
 
 from .config import Config, load_config, read_yaml_file
 from .errors import UserError
 from .policy.base import cache_dir
 from .records import atomic_write
+from .rewards.scorers import is_score
 from .recipes.train import train
 from .rewards.objects import in_other_processes, register_again, reward_name
 
@@ -68,7 +71,9 @@ class Trainer:
             register_again(list(reward_funcs or []), _saved_reward_names(Path(self.resume)))
             self.config, self._overrides = None, _override_list(overrides)
             return
-        base = config.model_dump(mode="json") if isinstance(config, Config) else None
+        # only what was set: a dump of every field would read as all set, and drop the defaults that follow the data
+        # (the answer budget, a task's parameters)
+        base = _set_values(config) if isinstance(config, Config) else None
         path = None if isinstance(config, Config) or config is None else str(config)
         sets: dict[str, Any] = {}
         if model is not None:
@@ -78,15 +83,11 @@ class Trainer:
         if eval_dataset is not None:
             sets["data.heldout"] = _as_file(eval_dataset, "eval_dataset")
         if reward_funcs:
-            weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
-            if len(weights) != len(reward_funcs):
-                raise UserError(f"{len(reward_weights)} reward_weights for {len(reward_funcs)} reward_funcs; give one "
-                                "weight per function")
-            sets["reward.functions"] = [{"name": reward_name(f), "weight": float(w)}
-                                        for f, w in zip(reward_funcs, weights)]
+            weights = _weights(reward_weights, len(reward_funcs))
+            sets["reward.functions"] = [{"name": reward_name(f), "weight": w} for f, w in zip(reward_funcs, weights)]
         elif reward_weights is not None:
             raise UserError("reward_weights without reward_funcs; give the functions they weigh")
-        args = [f"{k}={json.dumps(v)}" for k, v in sets.items()] + _override_list(overrides)
+        args = [f"{k}={_value(v)}" for k, v in sets.items()] + _override_list(overrides)
         self.config = load_config(path, args, base=base)
         names = [t.name for t in self.config.reward.functions]
         if self.config.rollout.mode == "async":
@@ -115,10 +116,65 @@ def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[
     if overrides is None:
         return []
     if isinstance(overrides, Mapping):
-        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        return [f"{k}={_value(v)}" for k, v in overrides.items()]
     if isinstance(overrides, str):
         raise UserError(f"overrides={overrides!r} is one string; give a list of key=value strings or a dict")
     return [str(o) for o in overrides]
+
+
+def _set_values(model: BaseModel) -> dict:
+    """The values of ``model`` (a ``Config`` or a section) that were set, by construction or assignment, nested as
+    ``model_dump(mode="json")`` gives them (pydantic's ``exclude_unset`` drops a section that was not set as a whole,
+    with what was assigned inside it). A section set as a whole keeps its dump, if empty (``model.lora: {}``)."""
+    full = model.model_dump(mode="json")
+    out = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            inner = _set_values(value)
+            if inner or name in model.model_fields_set:
+                out[name] = inner
+        elif name in model.model_fields_set:
+            out[name] = full[name]
+    return out
+
+
+def _weights(reward_weights: Any, n: int) -> list[float]:
+    """One float per reward function: ``reward_weights`` (a number for one function, or a list), default 1 each.
+
+    Raises:
+        UserError: a weight that is not a number, or a count that differs from ``n``.
+    """
+    if reward_weights is None:
+        return [1.0] * n
+    weights = [reward_weights] if isinstance(reward_weights, (int, float)) or is_score(reward_weights) \
+        else list(reward_weights) if isinstance(reward_weights, Iterable) and not isinstance(reward_weights, str) \
+        else [reward_weights]
+    bad = next((w for w in weights if isinstance(w, bool) or not is_score(w)), None)
+    if bad is not None:
+        raise UserError(f"reward weight {bad!r} is a {type(bad).__name__}; give numbers, one per reward function")
+    if len(weights) != n:
+        raise UserError(f"{len(weights)} reward_weights for {n} reward_funcs; give one weight per function")
+    return [float(w) for w in weights]
+
+
+def _value(v: Any) -> str:
+    """``v`` as an override's value (JSON, which YAML reads): a path as its text, a NumPy scalar as its number.
+
+    Raises:
+        UserError: a value JSON cannot write (an object, a set).
+    """
+    def plain(x):
+        if isinstance(x, PurePath):
+            return str(x)
+        if hasattr(x, "item") and getattr(x, "ndim", None) == 0:
+            return x.item()
+        raise TypeError(type(x).__name__)
+    try:
+        return json.dumps(v, default=plain)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"value {v!r} cannot be a config value (it holds a {e}); give numbers, strings, booleans, "
+                        "paths, lists or dicts") from None
 
 
 def _as_file(data: Any, what: str) -> str:

@@ -105,6 +105,9 @@ def sft(
             raise UserError("SFT of model.path needs --out DIR for the result")
         policy = load_policy(cfg.model.path, revision=cfg.model.revision)
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        # the weak teacher is the default base's; a user's own model learns their demonstrations unless they ask
+        if "sft_teacher_error" not in cfg.model.model_fields_set:
+            model_cfg["sft_teacher_error"] = 0.0
         loss = run_sft(policy, sft_demos(task, model_cfg), steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")

@@ -93,6 +93,34 @@ def test_sft_out_is_checked_before_the_sft(tmp_path, out, message):
     assert (tmp_path / "a_file").read_text() == "" and sorted(os.listdir(tmp_path / "a_run")) == ["metrics.jsonl"]
 
 
+@pytest.mark.parametrize("error", [None, 0.5])
+def test_sft_of_a_users_model_learns_their_demonstrations_unless_a_teacher_error_is_set(tmp_path, monkeypatch,
+                                                                                        shared_dir, error):
+    """``trustbatch sft model.path=DIR`` swapped 25 % of the user's answers (the default base's weak teacher) without
+    a word. Now only when ``model.sft_teacher_error`` is set. The demonstrations are compared with the data file."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    seen = []
+    monkeypatch.setattr("trustbatch.policy.sft.sft", lambda policy, demos, **kw: seen.extend(demos) or 0.0)
+    data = shared_dir / "data" / "gsm8k" / "train.jsonl"
+    args = ["sft", f"model.path={shared_dir / 'models' / 'stories260K-hf'}", f"data.train={data}",
+            "model.sft_examples=40", "data.heldout_size=8", "--out", str(tmp_path / "out")]
+    if error is not None:
+        args.insert(-2, f"model.sft_teacher_error={error}")
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    final = {r["question"]: r["answer"].split("####")[-1].strip() for r in rows}  # the gold number of each question
+    assert len(seen) == 40
+    swapped = sum(final[next(q for q in final if q in prompt)] != completion.split("####")[-1].strip()
+                  for prompt, completion in seen)
+    assert swapped == 0 if error is None else swapped >= 10
+
+
 # ---- a run's stdout to a file, its samples -------------------------------------------------------------------
 
 def test_a_run_logged_to_a_file_has_unwrapped_lines_with_eta_and_writes_samples(tmp_path, cache, support_on_pythonpath):

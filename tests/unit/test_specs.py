@@ -57,7 +57,16 @@ def test_the_specs_carry_every_configured_value():
 
     r = reward_spec(cfg, Task())
     assert (r.name, r.workers, r.timeout_s, r.max_failure_rate) == ("rg:chain_sum", 0, 2.5, 0.25)
-    assert reward_spec(load_config(None, ["reward.name=gsm8k"]), Task()).name == "gsm8k"
+
+    class MathData:
+        reward = "math"
+
+    assert reward_spec(load_config(None, ["reward.name=gsm8k"]), MathData()).name == "gsm8k"
     weighted = load_config(None, ["reward.functions=[{name: gsm8k, weight: 0.5}, {name: math}]"])
-    assert reward_spec(weighted, Task()).name == (("gsm8k", 0.5), ("math", 1.0))  # training sums the terms
-    assert reward_spec(weighted, Task(), heldout=True).name == "rg:chain_sum"  # held-out keeps the data's scorer
+    assert reward_spec(weighted, MathData()).name == (("gsm8k", 0.5), ("math", 1.0))  # training sums the terms
+    assert reward_spec(weighted, MathData(), heldout=True).name == "math"  # held-out keeps the data's scorer
+    # a plain-answer scorer on a task whose references are JSON scored the JSON's last number
+    for bad in (["reward.name=gsm8k"], ["reward.functions=[{name: math}, {name: m:f}]"]):
+        with pytest.raises(UserError, match="reads a plain answer, but this data's answers are JSON, scored by "
+                                            "'rg:chain_sum'"):
+            reward_spec(load_config(None, bad), Task())

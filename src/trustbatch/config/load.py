@@ -190,8 +190,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        # Free-form dicts (task.params, objective.options) are set whole, not flattened.
-        if isinstance(v, dict) and key not in ("task.params", "objective.options"):
+        # Free-form dicts (task.params, objective.options) are set whole, not flattened; so is an empty one, which
+        # sets a section to its defaults (``lora: {}``), as ``model.lora={}`` does on the command line.
+        if isinstance(v, dict) and v and key not in ("task.params", "objective.options"):
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v

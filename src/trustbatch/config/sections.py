@@ -108,6 +108,19 @@ class DataConfig(_Strict):
                             "max_prompt_tokens tokens (the leftmost go, as TRL's max_prompt_length)")
 
     @model_validator(mode="after")
+    def _nothing_ignored(self) -> "DataConfig":
+        # each would be read by nothing: a held-out file goes with the training data's split, and the named formats
+        # know their own fields
+        if self.heldout is not None and self.train is None:
+            raise ValueError("data.heldout needs data.train (without it the run trains and evaluates on task.name); "
+                             "set data.train=FILE too, or evaluate a file alone with trustbatch eval -b FILE")
+        named = [k for k in ("prompt_field", "answer_field") if getattr(self, k) is not None]
+        if named and self.format not in ("auto", "jsonl"):
+            raise ValueError(f"data.{named[0]} is read only for plain rows, not data.format={self.format}, which "
+                             f"knows its own fields; set data.format=jsonl, or drop data.{named[0]}")
+        return self
+
+    @model_validator(mode="after")
     def _truncate_needs_a_limit(self) -> "DataConfig":
         if self.long_prompts == "truncate" and self.max_prompt_tokens is None:
             raise ValueError("data.long_prompts=truncate needs data.max_prompt_tokens=N (the tokens a prompt keeps); "
@@ -177,7 +190,8 @@ class ModelConfig(_Strict):
     max_len: Int = Field(64, ge=8, description="default base: positions")
     sft_examples: Int | None = Field(None, ge=1, description="demonstrations for SFT: the first N train prompts (None: all)")
     sft_teacher_error: Float = Field(
-        0.25, ge=0, lt=1, description="fraction of SFT demonstrations whose answer is another prompt's (a weak teacher)"
+        0.25, ge=0, lt=1, description="fraction of SFT demonstrations whose answer is another prompt's (a weak teacher); "
+                                      "the default base's, and trustbatch sft of model.path's only when set"
     )
     sft_steps: Int = Field(600, ge=0, description="SFT optimizer steps")
     sft_batch_size: Int = Field(64, ge=1, description="SFT batch (demonstrations per optimizer step)")

@@ -69,7 +69,28 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     if rw.model is not None:
         terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
     name = terms if terms and not heldout else rw.name or task.reward
+    _check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
+
+
+# the built-in scorers that read a plain answer, and the data scorers whose references are JSON (a task's entry, a
+# Countdown problem): the former on the latter would score against the JSON's last number, without a word
+_PLAIN_ANSWER_SCORERS = ("gsm8k", "math")
+
+
+def _check_answer_scorers(names: list[str | None], data_scorer: str) -> None:
+    """Refuse a plain-answer scorer (``gsm8k``, ``math``) among ``names`` on data whose references are JSON.
+
+    Raises:
+        UserError: one such name, with the data's own scorer.
+    """
+    if not (data_scorer.startswith(("rg:", "rg-final:")) or data_scorer == "countdown"):
+        return
+    wrong = next((n for n in names if n in _PLAIN_ANSWER_SCORERS), None)
+    if wrong is not None:
+        raise UserError(f"reward {wrong!r} reads a plain answer, but this data's answers are JSON, scored by "
+                        f"{data_scorer!r}; drop it to use {data_scorer!r}, or train on data with plain answers "
+                        "(data.train=FILE)")
 
 
 def preflight(cfg: Config) -> None:

@@ -1,0 +1,82 @@
+"""What a user writes reaches the run as written: a YAML file equals the same keys on the command line, a ``Config``
+given to the Python API keeps the defaults that follow the data, and keys nothing would read are refused in one line.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from trustbatch.api import Trainer
+from trustbatch.config import load_config
+from trustbatch.config.sections import LoraConfig
+from trustbatch.data.benchmarks import benchmark_kind
+from trustbatch.errors import UserError
+from trustbatch.recipes.defaults import with_answer_budget
+
+
+def test_an_empty_mapping_in_yaml_sets_a_section_to_its_defaults_as_on_the_command_line(tmp_path):
+    """``model: {lora: {}}`` was dropped, so the run did full fine-tuning where ``model.lora={}`` trains LoRA."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  lora: {}\ntrain: {}\n")
+    from_yaml = load_config(str(f), ["train.steps=3"])
+    assert from_yaml.model.lora == LoraConfig() == load_config(None, ["model.lora={}"]).model.lora
+    assert from_yaml.train.steps == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["data.heldout=h.jsonl"], "data.heldout needs data.train"),
+    (["data.train=t.jsonl", "data.format=math", "data.prompt_field=q"],
+     "data.prompt_field is read only for plain rows, not data.format=math"),
+    (["data.train=t.jsonl", "data.format=gsm8k", "data.answer_field=a"],
+     "data.answer_field is read only for plain rows, not data.format=gsm8k"),
+])
+def test_data_keys_nothing_would_read_are_refused_in_one_line(args, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_config(None, args)
+    assert "\n" not in str(e.value)
+    load_config(None, ["data.train=t.jsonl", "data.format=jsonl", "data.prompt_field=q", "data.heldout=h.jsonl"])
+
+
+def test_a_config_object_given_to_the_api_keeps_the_defaults_that_follow_the_data(shared_dir, tmp_path):
+    """``Trainer(config=Config)`` read every default as set: GSM8K trained at 8 new tokens, not its 512, and
+    ``chain_sum_steps`` on 2-3 term problems, not its own 4. What was set in the Config, by assignment too, is kept."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
+    gsm8k = str(shared_dir / "data" / "gsm8k" / "train.jsonl")
+    given = Trainer(load_config(None, []), model=model, train_dataset=gsm8k).config
+    assert with_answer_budget(given)[0].rollout.max_new_tokens == 512  # test_answer_budget: GSM8K's budget
+    steps = Trainer(load_config(None, []), overrides={"task.name": "chain_sum_steps"}).config
+    assert steps.task.params == Trainer(overrides={"task.name": "chain_sum_steps"}).config.task.params
+    assert steps.task.params["min_terms"] == 4
+    cfg = load_config(None, ["rollout.max_new_tokens=7"])
+    cfg.train.steps = 12
+    kept = Trainer(cfg, train_dataset=gsm8k).config
+    assert (kept.rollout.max_new_tokens, kept.train.steps) == (7, 12)
+
+
+def test_the_api_takes_python_values_and_refuses_what_is_not_a_value_in_one_line(tmp_path):
+    def f(completion, reference):
+        return 0.0
+
+    one = Trainer(reward_funcs=f, reward_weights=0.5,
+                  overrides={"train.steps": np.int64(5), "rollout.temperature": np.float32(0.5),
+                             "run_dir": tmp_path / "run"}).config
+    assert ([t.weight for t in one.reward.functions], one.train.steps, one.rollout.temperature, one.run_dir) == \
+        ([0.5], 5, 0.5, str(tmp_path / "run"))
+    for kw, message in ((dict(reward_funcs=[f, f], reward_weights=[1.0, "x"]), "reward weight 'x' is a str"),
+                        (dict(reward_funcs=[f, f], reward_weights=[1.0]), "1 reward_weights for 2 reward_funcs"),
+                        (dict(overrides={"train.steps": {1, 2}}), "cannot be a config value")):
+        with pytest.raises(UserError, match=message) as e:
+            Trainer(**kw)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("folder, kind", [("aime2024", "aime"), ("amc_23", "amc"), ("aimee", "math"), ("bob", "math")])
+def test_the_competition_is_read_from_the_files_own_name_or_folder(tmp_path, folder, kind):
+    """A MATH-format file under a user's folder named aimee was budgeted as AIME (20,480 tokens)."""
+    f = tmp_path / "users" / folder / "test.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    assert benchmark_kind(str(f)) == kind
