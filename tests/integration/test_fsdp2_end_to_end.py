@@ -24,7 +24,8 @@ import torch
 from runproc import ROOT, assert_same_weights, cache, records, weights  # noqa: F401
 from tiny import TINY
 
-RUN = TINY + ["train.steps=4", "checkpoint_every=1", "threads=1"]
+# two mini-batches a round: each must hold the rows it holds in one process (they were a half of each rank's shard)
+RUN = TINY + ["train.steps=4", "checkpoint_every=1", "threads=1", "train.minibatches=2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # fields of a round's record that only its rollouts (tokens and rewards) determine
 ROLLOUT_FIELDS = ("num_tokens", "response_length", "truncated_fraction", "reward_mean", "reward_std")

@@ -113,7 +113,7 @@ class TrainHooks:
     def save(self, round_: int) -> None:
         """Rank 0 writes the checkpoint; every rank calls this. Every rank's torch (CPU and CUDA) and Python random
         states are gathered (``rank_rng``, in rank order): a resume at the same world size continues each rank's own streams
-        (rank r's mini-batch order, ``Learner.train_on``). Under FSDP2 the whole weights and optimizer state are
+        (rank 0's mini-batch permutation, ``Learner.train_on``; each rank's dropout). Under FSDP2 the whole weights and optimizer state are
         gathered to rank 0 too, so the checkpoint loads at any world size."""
         rank_rng = self.world.gather(self.world.random_states())
         if not (self.world.is_main or self.sharded):

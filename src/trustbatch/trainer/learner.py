@@ -274,6 +274,10 @@ class Learner(ForwardPasses):
                  stop_before: Callable[[int, TrainBatch], bool] | None = None) -> dict[str, float]:
         """``epochs × minibatches`` optimizer steps on ``batch`` (this rank's shard of it).
 
+        Each epoch splits one permutation of the whole batch (rank 0's draw, shared) into the mini-batches, so that
+        each step trains on the rows it would in one process; a rank takes the rows of its shard among them (a
+        number that may differ between ranks, or be none).
+
         The proximal snapshot (π_θ before this batch's updates) is taken first when the objective
         declares ``needs_proximal``, and the reference's log-probs (``reference_logprobs``) with a reference KL.
         Returns the steps' metrics averaged (``nonfinite_skipped`` summed), plus ``optimizer_steps``.
@@ -295,13 +299,19 @@ class Learner(ForwardPasses):
             local.ref_logprobs = self.reference_logprobs(local)
         step_metrics = []
         self.step_records = []
+        shard = self.world.shard(len(batch)) if self.world.size > 1 else slice(0, len(batch))
         for _epoch in range(self.epochs):
-            perm = torch.randperm(len(local))
+            # one permutation of the whole batch, rank 0's (as one process draws it), so that a mini-batch holds the
+            # rows it would hold in one process: each rank trains on those of its shard, as many as they are
+            perm = torch.randperm(len(batch))
+            if self.world.size > 1:
+                perm = torch.tensor(self.world.gather(perm.tolist())[0], dtype=torch.long)
             # exactly `minibatches` pieces of sizes that differ by at most one (chunk gave fewer, e.g. 2+2+2 rows and
             # an empty step for 6 rows in 4); every rank takes as many optimizer steps, even with fewer rows
             pieces = list(torch.tensor_split(perm, self.minibatches))
-            for mb_index, mb in enumerate(pieces):
-                mini = local.select(mb)
+            for mb_index, piece in enumerate(pieces):
+                mine = piece[(piece >= shard.start) & (piece < shard.stop)]
+                mini = local.select(mine - shard.start)
                 if stop_before is not None and stop_before(len(step_metrics), mini):
                     return _mean_over_steps(step_metrics)
                 self._step_tag = (len(step_metrics), _epoch, mb_index)
