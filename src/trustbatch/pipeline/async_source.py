@@ -167,6 +167,7 @@ class BoundedSource:
         self._wait_s = 0.0
         self._round_t0: float | None = None
         self._last_ess: float | None = None
+        self._resumed_round_s: float | None = None  # the checkpointed round's length, for its pending update
         # run by ``close`` after the transport's: parts that share its workers' lifetime (Ray learner ranks)
         self.on_close: list = []
         # ``weight_sync.BehaviourVersions`` (the exact KL): names each batch's behaviour model; None: batches carry none
@@ -196,9 +197,11 @@ class BoundedSource:
             self.transport.start(self.batch_index)
             self._started = True
         now = time.time()
-        round_s = now - self._round_t0 if self._round_t0 is not None else 0.0
-        if self.controller is not None and self._round_t0 is not None:
+        round_s = now - self._round_t0 if self._round_t0 is not None else self._resumed_round_s
+        if self.controller is not None and round_s is not None:
             self.k = self.controller.update(self._last_ess, self._wait_s, round_s)
+        # each ESS moves k once: a round the loop skips (no batch, no on_update) measured none
+        self._last_ess, self._resumed_round_s = None, None
         self._round_t0 = now
         wait = 0.0
         while True:
@@ -241,11 +244,14 @@ class BoundedSource:
         return range(max(0, self.batch_index - (ahead or 0)), self.batch_index)
 
     def state_dict(self) -> dict:
-        """The next batch, the bound, the counts of dropped batches and worker restarts, and in deterministic order
+        """The next batch, the bound, the counts of dropped batches and worker restarts, with ``max_staleness=auto``
+        the controller's pending update (the last round's ESS, wait and length so far), and in deterministic order
         the weights of the ``ahead`` rounds before the next batch (``ahead`` copies of the policy's state: the price
         of a bit-identical resume)."""
         state = {"batch_index": self.batch_index, "max_staleness": int(self.k),
                  "dropped": self.dropped, "restarts": self.restarts}  # the run's counts, not the segment's
+        if self.controller is not None and self._round_t0 is not None:
+            state["pending"] = {"ess": self._last_ess, "wait_s": self._wait_s, "round_s": time.time() - self._round_t0}
         if self.transport.ahead is not None:
             state["snapshots"] = self.transport.snapshots(self._older_rounds())
         return state
@@ -256,6 +262,9 @@ class BoundedSource:
         if self.controller is not None and "max_staleness" in state:
             self.controller.k = int(state["max_staleness"])
             self.k = self.controller.k
+            pending = state.get("pending")
+            if pending:  # the update the uninterrupted run makes before its next batch
+                self._last_ess, self._wait_s, self._resumed_round_s = pending["ess"], pending["wait_s"], pending["round_s"]
         if self.transport.ahead is not None:
             snapshots = state.get("snapshots", {})
             missing = [r for r in self._older_rounds() if r not in snapshots]
