@@ -42,6 +42,22 @@ def test_signed_rank_is_the_exact_test_by_enumeration():
     assert all_up.p == pytest.approx(2 / 64) and all_up.statistic == 0
 
 
+def test_signed_rank_with_ties_says_it_is_the_normal_approximation():
+    """Tied |d|: no exact null distribution; the sentence said "exact" whatever scipy computed. The p-value is the
+    normal approximation with the tie correction, worked here by hand (Wilcoxon 1945; the midrank variance)."""
+    d = [0.02, 0.02, -0.01, 0.05, 0.03, 0.03, 0.04, -0.06]
+    res = signed_rank("a", "b", dict(enumerate(d)), {s: 0.0 for s in range(len(d))})
+    mags = sorted(abs(x) for x in d)
+    midrank = {v: (mags.index(v) + 1 + len(mags) - mags[::-1].index(v)) / 2 for v in mags}
+    w_plus = sum(midrank[abs(x)] for x in d if x > 0)
+    n = len(d)
+    ties = sum(t ** 3 - t for t in (mags.count(v) for v in set(mags)))
+    z = (min(w_plus, n * (n + 1) / 2 - w_plus) - n * (n + 1) / 4) / math.sqrt(n * (n + 1) * (2 * n + 1) / 24 - ties / 48)
+    assert res.p == pytest.approx(math.erfc(abs(z) / math.sqrt(2)), abs=1e-12)
+    assert not res.exact and "(sensitivity, normal approximation, two-sided)" in res.sentence()
+    assert "(sensitivity, exact, two-sided)" in signed_rank("a", "b", {0: 0.3, 1: 0.1, 2: 0.2}, {0: 0, 1: 0, 2: 0}).sentence()
+
+
 def test_signed_rank_refuses_what_it_cannot_rank():
     with pytest.raises(ValueError, match="two common seeds"):
         signed_rank("a", "b", {0: 1.0}, {0: 0.5})

@@ -315,7 +315,7 @@ def tost(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float],
 
 @dataclass
 class SignedRank:
-    """The exact two-sided Wilcoxon signed-rank test of the per-seed differences score_a − score_b."""
+    """The two-sided Wilcoxon signed-rank test of the per-seed differences score_a − score_b."""
 
     a: str
     b: str
@@ -323,16 +323,19 @@ class SignedRank:
     statistic: float  # the smaller of the positive- and negative-rank sums (scipy's two-sided statistic)
     p: float
     positive: int  # seeds with score_a > score_b
+    exact: bool = True  # the exact null distribution, else the normal approximation (``signed_rank``)
 
     def sentence(self) -> str:
-        return (f"{self.a} − {self.b}: Wilcoxon signed-rank (sensitivity, exact, two-sided) W = {self.statistic:g}, "
+        how = "exact" if self.exact else "normal approximation"
+        return (f"{self.a} − {self.b}: Wilcoxon signed-rank (sensitivity, {how}, two-sided) W = {self.statistic:g}, "
                 f"p = {self.p:.3g}; {self.positive} of {self.n} seeds favour {self.a}.")
 
 
 def signed_rank(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, float]) -> SignedRank:
     """Wilcoxon's signed-rank test (Wilcoxon 1945) of the paired differences over the common seeds, two-sided, with
-    the exact null distribution where scipy gives one (no ties or zero differences, n ≤ 50) and scipy's
-    normal approximation otherwise (``scipy.stats.wilcoxon``, ``method="auto"``).
+    the exact null distribution where it holds (no ties or zero differences, n ≤ 50) and the normal approximation
+    otherwise (``scipy.stats.wilcoxon``, the method chosen here and named in the sentence: scipy's ``"auto"`` picks
+    by n alone in some versions).
 
     Raises:
         ValueError: fewer than two common seeds, or every difference zero (the test has nothing to rank).
@@ -345,8 +348,10 @@ def signed_rank(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, 
     d = [scores_a[s] - scores_b[s] for s in seeds]
     if all(x == 0 for x in d):
         raise ValueError(f"{a} and {b} score the same on every seed; the signed-rank test has nothing to rank")
-    res = wilcoxon(d, alternative="two-sided")
-    return SignedRank(a, b, len(d), float(res.statistic), float(res.pvalue), sum(x > 0 for x in d))
+    magnitudes = [abs(x) for x in d]
+    exact = len(d) <= 50 and 0 not in magnitudes and len(set(magnitudes)) == len(magnitudes)
+    res = wilcoxon(d, alternative="two-sided", method="exact" if exact else "approx")
+    return SignedRank(a, b, len(d), float(res.statistic), float(res.pvalue), sum(x > 0 for x in d), exact)
 
 
 @dataclass
