@@ -29,8 +29,8 @@ CASES = {
                          "rollout.top_p=0.9"],
 }
 TIMING = {"tokens_per_s", "rollout_s", "step_s"}
-# Fields whose definition changed on purpose after the fixtures were recorded.
-FIXED: set[str] = set()
+# Fields whose definition changed on purpose after the fixtures were recorded (fixtures' README, history), per case.
+FIXED: dict[str, set[str]] = {"dapo_foreign_dynamic": {"ess"}, "decoupled_int8_T": {"ess"}}
 
 
 def _weights_hash(model_dir: Path) -> str:
@@ -70,7 +70,7 @@ def test_same_metrics_as_before_the_restructure(tmp_path, cache, case):
     assert [r["step"] for r in after] == [r["step"] for r in before]
     for old, new in zip(before, after):
         for k, v in old.items():
-            if k in TIMING or k in FIXED:
+            if k in TIMING or k in FIXED.get(case, set()):
                 continue
             assert k in new, (old["step"], k)
             assert new[k] == v, (old["step"], k, v, new[k])

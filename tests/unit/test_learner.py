@@ -86,6 +86,53 @@ def test_batch_ess_honours_the_objectives_log_ratio_clip_over_micro_batches(tiny
         assert learner.step(copy.deepcopy(b))["ess"] == pytest.approx(want, rel=1e-9), micro
 
 
+def _plain_logprobs(model, b):
+    """log π_θ of the completion tokens from a plain transformers forward, log_softmax and gather (float64)."""
+    p, c = b.packed, b.packed.response_mask.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids).logits
+    return torch.log_softmax(logits[:, -c - 1:-1].double(), -1).gather(-1, p.input_ids[:, -c:, None])[..., 0]
+
+
+@pytest.mark.parametrize("objective", ["grpo", "cispo", "reinforce", "gspo"])
+def test_every_objectives_logged_ess_is_the_steps_batch_ess(tiny, objective):
+    """The objectives without a batch ESS of their own logged the token-weighted mean of their micro-batches' ESS
+    (0.667 at one row per micro-batch where the batch's is 0.491); on several ranks likewise."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    m = b.packed.response_mask
+    rho = (_plain_logprobs(model, b) - b.behavior_logprobs)[m].clamp(-20, 20).exp()
+    want = float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum()))  # Eq. 11 over the whole batch
+    assert want < 0.8
+    for micro in (6, 2, 1):
+        learner = Learner(copy.deepcopy(model), objective, micro_batch_size=micro, lr=0.0)
+        assert learner.step(copy.deepcopy(b))["ess"] == pytest.approx(want, rel=1e-9), micro
+
+
+def test_sequence_scope_and_gspo_row_metrics_weight_rows_by_their_tokens_whatever_the_micro_batches(tiny):
+    """P3O's ess and kl_weight in sequence scope, and GSPO's seq_ratio_mean, were means over each call's rows, which
+    the learner then weighted by the call's tokens: they moved with micro_batch_size (0.714, 0.701, 0.667)."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    m = b.packed.response_mask
+    lr = torch.where(m, _plain_logprobs(model, b) - b.behavior_logprobs, 0.0).clamp(-20, 20)
+    n_i = m.sum(1).double()
+    rho = lr.exp() * m
+    e_i = rho.sum(1) ** 2 / (n_i * (rho * rho).sum(1)).clamp_min(1e-300)  # each row's normalized ESS
+    s_i = (lr.sum(1) / n_i.clamp_min(1)).exp()  # GSPO's sequence ratio
+    ess_want = float((e_i * n_i).sum() / n_i.sum())
+    seq_want = float((s_i * n_i).sum() / n_i.sum())
+    for micro in (6, 2, 1):
+        p3o = Learner(copy.deepcopy(model), "p3o", {}, micro_batch_size=micro, lr=0.0, ess_scope="sequence")
+        out = p3o.step(copy.deepcopy(b))
+        assert (out["ess"], out["kl_weight"]) == (pytest.approx(ess_want, rel=1e-6),
+                                                  pytest.approx(1 - ess_want, rel=1e-6)), micro
+        gspo = Learner(copy.deepcopy(model), "gspo", {}, micro_batch_size=micro, lr=0.0)
+        assert gspo.step(copy.deepcopy(b))["seq_ratio_mean"] == pytest.approx(seq_want, rel=1e-6), micro
+
+
 def test_grpo_zeroed_share_is_logged_only_with_diagnostics(tiny):
     """GRPO's clip diagnostic runs only when asked (train.diagnostics): absent by default, and with it on, the share
     of valid tokens with A > 0 and ρ > 1 + ε or A < 0 and ρ < 1 − ε (ρ = π_θ/π_b), counted by hand over the batch."""

@@ -277,8 +277,8 @@ def gspo(
         lens = prep.maskf.sum(1, keepdim=True).clamp_min(1.0)
         seq_lr = ((prep.logprobs.detach() - old) * prep.maskf).sum(1, keepdim=True) / lens
         s = seq_lr.clamp(-c, c).exp()
-        rows = prep.mask.any(1, keepdim=True)
-        metrics["seq_ratio_mean"] = (s * rows).sum() / rows.sum().clamp_min(1)  # over non-empty rows
+        # each sequence's ratio weighted by its tokens: the learner's token-mean reduction then gives the whole batch's
+        metrics["seq_ratio_mean"] = (s * lens * prep.mask.any(1, keepdim=True)).sum() / prep.maskf.sum().clamp_min(1)
         s_tok = s * torch.exp(prep.logprobs - prep.logprobs.detach())
         return ppo_clip_per_token(s_tok, prep.advantages, eps_low, eps_high, None)
 

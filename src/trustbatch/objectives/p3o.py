@@ -265,11 +265,11 @@ def _capped_pg_plus_kl(prep: Prepared, ratio: torch.Tensor, e: torch.Tensor, kl_
 
 
 def _mean_ess(e: torch.Tensor, prep: Prepared) -> torch.Tensor:
-    """Mean e over non-empty rows (sequence scope) or e itself."""
+    """e itself, or in sequence scope each row's e weighted by its valid tokens (the weight its KL term carries per
+    token), so that the learner's token-mean reduction over micro-batches and ranks gives the whole batch's mean."""
     if e.dim() == 0:
         return e
-    rows = prep.maskf.sum(1) > 0
-    return (e[:, 0] * rows).sum() / rows.sum().clamp_min(1)
+    return (e[:, 0] * prep.maskf.sum(1)).sum() / prep.maskf.sum().clamp_min(1)
 
 
 @register("p3o_two_anchor", needs_proximal=True, batch_stats=("ess", "ess_proximal"), options={"kl": _KL},

@@ -56,7 +56,7 @@ import torch
 
 from .. import objectives
 from ..errors import UserError
-from ..objectives import MetricReducer
+from ..objectives import MetricReducer, RatioStats
 from ..objectives.clipped import GRPO_ZEROED_METRICS, grpo_zeroed_shares
 from ..objectives.metrics import merged
 from ..pipeline.batch import TrainBatch
@@ -346,6 +346,9 @@ class Learner(ForwardPasses):
         failure = ""
         record_ratios = bool(self.on_step_ratios) and self._step_tag is not None
         step_log_ratios: list[torch.Tensor] = []
+        # an objective whose ess is its call's own (no batch ESS declared) logs the step's, pooled from its calls'
+        pool_ess = "ess" not in self.spec.batch_stats and "ess" in self.reductions
+        step_stats = RatioStats.zeros()
         # the whole batch's engines (every rank's shard keeps them): every rank names the metric alike
         bound = self.full and any(isinstance(t, TopK) for t in batch.behaviour.values())
         for i in range(plan.n_chunks):
@@ -361,6 +364,8 @@ class Learner(ForwardPasses):
                 continue
             if record_ratios:
                 step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
+            if pool_ess:
+                step_stats = step_stats + self._ratio_stats(logp, mb.behavior_logprobs, m)
             w = float(m.sum())
             metrics = _named_as_bound(out.metrics) if bound else dict(out.metrics)
             metrics["entropy"] = float((ent.detach() * m).sum() / max(w, 1.0))
@@ -372,16 +377,26 @@ class Learner(ForwardPasses):
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         if self.world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")
+        lr = self._update()
+        out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
+        if pool_ess:  # every rank: a sum over ranks
+            ess = self._sum_stats({"ess": step_stats})["ess"].ess()[0]
+            if "ess" in out:
+                out["ess"] = ess
+        return {**out, "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
+
+    def _update(self) -> float:
+        """Apply the accumulated gradient: the optimizer and schedule step, the version moves on, ``on_step`` runs.
+        Returns the learning rate the step used (read before the schedule moves on)."""
         self.bad_steps = 0
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses, logged before the schedule moves on
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         for fn in self.on_step:
             fn(self.version, self.model)
-        out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
-        return {**out, "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
+        return lr
 
     def _report_ratios(self, step_log_ratios: list[torch.Tensor]) -> None:
         """Hand this step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]) to the
