@@ -97,6 +97,16 @@ def test_target_modules_that_match_nothing_are_one_user_error(tiny_policy):
         apply_lora(policy, r=4, alpha=8, dropout=0.0, target_modules=["no_such_proj"], base=str(base_dir))
 
 
+def test_an_output_layer_tied_to_the_embedding_is_refused(shared_dir):
+    """stories260K ties lm_head to the input embedding: a merged copy loaded W + ΔW into both (one Parameter), so
+    rollout engines and the export embedded inputs with the adapter's delta (2.3 nats off the peft policy)."""
+    path = shared_dir / "models" / "stories260K-hf"
+    assert json.loads((path / "config.json").read_text()).get("tie_word_embeddings", True)  # transformers' default
+    with pytest.raises(UserError, match=r"adapts lm_head, whose weight is also model.embed_tokens.weight"):
+        apply_lora(load_policy(path), r=4, alpha=8, dropout=0.0, target_modules=["lm_head"], base=str(path))
+    apply_lora(load_policy(path), r=4, alpha=8, dropout=0.0, target_modules="all-linear", base=str(path))
+
+
 def _lora_run(extra=()):
     cfg = load_config(None, TINY + LORA + list(extra))
     task, policy, pool, _ = prepare_run(cfg)

@@ -74,7 +74,8 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
 
     Raises:
         UserError: the policy already has adapters; ``target_modules`` matches no module of the model, or
-            matches an embedding (only linear layers: a tied embedding would also be the output layer).
+            matches an embedding (only linear layers: a tied embedding would also be the output layer), or a layer
+            whose weight is tied to another's (the output layer of a model with tie_word_embeddings).
     """
     import peft
 
@@ -85,6 +86,7 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
         warnings.simplefilter("ignore", FutureWarning)  # peft calls transformers' renamed is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # a tied target is refused below
         try:
             wrapped = peft.get_peft_model(policy.model, config)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
@@ -95,6 +97,17 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     if embeddings:
         raise UserError(f"model.lora.target_modules={target_modules!r} adapts the embedding {embeddings[0]}; "
                         "LoRA here adapts linear layers only: name those (e.g. [q_proj, v_proj]) or use all-linear")
+    # a layer whose weight is another module's too (an output layer tied to the input embedding): its merged weight
+    # would replace both, so a merged copy (rollout engines, export) would embed its inputs with W + ΔW
+    names_of: dict[int, list[str]] = {}
+    for n, param in policy.model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(n)
+    tied = [(n, names_of[id(m.get_base_layer().weight)]) for n, m in _lora_layers(policy.model).items()
+            if len(names_of.get(id(m.get_base_layer().weight), [])) > 1]
+    if tied:
+        raise UserError(f"model.lora.target_modules={target_modules!r} adapts {tied[0][0]}, whose weight is also "
+                        f"{tied[0][1][0]} (tie_word_embeddings); adapt other layers (all-linear leaves it out) or "
+                        "untie the model")
     # set afterwards: get_peft_model overwrites it with the module's own name_or_path (None when built here)
     wrapped.peft_config["default"].base_model_name_or_path = str(base)
     policy.adapter = wrapped
