@@ -42,9 +42,11 @@ def test_eval_warnings_stay_one_line_off_a_terminal(tmp_path, shared_dir):
     rows = [{"question": "How many? " * 300, "answer": "1"}, {"question": "What is 1 + 1?", "answer": "2"}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "-b", str(tmp_path / "rows.jsonl"),
-             "--prompt-field", "question", "--answer-field", "answer", "--reward", "math", "-n", "1", "-k", "1",
+             "--prompt-field", "question", "--answer-field", "answer", "--reward", "gsm8k", "-n", "1", "-k", "1",
              "--max-new-tokens", "4", "--workers", "0", "--out", str(tmp_path / "eval.json"), tmp_path=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
+    # the results name the scorer that scored: --reward's, not the rows' own (math), which they named before
+    assert json.loads((tmp_path / "eval.json").read_text())["benchmarks"]["rows"]["reward"] == "gsm8k"
     warned = [line for line in p.stdout.splitlines() if line.startswith("warning: rows: skipped 1 of 2 prompts")]
     assert len(warned) == 1 and len(warned[0]) > 80, p.stdout
     assert warned[0].endswith("lower max_new_tokens to keep them"), p.stdout

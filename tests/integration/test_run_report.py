@@ -155,6 +155,19 @@ def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(two_runs, tmp_path
     assert afile.read_text() == "not a folder"
 
 
+def test_a_readme_of_the_users_is_never_replaced_and_an_earlier_report_is(two_runs, tmp_path):
+    """``report --out .`` in a project root replaced its README.md with the comparison, silently."""
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "README.md").write_text("# My project notes\n")
+    with pytest.raises(UserError, match="holds a README.md that is no run comparison"):
+        write_comparison(two_runs, mine)
+    assert (mine / "README.md").read_text() == "# My project notes\n" and sorted(os.listdir(mine)) == ["README.md"]
+    page = write_comparison(two_runs, tmp_path / "report")
+    (page.parent / "README.md").write_text("# Run comparison\n\nstale\n")
+    assert "stale" not in write_comparison(two_runs, tmp_path / "report").read_text()
+
+
 class _Policy:
     def encode_prompt(self, prompt: str) -> list[int]:
         return [int(prompt)]

@@ -49,7 +49,7 @@ def evaluate_benchmarks(policy, engine, benchmarks, make_pool, *, n: int, ks: li
                                 n=n * len(b.examples))
         if warning and warn is not None:
             warn(warning)
-        row = {"prompts": len(b.examples), "reward": b.reward}
+        row = {"prompts": len(b.examples), "reward": getattr(pool, "name", b.reward)}  # the scorer that scored
         for k in ks:
             row[f"pass@{k}"], row[f"pass@{k}_se"] = s.pass_at(k)
         row.update(reward_mean=s.reward_mean, reward_errors=s.reward_errors, reward_timeouts=s.reward_timeouts,

@@ -33,6 +33,7 @@ PANELS = [
     ("tokens_per_s", "tokens/s (rollout)"),
 ]
 FIGURE = "runs.png"
+PAGE_TITLE = "# Run comparison"  # the first line of every page: what a later report may replace
 
 
 @dataclass
@@ -201,7 +202,7 @@ def _value(v) -> str:
 def report_markdown(runs: list[Run], figure: str | None = FIGURE) -> str:
     """The page: the runs, the config keys in which they differ (one row each), then base / final / best held-out
     accuracy (± standard error when logged), wall time and world size (data-parallel ranks) per run."""
-    lines = ["# Run comparison", ""]
+    lines = [PAGE_TITLE, ""]
     lines += [f"- **{r.label}**: `{r.path}`" for r in runs] + [""]
     if figure:
         lines += [f"![runs]({figure})", ""]
@@ -231,14 +232,18 @@ def write_comparison(run_dirs: list[str | Path], out: str | Path) -> Path:
     Raises:
         UserError: no run directory, one given twice, or one without ``metrics.jsonl`` / ``config.yaml``; the
             runs logged none of the plotted metrics; ``out`` is a file, lies inside one, or cannot be created or
-            written (``outputs.output_folder``).
+            written (``outputs.output_folder``); ``out`` holds a README.md that is not an earlier report's.
     """
     if not run_dirs:
         raise UserError("give at least one run directory: trustbatch report RUN_DIR [RUN_DIR ...] --out DIR")
     paths = [Path(p) for p in run_dirs]
     runs = [load_run(p, name) for p, name in zip(paths, labels(paths))]
     out = output_folder(out)
-    plot_runs(runs, out / FIGURE)
     page = out / "README.md"
+    # the page replaces an earlier report's, never a README of the user's (a project root given as --out)
+    if page.exists() and not page.read_text(encoding="utf-8", errors="replace").startswith(PAGE_TITLE):
+        raise UserError(f"--out {str(out)!r} holds a README.md that is no run comparison; give a new or empty "
+                        "directory, or a previous report's")
+    plot_runs(runs, out / FIGURE)
     atomic_write(page, report_markdown(runs))
     return page
