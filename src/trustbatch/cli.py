@@ -141,6 +141,8 @@ def eval_(
     noise: str = typer.Option("generator", "--noise", help="its random streams, as rollout.noise: generator or philox"),
     chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="prompts of more tokens (chat template included) are skipped or truncated, as data.max_prompt_tokens"),
+    long_prompts: str = typer.Option("skip", "--long-prompts", help="a prompt over --max-prompt-tokens: skip, or truncate (keep its last tokens), as data.long_prompts"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
     from datetime import datetime
@@ -161,8 +163,8 @@ def eval_(
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, decode=decode, noise=noise,
-                   chat_template=chat_template,
-                   system_prompt=system_prompt, progress=progress,
+                   chat_template=chat_template, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens,
+                   long_prompts=long_prompts, progress=progress,
                    warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")

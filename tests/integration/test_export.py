@@ -173,6 +173,45 @@ def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(par
     assert held["pass@1_se"] == pytest.approx(last["heldout_accuracy_se"], abs=1e-12)  # the per-prompt spread too
 
 
+@pytest.mark.parametrize("mode", ["skip", "truncate"])
+def test_the_cards_command_reproduces_a_run_that_limited_its_prompts(tmp_path, shared_dir, hf_cache, mode,
+                                                                    support_on_pythonpath):
+    """data.max_prompt_tokens dropped or cut half the held-out prompts in training; the card's command evaluated all
+    of them whole (card 0.8125, eval 0.6875). It now passes the limit, and eval applies it as training does."""
+    from transformers import AutoTokenizer
+
+    from trustbatch.data.benchmarks import load_benchmark
+
+    model = shared_dir / "models" / "stories260K-hf"
+    tok = AutoTokenizer.from_pretrained(model)
+    held = [{**r, "problem": r["problem"] + " She counts them again and again." * k} for k, r in enumerate(ROWS[:8])]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[8:]))
+
+    def tokens(path):  # each prompt as the run frames it (the MATH format's instruction included)
+        return sorted(len(tok(e.prompt)["input_ids"]) for e in load_benchmark(str(path)).examples)
+
+    lengths = tokens(tmp_path / "held.jsonl")
+    limit = lengths[3]  # four held-out prompts are longer
+    assert lengths[4] > limit and max(tokens(tmp_path / "train.jsonl")) <= limit
+    run, out = tmp_path / "run", tmp_path / "export"
+    cfg = load_config(None, RUN + [f"data={tmp_path / 'train.jsonl'}", f"data.heldout={tmp_path / 'held.jsonl'}",
+                                   f"model.path={model}", f"run_dir={run}", f"data.max_prompt_tokens={limit}",
+                                   f"data.long_prompts={mode}"])
+    summary = train(cfg, console=QUIET)
+    assert summary["heldout_prompts"] == (4 if mode == "skip" else 8)
+    res = export_run(run, out)
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    dest = tmp_path / "eval.json"
+    p = subprocess.run([sys.executable, "-m", "trustbatch", *res["eval_command"][1:], "--workers", "0", "--out",
+                        str(dest)], capture_output=True, text=True, timeout=600, env=os.environ)
+    assert p.returncode == 0, p.stderr[-2000:]
+    again = json.loads(dest.read_text())["benchmarks"]["held"]
+    assert again["prompts"] == summary["heldout_prompts"]
+    assert again["pass@1"] == pytest.approx(last["heldout_accuracy"], abs=1e-12)
+    assert again["pass@1_se"] == pytest.approx(last["heldout_accuracy_se"], abs=1e-12)
+
+
 def test_a_lora_run_on_a_datasets_directory_exports_merged_weights(tmp_path, shared_dir, hf_cache):
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "rows"))
     run, out, base = tmp_path / "run", tmp_path / "export", shared_dir / "models" / "stories260K-hf"

@@ -80,3 +80,17 @@ def test_the_competition_is_read_from_the_files_own_name_or_folder(tmp_path, fol
     f.parent.mkdir(parents=True)
     f.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     assert benchmark_kind(str(f)) == kind
+
+
+def test_a_heldout_file_is_scored_by_its_own_scorer_in_training_as_eval_scores_it(shared_dir):
+    """GSM8K to train, MATH-500 held out: training's held-out evaluation scored MATH answers with the gsm8k scorer
+    (a correct \\boxed{p - q} scored 0), while the card's ``trustbatch eval -b`` scored them with math."""
+    from trustbatch.recipes.build import configured_task, reward_spec
+
+    cfg = load_config(None, [f"data.train={shared_dir / 'data' / 'gsm8k' / 'train.jsonl'}",
+                             f"data.heldout={shared_dir / 'data' / 'math500' / 'test.jsonl'}", "data.heldout_size=8"])
+    task = configured_task(cfg)
+    assert reward_spec(cfg, task).name == "gsm8k"  # training scores the training data by its own
+    assert reward_spec(cfg, task, heldout=True).name == benchmark_kind(str(shared_dir / "data" / "math500" / "test.jsonl"))
+    named = load_config(None, [f"data.train={cfg.data.train}", f"data.heldout={cfg.data.heldout}", "reward.name=gsm8k"])
+    assert reward_spec(named, task, heldout=True).name == "gsm8k"  # a reward.name the user set scores both

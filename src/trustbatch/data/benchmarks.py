@@ -324,8 +324,10 @@ def load_file_task(data_cfg) -> "TaskSplit":
                     f"training file (data.train=DIR/{Path(KNOWN[data_cfg.train]).parent}/train.jsonl) where one exists")
     train = load_benchmark(data_cfg.train, **kw)
     pool = train.examples  # distinct prompts already
+    heldout_reward = None
     if data_cfg.heldout:
-        heldout = load_benchmark(data_cfg.heldout, limit=data_cfg.heldout_size, **kw).examples
+        held_file = load_benchmark(data_cfg.heldout, limit=data_cfg.heldout_size, **kw)
+        heldout, heldout_reward = held_file.examples, held_file.reward
         held = {e.prompt for e in heldout}
         rest = [e for e in pool if e.prompt not in held]
     else:
@@ -338,7 +340,7 @@ def load_file_task(data_cfg) -> "TaskSplit":
     if not rest:
         raise UserError(f"{data_cfg.train!r} has no rows left for training after holding out {len(heldout)}; "
                         "lower data.heldout_size or give data.heldout=FILE")
-    return TaskSplit(name=train.name, reward=train.reward, train=rest, heldout=heldout)
+    return TaskSplit(name=train.name, reward=train.reward, train=rest, heldout=heldout, heldout_reward=heldout_reward)
 
 
 def truncate_left(ids: Sequence[int], max_tokens: int | None) -> list[int]:

@@ -92,6 +92,8 @@ class TaskSplit:
     reward: str  # a scorer name for trustbatch.rewards.get
     train: list[Example] = field(default_factory=list)
     heldout: list[Example] = field(default_factory=list)
+    # the held-out file's own scorer, where one was given (data.heldout in another format than data.train)
+    heldout_reward: str | None = None
     long_prompts: LongPrompts | None = None  # with data.max_prompt_tokens (recipes.build.prepare_run)
 
 

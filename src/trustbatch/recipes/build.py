@@ -63,12 +63,15 @@ def source_spec(cfg: Config) -> SourceSpec:
 def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
     terms, with ``reward.model`` as one more term ``rm:DIR`` (``rewards.functions``); its pool's settings and failure
-    limit. ``heldout``: always the former, as held-out evaluation scores (pass@1 counts correct answers)."""
+    limit. ``heldout``: always the former, as held-out evaluation scores (pass@1 counts correct answers), with a
+    ``data.heldout`` file's own scorer as the data's."""
     rw = cfg.reward
     terms = tuple((f.name, f.weight) for f in rw.functions)
     if rw.model is not None:
         terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
-    name = terms if terms and not heldout else rw.name or task.reward
+    # held-out evaluation scores a held-out file by its own scorer (trustbatch eval -b FILE does too)
+    data_scorer = (getattr(task, "heldout_reward", None) if heldout else None) or task.reward
+    name = terms if terms and not heldout else rw.name or data_scorer
     _check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
 

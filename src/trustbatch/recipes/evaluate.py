@@ -40,7 +40,9 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
-             decode: str = "dynamic", noise: str = "generator", chat_template: str = "auto", system_prompt: str | None = None, progress=None, warn: Callable[[str], None] | None = None) -> dict:
+             decode: str = "dynamic", noise: str = "generator", chat_template: str = "auto", system_prompt: str | None = None,
+             max_prompt_tokens: int | None = None, long_prompts: str = "skip", progress=None,
+             warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
     ``model``: a local Hugging Face model directory; ``max_new_tokens`` None: 512, or half its context if less (as
@@ -51,7 +53,9 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
     vllm; ``decode`` and ``noise``: the transformers engine's decoding loop and random streams, as ``rollout.decode``
     and ``rollout.noise`` (``static_compiled`` with ``philox`` is the fast loop on a GPU). ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
-    (``Policy.set_prompt_format``). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
+    (``Policy.set_prompt_format``); ``max_prompt_tokens`` and ``long_prompts`` limit them as ``data.max_prompt_tokens``
+    and ``data.long_prompts`` do in training (skip, or keep the last tokens), so a run's held-out evaluation is
+    sampled again on the same prompts (the model card's command). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
     hears of the prompts skipped because they and ``max_new_tokens`` exceed the model's context
     (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
     of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
@@ -63,7 +67,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     (too long for the context) and ``reward_clamped`` (rewards outside [0, 1]).
 
     Raises:
-        UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens`` or ``limit`` < 1,
+        UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens``, ``limit`` or
+            ``max_prompt_tokens`` < 1, ``long_prompts`` other than skip or truncate (truncate needs a limit),
             ``workers`` < 0, an unknown engine, reward, device, decode or noise (or either set for vLLM), a benchmark that cannot be found or read, a
             benchmark none of whose prompts fits the model's context with ``max_new_tokens``, a chat template
             asked of a tokenizer without one, or vLLM missing or refusing the model.
@@ -78,11 +83,13 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 
     ks = sorted(set(ks))
     spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
+    _check_prompt_limit(max_prompt_tokens, long_prompts)
     dev = _checked_device(n, ks, temperature, max_new_tokens or 1, limit, timeout, workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
     policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
+    benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     max_new_tokens = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
@@ -96,7 +103,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     for name, k in skipped.items():
         res["benchmarks"][name]["prompts_skipped"] = k
     return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "n": n, "k": ks, "temperature": temperature,
-            "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, **res}
+            "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, "max_prompt_tokens": max_prompt_tokens,
+            "long_prompts": long_prompts, **res}
 
 
 def _distinct_names(benches: list, given: list[str]) -> list:
@@ -156,6 +164,47 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
         return resolve_device(device)
     except ValueError as e:
         raise UserError(str(e).replace("train.device", "--device")) from None
+
+
+def _check_prompt_limit(max_tokens: int | None, mode: str) -> None:
+    """Refuse a prompt limit below 1 or an unknown mode, or truncation without a limit (UserError, one line)."""
+    if mode not in ("skip", "truncate"):
+        raise UserError(f"--long-prompts must be skip or truncate (got {mode!r})")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-prompt-tokens must be >= 1 (got {max_tokens})")
+    if mode == "truncate" and max_tokens is None:
+        raise UserError("--long-prompts truncate needs --max-prompt-tokens N (the tokens a prompt keeps)")
+
+
+def _limit_prompt_tokens(benches, policy, max_tokens: int | None, mode: str, warn):
+    """Each benchmark's prompts over ``max_tokens`` skipped, or left-truncated (``policy.max_prompt_tokens``, which
+    every later ``encode_prompt`` applies), as ``recipes.build.limit_prompt_length`` does in training.
+
+    Raises:
+        UserError: skipping leaves a benchmark without prompts.
+    """
+    import dataclasses
+
+    from ..data.benchmarks import limit_prompts
+
+    if max_tokens is None:
+        return benches
+    out = []
+    for b in benches:
+        ids = [policy.encode_prompt(e.prompt) for e in b.examples]
+        keep, _, truncated = limit_prompts(ids, max_tokens, mode)
+        if not keep:
+            raise UserError(f"{b.name}: --max-prompt-tokens {max_tokens}: none of its {len(ids)} prompts fits (the "
+                            f"shortest has {min(map(len, ids))} tokens); raise it, or give --long-prompts truncate")
+        changed = len(ids) - len(keep) if mode == "skip" else len(truncated)
+        if changed and warn is not None:
+            verb = "skipped" if mode == "skip" else f"kept the last {max_tokens} tokens of"
+            warn(f"{b.name}: {verb} {changed} of {len(ids)} prompts longer than {max_tokens} tokens "
+                 f"(--max-prompt-tokens, --long-prompts {mode})")
+        out.append(dataclasses.replace(b, examples=[b.examples[i] for i in keep]))
+    if mode == "truncate":
+        policy.max_prompt_tokens = max_tokens
+    return out
 
 
 def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):

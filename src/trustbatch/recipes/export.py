@@ -151,6 +151,8 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
         cmd += ["--format", d.format]
     if d.chat_template != "auto":
         cmd += ["--chat-template", d.chat_template]
+    if d.max_prompt_tokens is not None:  # the held-out prompts training kept, as it kept them
+        cmd += ["--max-prompt-tokens", str(d.max_prompt_tokens), "--long-prompts", d.long_prompts]
     return cmd
 
 
