@@ -73,7 +73,8 @@ def test_the_api_takes_python_values_and_refuses_what_is_not_a_value_in_one_line
         assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("folder, kind", [("aime2024", "aime"), ("amc_23", "amc"), ("aimee", "math"), ("bob", "math")])
+@pytest.mark.parametrize("folder, kind", [("aime2024", "aime"), ("amc_23", "amc"), ("train_aime", "aime"),
+                                          ("aimee", "math"), ("bob", "math")])
 def test_the_competition_is_read_from_the_files_own_name_or_folder(tmp_path, folder, kind):
     """A MATH-format file under a user's folder named aimee was budgeted as AIME (20,480 tokens)."""
     f = tmp_path / "users" / folder / "test.jsonl"
@@ -94,3 +95,19 @@ def test_a_heldout_file_is_scored_by_its_own_scorer_in_training_as_eval_scores_i
     assert reward_spec(cfg, task, heldout=True).name == benchmark_kind(str(shared_dir / "data" / "math500" / "test.jsonl"))
     named = load_config(None, [f"data.train={cfg.data.train}", f"data.heldout={cfg.data.heldout}", "reward.name=gsm8k"])
     assert reward_spec(named, task, heldout=True).name == "gsm8k"  # a reward.name the user set scores both
+
+
+def test_training_rollouts_keep_the_training_datas_scorer_beside_a_heldout_file_of_another(shared_dir):
+    """The sync source reused the run's pool, the held-out one: once the held-out file got its own scorer, GSM8K
+    rollouts were scored by math ('#### 72' with working after it scored 0)."""
+    from trustbatch.recipes.build import build_parts, prepare_run, scoring_check
+
+    cfg = load_config(None, [f"data.train={shared_dir / 'data' / 'gsm8k' / 'train.jsonl'}",
+                             f"data.heldout={shared_dir / 'data' / 'math500' / 'test.jsonl'}", "data.heldout_size=8",
+                             f"model.path={shared_dir / 'models' / 'stories260K-hf'}", "reward.workers=0",
+                             "rollout.max_new_tokens=16", "train.steps=1"])
+    task, policy, pool, _ = prepare_run(cfg)
+    source = build_parts(cfg, task, policy, pool, check_round=scoring_check(cfg, task, None)).parts.source
+    assert (pool.name, source.pool.name) == ("math", "gsm8k")
+    assert source.pool.score(["#### 72\nCheck: 48 + 24 = 72"], ["72"]).rewards == [1.0]  # gsm8k: the number after ####
+    source.pool.close()

@@ -187,7 +187,7 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
     # the competition as a word of the name given, the file's name or its folder's (aime2024/, amc_23.jsonl), not of
     # any folder above (a user named aimee)
     named = " ".join((name_or_path if name_or_path in KNOWN else "", path.name, path.parent.name)).lower()
-    found = re.search(r"\b(aime|amc)(?=\d|_|\b)", named)
+    found = re.search(r"(?<![a-z])(aime|amc)(?![a-z])", named)
     return found.group(1) if found else "math"
 
 

@@ -166,11 +166,11 @@ def sync_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     """Sampling in the trainer's process each round (``SyncSource``) from ``sync_engine``'s engine."""
     engine, sync, shifted = sync_engine(inp, learner)
     policy, train = inp.policy, inp.task.train
-    # weighted reward functions (a reward model among them) score training alone: a pool of their own (the run's
-    # pool scores held-out data); the reward model on the learner's device
+    # the run's pool scores held-out data; training shares it only when it is the training reward (weighted functions,
+    # a reward model, or a held-out file of another format have their own); the reward model on the learner's device
     rw = inp.cfg.reward
     load = functools.partial(load_reward_model, device=inp.world.device, batch_size=rw.model_batch_size)
-    pool = inp.reward.pool(load_model=load) if not isinstance(inp.reward.name, str) else inp.pool
+    pool = inp.pool if inp.reward.name == getattr(inp.pool, "name", None) else inp.reward.pool(load_model=load)
     if pool is not inp.pool:
         pool.in_process_marker = inp.pool.in_process_marker
     source = SyncSource(engine, [policy.encode_prompt(e.prompt) for e in train], [e.reference for e in train],
