@@ -201,7 +201,16 @@ def test_resumes_that_would_redo_or_skip_recorded_rounds_are_refused(tmp_path, f
     shutil.copytree(four_rounds, gone)
     shutil.rmtree(gone / "checkpoints")
     (gone / "checkpoints").mkdir()
-    cases = [(stopped, ["train.steps=3"], "has trained 4 rounds (its last checkpoint); train.steps=3 is fewer"),
+    # round 4 checkpointed but not evaluated (a kill after the save): ending there left the summary's "final"
+    # accuracy an older round's
+    unevaluated = tmp_path / "unevaluated"
+    shutil.copytree(stopped, unevaluated)
+    recs = [json.loads(x) for x in (unevaluated / "metrics.jsonl").read_text().splitlines()]
+    recs[-1] = {k: v for k, v in recs[-1].items() if not k.startswith("heldout_")}
+    (unevaluated / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cases = [(stopped, ["train.steps=3"], "has trained 4 rounds (its last checkpoint); train.steps=3 is too few"),
+             (unevaluated, ["train.steps=4"], "(its last checkpoint, and that round was not evaluated); train.steps=4 "
+                                              "is too few: set train.steps=5 or more"),
              (gone, ["train.steps=6"], "has no checkpoint to resume from, but its records hold 4 trained rounds"),
              (four_rounds, ["train.steps=6", f"run_dir={tmp_path / 'elsewhere'}"], "a resume continues in the run's own")]
     for run_dir, overrides, said in cases:
@@ -210,6 +219,31 @@ def test_resumes_that_would_redo_or_skip_recorded_rounds_are_refused(tmp_path, f
         assert code == 2 and said in one_line(err), err
         assert snapshot(run_dir) == before
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_resume_that_trains_more_rounds_leaves_no_summary_until_it_writes_its_own(tmp_path, four_rounds,
+                                                                                    monkeypatch):
+    """The finished segment's summary.json stayed through a resume killed mid-way: reports showed the run finished,
+    and a later resume was refused as "already finished at round 4" for a run whose summary said round 3."""
+    import importlib
+    import shutil
+
+    train_mod = importlib.import_module("trustbatch.recipes.train")  # the package's `train` is the function
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_rounds, run_dir)
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed in round 5")
+
+    monkeypatch.setattr(train_mod, "run_loop", killed)
+    with pytest.raises(RuntimeError, match="killed in round 5"):
+        train(None, resume=str(run_dir), overrides=["train.steps=6"])
+    assert not (run_dir / "summary.json").exists()
+    monkeypatch.undo()
+    # a summary of an earlier segment (round 3) does not make round 4's checkpoint a finished run
+    stale = json.loads((four_rounds / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**stale, "steps": 3}))
+    assert train(None, resume=str(run_dir), overrides=["train.steps=4"])["steps"] == 4
 
 
 def test_resume_of_a_run_older_than_a_config_key():

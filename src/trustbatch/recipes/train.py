@@ -187,25 +187,39 @@ def _refuse_config_with_resume(config: str | None, resume: str | None) -> None:
 
 def _check_resumable(cfg: Config, run_dir: Path, found) -> None:
     """Refuse a resume that would train nothing or redo what the run's records hold: a finished run that
-    ``train.steps`` does not extend, ``train.steps`` below the checkpoint's round, or trained rounds on record but
-    no checkpoint to continue them from (a start from round 0 would overwrite them). A run stopped before its
-    first round resumes from round 0."""
-    finished = (run_dir / "summary.json").exists()
+    ``train.steps`` does not extend, ``train.steps`` below the checkpoint's round (or at it, when that round was not
+    evaluated: the run would end without a final evaluation, its summary naming an older accuracy), or trained rounds
+    on record but no checkpoint to continue them from (a start from round 0 would overwrite them). A run stopped
+    before its first round resumes from round 0. A ``summary.json`` counts only when it is the checkpoint round's
+    (one left by an earlier segment of a resume that was killed says nothing of the rounds after it)."""
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
     if found is None:
-        metrics = run_dir / "metrics.jsonl"
-        trained = max((int(r.get("step", 0)) for r in read_metrics(metrics)), default=0) if metrics.is_file() else 0
-        if trained > 0 or finished:
+        trained = max((int(r.get("step", 0)) for r in records), default=0)
+        if trained > 0 or (run_dir / "summary.json").exists():
             raise UserError(f"run {str(run_dir)!r} has no checkpoint to resume from, but its records hold "
                             f"{trained} trained rounds; restore its checkpoints/ folder, or start a new run in "
                             "another run_dir")
         return
     done = int(found[2]["step"])
-    if finished and cfg.train.steps <= done:
+    if _summary_steps(run_dir) == done and cfg.train.steps <= done:
         raise UserError(f"run {str(run_dir)!r} already finished at round {done}; "
                         f"raise train.steps (e.g. train.steps={done * 2}) to continue it")
-    if cfg.train.steps < done:
-        raise UserError(f"run {str(run_dir)!r} has trained {done} rounds (its last checkpoint); train.steps="
-                        f"{cfg.train.steps} is fewer: set train.steps={done} or more to continue it")
+    evaluated = any(int(r.get("step", -1)) == done and "heldout_accuracy" in r for r in records)
+    least = done if evaluated else done + 1
+    if cfg.train.steps < least:
+        why = "" if evaluated else ", and that round was not evaluated"
+        raise UserError(f"run {str(run_dir)!r} has trained {done} rounds (its last checkpoint{why}); train.steps="
+                        f"{cfg.train.steps} is too few: set train.steps={least} or more to continue it")
+
+
+def _summary_steps(run_dir: Path) -> int | None:
+    """The round the run's ``summary.json`` was written at, or None (no summary, or one that cannot be read)."""
+    try:
+        steps = json.loads((run_dir / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(steps) if isinstance(steps, (int, float)) else None
 
 
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console,
@@ -255,6 +269,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         if resuming and world.is_main:  # records past the checkpoint (or all of them, without one) are redone
             for name in ("ratios.jsonl", "steps.jsonl"):  # metrics.jsonl and samples.jsonl: open_metrics_log
                 truncate_records(run_dir / name, start if state is not None else -1)
+            # the last segment's summary ends here: until this segment writes its own, the run is unfinished
+            (run_dir / "summary.json").unlink(missing_ok=True)
         if world.is_main:
             record_segment(run_dir, start, cfg.train.steps, changed)
         _print_header(cfg, task, source, run_dir, world, console)
