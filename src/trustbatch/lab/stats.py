@@ -64,6 +64,7 @@ Formulas: the textbook paired t-interval and Bonferroni correction.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 ALPHA = 0.05
@@ -350,7 +351,9 @@ def signed_rank(a: str, b: str, scores_a: dict[int, float], scores_b: dict[int, 
         raise ValueError(f"{a} and {b} score the same on every seed; the signed-rank test has nothing to rank")
     magnitudes = [abs(x) for x in d]
     exact = len(d) <= 50 and 0 not in magnitudes and len(set(magnitudes)) == len(magnitudes)
-    res = wilcoxon(d, alternative="two-sided", method="exact" if exact else "approx")
+    with warnings.catch_warnings():  # "sample size too small for normal approximation": the sentence says which
+        warnings.filterwarnings("ignore", message="Sample size too small")
+        res = wilcoxon(d, alternative="two-sided", method="exact" if exact else "approx")
     return SignedRank(a, b, len(d), float(res.statistic), float(res.pvalue), sum(x > 0 for x in d), exact)
 
 
