@@ -147,9 +147,8 @@ def _weights(reward_weights: Any, n: int) -> list[float]:
     """
     if reward_weights is None:
         return [1.0] * n
-    weights = [reward_weights] if isinstance(reward_weights, (int, float)) or is_score(reward_weights) \
-        else list(reward_weights) if isinstance(reward_weights, Iterable) and not isinstance(reward_weights, str) \
-        else [reward_weights]
+    many = isinstance(reward_weights, Iterable) and not isinstance(reward_weights, str) and not is_score(reward_weights)
+    weights = list(reward_weights) if many else [reward_weights]
     bad = next((w for w in weights if isinstance(w, bool) or not is_score(w)), None)
     if bad is not None:
         raise UserError(f"reward weight {bad!r} is a {type(bad).__name__}; give numbers, one per reward function")

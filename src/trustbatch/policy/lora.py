@@ -102,8 +102,8 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     names_of: dict[int, list[str]] = {}
     for n, param in policy.model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(n)
-    tied = [(n, names_of[id(m.get_base_layer().weight)]) for n, m in _lora_layers(policy.model).items()
-            if len(names_of.get(id(m.get_base_layer().weight), [])) > 1]
+    shared = {n: names_of[id(m.get_base_layer().weight)] for n, m in _lora_layers(policy.model).items()}
+    tied = [(n, names) for n, names in shared.items() if len(names) > 1]
     if tied:
         raise UserError(f"model.lora.target_modules={target_modules!r} adapts {tied[0][0]}, whose weight is also "
                         f"{tied[0][1][0]} (tie_word_embeddings); adapt other layers (all-linear leaves it out) or "

@@ -156,16 +156,13 @@ class BatchForm:
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
                                  "completions; return one score per completion")
-            bad = next((v for v in out if v is not None and not (is_score(v) and math.isfinite(float(v)))), None)
-            if bad is not None:
-                raise ValueError(f"returned {type(bad).__name__} {bad!r}, not a finite number")
+            outcomes = [outcome(0.0 if v is None else v) for v in out]
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
-            cause = one_line(f"{type(e).__name__}: {e}")
-            return [(0.0, "error", cause)] * len(completions)
-        values = [0.0 if v is None else float(v) for v in out]
-        return [(v, "ok", None) if 0.0 <= v <= 1.0 else (min(1.0, max(0.0, v)), "clamped", None) for v in values]
+            outcomes = [(0.0, "error", one_line(f"{type(e).__name__}: {e}"))]
+        cause = next((c for _, status, c in outcomes if status == "error"), None)
+        return [(0.0, "error", cause)] * len(completions) if cause is not None else outcomes
 
 
 def groups(scorer: Scorer | BatchForm, contexts: list[dict] | None, n: int) -> list[list[int]]:
@@ -270,15 +267,20 @@ def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, s
     one-line description for ``"error"``, else None. Only KeyboardInterrupt propagates.
     """
     try:
-        raw = scorer(completion, reference)
-        if not is_score(raw):
-            return 0.0, "error", one_line(f"the scorer returned {type(raw).__name__} {raw!r}, not a number; "
-                                          "return an int, float or bool", 200)
-        v = float(raw)
+        return outcome(scorer(completion, reference))
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - sys.exit() in a scorer must not end the run silently
         return 0.0, "error", one_line(f"{type(e).__name__}: {e}")
+
+
+def outcome(raw: object) -> Outcome:
+    """A scorer's return value as ``(reward, status, cause)`` (``score_one``): a finite number in [0, 1] as it is,
+    one outside clamped into it, anything else (not a number, ``is_score``; NaN or inf) an error scoring 0."""
+    if not is_score(raw):
+        return 0.0, "error", one_line(f"the scorer returned {type(raw).__name__} {raw!r}, not a number; "
+                                      "return an int, float or bool", 200)
+    v = float(raw)
     if not math.isfinite(v):
         return 0.0, "error", f"the scorer returned {v}"
     if 0.0 <= v <= 1.0:

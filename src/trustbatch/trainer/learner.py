@@ -287,7 +287,8 @@ class Learner(ForwardPasses):
             device, with its proximal snapshot); True ends ``train_on`` there, without that step (the lab's
             pre-flight measures the batch of a round's last step this way).
         """
-        local = batch.select(self.world.shard(len(batch))) if self.world.size > 1 else batch
+        shard = self.world.shard(len(batch))  # all of it on one rank
+        local = batch.select(shard) if self.world.size > 1 else batch
         local = local.to(self.device)
         self._pad = empty_like(batch).to(self.device)  # the global batch: a rank's shard may be empty
         self._snapshot = None
@@ -299,7 +300,6 @@ class Learner(ForwardPasses):
             local.ref_logprobs = self.reference_logprobs(local)
         step_metrics = []
         self.step_records = []
-        shard = self.world.shard(len(batch)) if self.world.size > 1 else slice(0, len(batch))
         for _epoch in range(self.epochs):
             # one permutation of the whole batch, rank 0's (as one process draws it), so that a mini-batch holds the
             # rows it would hold in one process: each rank trains on those of its shard, as many as they are
