@@ -100,3 +100,20 @@ def test_without_datasets_the_fix_is_to_install_it_or_give_jsonl(tmp_path, monke
         load_benchmark(str(_parquet(tmp_path / "rows.parquet", ROWS)))
     assert str(e.value) == ("Parquet, JSON and datasets directories need the `datasets` package: pip install datasets; "
                             "or give a JSONL file")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_answer_is_null_and_a_numbers_demonstration_is_its_gold_text(tmp_path, bad):
+    """pandas writes a missing value as NaN (``df.to_dict("records")``, JSON's ``NaN``): it was read as the gold
+    answer "nan", which no completion matches. The demonstration of the answer 5.0 was "5.0" against the reference
+    "5"."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "What is 2+3?", "answer": 5.0}, {"prompt": "What is 4+4?", "answer": bad}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN / Infinity
+    with pytest.raises(UserError) as e:
+        load_benchmark(str(path), format="jsonl")
+    assert f"{str(path)!r} line 2: the answer field 'answer' is " in str(e.value)
+    assert ("null" if bad != bad else "inf") in str(e.value)
+    path.write_text(json.dumps(rows[0]) + "\n")
+    ex = load_benchmark(str(path), format="jsonl").examples[0]
+    assert (ex.reference, ex.answer) == ("5", "5")

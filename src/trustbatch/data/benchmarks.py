@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -100,8 +101,10 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
         raise UserError(f"the {what} field {name!r} is a list of chat messages (TRL's conversational format), which "
                         "is not read: give the user message's text; the tokenizer's chat template frames it "
                         "(data.chat_template, data.system_prompt for a system message)")
-    if v is None or isinstance(v, (bool, dict, list)) or not str(v).strip():
-        shown = "null" if v is None else repr(v)
+    # a float NaN is pandas' missing value (a DataFrame's records, JSON's NaN): null, not the answer "nan"
+    missing = v is None or (isinstance(v, float) and not math.isfinite(v))
+    if missing or isinstance(v, (bool, dict, list)) or not str(v).strip():
+        shown = "null" if v is None or (missing and v != v) else repr(v)
         raise UserError(f"the {what} field {name!r} is {shown}, not text or a number; fix or remove the row")
     return v if isinstance(v, str) else str(v)
 
@@ -139,7 +142,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
         problem = _field(row, "problem", "prompt")
         _field(row, "answer", "answer")
         gold = gold_text(row["answer"])  # keeps AMC's 27.0 as 27
-        demo = row.get("solution") or ""
+        demo = str(row.get("solution") or "")
         if "\\boxed" not in demo:  # AIME solutions often end without one; the demo must show the format
             demo = (demo + "\n" if demo else "") + f"The final answer is $\\boxed{{{gold}}}$."
         return Example(problem + MATH_INSTRUCTION, gold, demo)
@@ -159,7 +162,8 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
         pf, af = prompt_field or "prompt", answer_field or "answer"
         hint = FIELDS_HINT
         prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
-        return Example(prompt, gold_text(row[af]), answer)
+        # a number's demonstration is its gold text: 5, not 5.0
+        return Example(prompt, gold_text(row[af]), answer if isinstance(row[af], str) else gold_text(row[af]))
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
 
 
