@@ -87,6 +87,7 @@ def sft(
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
     from .recipes.base import load_default_base
+    from .recipes.build import fit_demos, limit_prompt_length
     from .recipes.outputs import output_folder, staged_folder
 
     console = Console(soft_wrap=True)
@@ -105,10 +106,13 @@ def sft(
             raise UserError("SFT of model.path needs --out DIR for the result")
         policy = load_policy(cfg.model.path, revision=cfg.model.revision)
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        if cfg.data.max_prompt_tokens:  # the prompts RL will train on: skipped or cut alike
+            limit_prompt_length(task, policy, cfg.data, console)
         # the weak teacher is the default base's; a user's own model learns their demonstrations unless they ask
         if "sft_teacher_error" not in cfg.model.model_fields_set:
             model_cfg["sft_teacher_error"] = 0.0
-        loss = run_sft(policy, sft_demos(task, model_cfg), steps=cfg.model.sft_steps,
+        demos = fit_demos(policy, sft_demos(task, model_cfg, chat=policy.uses_chat_template), console)
+        loss = run_sft(policy, demos, steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}")
     if out is not None:

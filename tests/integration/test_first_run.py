@@ -115,7 +115,7 @@ def test_sft_of_a_users_model_learns_their_demonstrations_unless_a_teacher_error
     assert done.exit_code == 0, done.output
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     final = {r["question"]: r["answer"].split("####")[-1].strip() for r in rows}  # the gold number of each question
-    assert len(seen) == 40
+    assert 30 <= len(seen) <= 40  # less those past stories260K's 512 positions (tests/integration/test_sft_inputs.py)
     swapped = sum(final[next(q for q in final if q in prompt)] != completion.split("####")[-1].strip()
                   for prompt, completion in seen)
     assert swapped == 0 if error is None else swapped >= 10

@@ -89,10 +89,15 @@ class Policy:
         (``data.benchmarks.truncate_left``)."""
         return truncate_left(self._encode_whole_prompt(text), self.max_prompt_tokens)
 
+    @property
+    def uses_chat_template(self) -> bool:
+        """Whether ``encode_prompt`` frames prompts with the tokenizer's chat template (``set_prompt_format``)."""
+        return self.chat_template if self.chat_template is not None else \
+            bool(getattr(self.tokenizer, "chat_template", None))
+
     def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
-        use = self.chat_template if self.chat_template is not None else bool(getattr(tok, "chat_template", None))
-        if use:
+        if self.uses_chat_template:
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
             return list(tok.apply_chat_template(system + [{"role": "user", "content": text}],

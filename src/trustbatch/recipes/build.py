@@ -158,6 +158,30 @@ def fit_to_context(task, policy, max_new_tokens: int, console=None) -> int:
     return dropped
 
 
+def fit_demos(policy, demos: list[tuple[str, str]], console=None) -> list[tuple[str, str]]:
+    """The SFT demonstrations (prompt, completion) whose prompt and completion ids (EOS included) fit the model's
+    context (``config.max_position_embeddings``); the others are dropped with one warning line. Past the context a
+    model with learned positions fails with an index error and a RoPE model trains out of its range.
+
+    Raises:
+        UserError: none fits.
+    """
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if context is None:
+        return demos
+    lengths = [len(policy.encode_prompt(p)) + len(policy.encode_completion(c)) for p, c in demos]
+    keep = [d for d, n in zip(demos, lengths) if n <= context]
+    if not keep:
+        raise UserError(f"none of the {len(demos)} SFT demonstrations fits the model's context of {context} tokens "
+                        f"(the shortest prompt and answer have {min(lengths)}); give shorter rows, or set "
+                        "data.max_prompt_tokens with data.long_prompts=truncate")
+    if len(keep) < len(demos) and console is not None:
+        console.print(f"[yellow]warning: skipped {len(demos) - len(keep)} of {len(demos)} SFT demonstrations whose "
+                      f"prompt and answer are longer than the model's context of {context} tokens[/yellow]",
+                      highlight=False)
+    return keep
+
+
 def limit_prompt_length(task, policy, data, console=None) -> tuple[set[str], int]:
     """``data.max_prompt_tokens``: the prompts of both splits over it are dropped (``data.long_prompts=skip``) or
     left-truncated (``truncate``: ``policy.max_prompt_tokens`` is set, so every later ``encode_prompt`` of training,
