@@ -61,7 +61,9 @@ def cache(tmp_path_factory):
 def test_same_metrics_as_before_the_restructure(tmp_path, cache, case):
     run = tmp_path / case
     # in-process scoring: the same rewards as the worker pool, without its processes
-    train(load_config(None, TINY + ["train.steps=5", "threads=1", "reward.workers=0", f"run_dir={run}"] + CASES[case]))
+    # rollout.prompt_order=random: the order the fixtures were recorded with (fixtures' README, history 7)
+    train(load_config(None, TINY + ["train.steps=5", "threads=1", "reward.workers=0", "rollout.prompt_order=random",
+                                    f"run_dir={run}"] + CASES[case]))
     base = next((cache / "base").glob("*/model.safetensors")).parent
     if _weights_hash(base) != (FIXTURES / "base_weights.sha256").read_text().strip():
         pytest.skip("this CPU's kernels SFT another default base than the one the fixtures were recorded from")

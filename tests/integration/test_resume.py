@@ -144,9 +144,11 @@ def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path,
     assert code == 2 and "already finished" in one_line(err) and "train.steps" in err
     assert snapshot(run_dir) == before  # summary.json byte-identical
 
-    # a run from before task.heldout_reserve existed: its base skipped the held-out prompts alone, and still does
+    # a run from before task.heldout_reserve existed: its base skipped the held-out prompts alone, and still does;
+    # one from before rollout.prompt_order drew its prompts at random, and still does
     saved = (run_dir / "config.yaml").read_text()
-    (run_dir / "config.yaml").write_text(saved.replace("  heldout_reserve: 0\n", ""))
+    assert "  prompt_order: epochs\n" in saved
+    (run_dir / "config.yaml").write_text(saved.replace("  heldout_reserve: 0\n", "").replace("  prompt_order: epochs\n", ""))
     t0 = time.time()
     code, err = _cli(monkeypatch, capsys, "train", "--resume", str(run_dir), "train.steps=3")
     resumed = time.time() - t0
@@ -156,7 +158,8 @@ def test_resume_may_change_only_resumable_keys_and_keeps_finished_runs(tmp_path,
     # (the resume's command-line overhead is outside its segment, so `resumed` alone is no lower bound)
     assert first_wall < wall <= first + resumed
     assert "steps: 3" in (run_dir / "config.yaml").read_text() and "  heldout_reserve: 0\n" in saved
-    assert (run_dir / "config.yaml").read_text() == saved.replace("  steps: 2\n", "  steps: 3\n")
+    assert (run_dir / "config.yaml").read_text() == saved.replace("  steps: 2\n", "  steps: 3\n").replace(
+        "prompt_order: epochs", "prompt_order: random")
     assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
     segments = records(run_dir, "segments.jsonl")
     assert [(s["start_round"], s["rounds"], s["changed"]) for s in segments] == [(0, 2, []), (2, 3, ["train.steps"])]

@@ -224,6 +224,10 @@ class RolloutConfig(_Strict):
 
     group_size: Int = Field(8, ge=2, description="G completions per prompt")
     prompts_per_step: Int = Field(64, ge=1, description="prompts per rollout round")
+    prompt_order: Literal["epochs", "random"] = Field(
+        "epochs", description="epochs: every training prompt once per epoch, shuffled anew each epoch (a shuffled "
+                              "DataLoader's order); random: each drawn at random with replacement (runs before "
+                              "this key)")
     temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
     top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "

@@ -9,6 +9,7 @@ protocol; the loop cannot tell them apart.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class SourceSpec:
 
     sampling: temperature, top-p, max_new_tokens of the rollouts. group_size: G completions per prompt;
     prompts_per_step: groups per batch. seed: with the batch index, fixes each batch's prompts and every group's
-    random streams. dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
+    random streams. prompt_order: ``epochs`` (every prompt once per epoch, in a seeded shuffle of each epoch, as a
+    shuffled ``DataLoader`` gives them) or ``random`` (each drawn at random, with replacement; before this option). dynamic_sampling, max_sampling_rounds: DAPO's filter of all-equal-reward groups, with refills.
     overlong_cache: DAPO overlong shaping zone (tokens), or None. advantage, std: ``advantages.group_advantages``
     estimator and std convention. behaviour_models: hand the learner each engine's ``teacher`` with the batch
     (``TrainBatch.behaviour``), for objectives that need the whole behaviour distribution.
@@ -78,12 +80,22 @@ class SourceSpec:
     group_size: int
     prompts_per_step: int
     seed: int
+    prompt_order: str = "epochs"
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
     overlong_cache: int | None = None
     advantage: str = "zscore"
     std: str = "population"
     behaviour_models: bool = False
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The order of ``n`` prompts in ``epoch`` (0-based): a Fisher–Yates shuffle (``random.shuffle``) seeded by
+    (seed, epoch), so any process computes it alone (async workers, ranks, a resume)."""
+    order = list(range(n))
+    random.Random(row_seed(seed, -2, epoch)).shuffle(order)
+    return tuple(order)
 
 
 class SyncSource:
@@ -174,6 +186,18 @@ class SyncSource:
         self.batch_index += 1
         return batch
 
+    def _prompt_indices(self, b: int, refill: int, need: int) -> list[int]:
+        """Batch ``b``'s prompts: positions ``b·P … b·P + P - 1`` of the run's stream of epochs (``epochs``), each
+        epoch a seeded shuffle of every prompt; or ``P`` draws with replacement (``random``). A dynamic-sampling
+        refill draws at random in both orders: what it needs depends on the rewards, and taking it from the stream
+        would move every later batch's prompts."""
+        n = len(self.prompts)
+        if self.spec.prompt_order == "random" or refill:
+            rng = random.Random(row_seed(self.seed, b, refill))
+            return [rng.randrange(n) for _ in range(need)]
+        first = b * self.P
+        return [epoch_order(self.seed, k // n, n)[k % n] for k in range(first, first + need)]
+
     def make_batch(self, b: int) -> TrainBatch | None:
         """Batch number ``b``: its prompts and random streams depend only on (seed, b), not on history.
 
@@ -184,8 +208,7 @@ class SyncSource:
         rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
-            rng = random.Random(row_seed(self.seed, b, refill))
-            idx = [rng.randrange(len(self.prompts)) for _ in range(need)]
+            idx = self._prompt_indices(b, refill, need)
             drawn += idx
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
             new, r, e, t, c = self._sample_and_score(idx, seeds)

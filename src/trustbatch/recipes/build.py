@@ -55,6 +55,7 @@ def source_spec(cfg: Config) -> SourceSpec:
     ro = cfg.rollout
     return SourceSpec(SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens),
                       group_size=ro.group_size, prompts_per_step=ro.prompts_per_step, seed=cfg.train.seed,
+                      prompt_order=ro.prompt_order,
                       behaviour_models=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
                       dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
                       overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std)

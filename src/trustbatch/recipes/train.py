@@ -67,6 +67,8 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         check_resume_paths(saved, run_dir)
         if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
             saved["task"].setdefault("heldout_reserve", 0)
+        if isinstance(saved.get("rollout"), dict):  # from before rollout.prompt_order: its prompts were drawn at random
+            saved["rollout"].setdefault("prompt_order", "random")
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         if any(o.partition("=")[0].strip() == "run_dir" for o in overrides or []) and \
                 Path(cfg.run_dir or "").resolve() != run_dir.resolve():
