@@ -173,6 +173,26 @@ def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(par
     assert held["pass@1_se"] == pytest.approx(last["heldout_accuracy_se"], abs=1e-12)  # the per-prompt spread too
 
 
+def test_the_cards_command_samples_with_the_runs_random_streams(tmp_path, shared_dir, hf_cache,
+                                                               support_on_pythonpath):
+    """Held-out evaluation samples with rollout.noise (and rollout.decode); the card's command left them out, so a
+    philox run's check sampled other tokens (the reviewer's: 0.688 where the run logged 0.469)."""
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    run, out = tmp_path / "run", tmp_path / "export"
+    train(load_config(None, RUN + [f"data={tmp_path / 'rows.jsonl'}", f"model.path={shared_dir / 'models' / 'stories260K-hf'}",
+                                   f"run_dir={run}", "rollout.noise=philox"]), console=QUIET)
+    cmd = export_run(run, out)["eval_command"]
+    assert cmd[cmd.index("--noise") + 1] == "philox" and "--decode" not in cmd  # the default loop is not named
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    dest = tmp_path / "eval.json"
+    p = subprocess.run([sys.executable, "-m", "trustbatch", *cmd[1:], "--workers", "0", "--out", str(dest)],
+                       capture_output=True, text=True, timeout=600, env=os.environ)
+    assert p.returncode == 0, p.stderr[-2000:]
+    again = json.loads(dest.read_text())["benchmarks"]["rows"]
+    assert again["pass@1"] == pytest.approx(last["heldout_accuracy"], abs=1e-12)
+    assert again["pass@4"] == pytest.approx(last["heldout_pass@4"], abs=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["skip", "truncate"])
 def test_the_cards_command_reproduces_a_run_that_limited_its_prompts(tmp_path, shared_dir, hf_cache, mode,
                                                                     support_on_pythonpath):

@@ -153,6 +153,11 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
         cmd += ["--chat-template", d.chat_template]
     if d.max_prompt_tokens is not None:  # the held-out prompts training kept, as it kept them
         cmd += ["--max-prompt-tokens", str(d.max_prompt_tokens), "--long-prompts", d.long_prompts]
+    # held-out evaluation samples with the rollouts' loop and random streams (build._float32_spec)
+    ro, defaults = cfg.rollout, type(cfg.rollout).model_fields
+    for flag, key in (("--decode", "decode"), ("--noise", "noise")):
+        if getattr(ro, key) != defaults[key].default:
+            cmd += [flag, getattr(ro, key)]
     return cmd
 
 
