@@ -73,6 +73,12 @@ CLI_CASES = {  # id -> (args, substrings the one line must hold)
     "option_inf": (["train", "objective.name=grpo", "objective.options={eps_high: .inf}"], ["'objective.options'", "eps_high", "finite"]),
     "config_latin1": (["train", "--config", "CFG/latin1.yaml"], ["latin1.yaml", "line 3", "not UTF-8", "0xe9"]),
     "option_typo_in_file": (["train", "--config", "CFG/options_typo.yaml"], ["'objective.options'", "eps_hgh"]),
+    # DAPO's zone against the budget GSM8K's data sets (a traceback in round 1, after the run directory was made)
+    "overlong_past_budget": (["train", "data.train=DATA/good.jsonl", "model.path=MODEL", "data.heldout_size=1",
+                              "rollout.overlong_cache=4096"],
+                             ["rollout.overlong_cache=4096", "rollout.max_new_tokens=256"]),
+    "quantization_transformers": (["train", "train.steps=1", "rollout.quantization=fp8_per_channel"],
+                                  ["rollout.quantization=fp8_per_channel", "rollout.engine=vllm"]),
     "eval_null_answer": (["eval", "--model", "MODEL", "-b", "DATA/null_answer.jsonl", "-n", "1", "-k", "1"],
                          ["null_answer.jsonl", "line 3", "null"]),
     "eval_truncated_model": (["eval", "--model", "TRUNC", "-b", "DATA/good.jsonl", "-n", "1", "-k", "1"],
@@ -114,7 +120,7 @@ def cli_results(tmp_path_factory, shared_dir):
         run_dir = root / "runs" / case
         argv = list(args)
         for k, v in subs.items():
-            argv = [a.replace(k, v) if a.startswith(k) else a for a in argv]
+            argv = [a.replace(k, v) if a.startswith(k) or f"={k}" in a else a for a in argv]
         if argv[0] == "train":
             argv.append(f"run_dir={run_dir}")
         else:

@@ -30,12 +30,20 @@ def test_an_empty_mapping_in_yaml_sets_a_section_to_its_defaults_as_on_the_comma
      "data.prompt_field is read only for plain rows, not data.format=math"),
     (["data.train=t.jsonl", "data.format=gsm8k", "data.answer_field=a"],
      "data.answer_field is read only for plain rows, not data.format=gsm8k"),
+    # the reasoning-gym task evaluated its own 256 held-out prompts, not 8
+    (["data.heldout_size=8"], "data.heldout_size is read only with data.train .* use task.heldout_size"),
+    (["data.train_size=50"], "data.train_size is read only with data.train .* use task.train_size"),
+    (["data.format=math"], "data.format is read only with data.train .* drop data.format"),
+    (["objective.advantage=rloo", "objective.std=sample"], "objective.advantage=rloo divides by none"),
+    (["objective.advantage=mean", "objective.std=sample"], "objective.advantage=mean divides by none"),
 ])
-def test_data_keys_nothing_would_read_are_refused_in_one_line(args, message):
+def test_keys_nothing_would_read_are_refused_in_one_line(args, message):
     with pytest.raises(UserError, match=message) as e:
         load_config(None, args)
     assert "\n" not in str(e.value)
-    load_config(None, ["data.train=t.jsonl", "data.format=jsonl", "data.prompt_field=q", "data.heldout=h.jsonl"])
+    load_config(None, ["data.train=t.jsonl", "data.format=jsonl", "data.prompt_field=q", "data.heldout=h.jsonl",
+                       "data.heldout_size=8", "data.train_size=50"])
+    load_config(None, ["objective.std=sample", "data.heldout_size=256"])  # zscore's σ; a default value reads alike
 
 
 def test_a_config_object_given_to_the_api_keeps_the_defaults_that_follow_the_data(shared_dir, tmp_path):

@@ -114,6 +114,13 @@ class DataConfig(_Strict):
         if self.heldout is not None and self.train is None:
             raise ValueError("data.heldout needs data.train (without it the run trains and evaluates on task.name); "
                              "set data.train=FILE too, or evaluate a file alone with trustbatch eval -b FILE")
+        if self.train is None:  # the reasoning-gym task (task.*) is the data; a value given here would do nothing
+            unread = next((k for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field")
+                           if getattr(self, k) != type(self).model_fields[k].default), None)
+            if unread is not None:
+                fix = f"use task.{unread}" if unread in ("train_size", "heldout_size") else f"drop data.{unread}"
+                raise ValueError(f"data.{unread} is read only with data.train (without it the run trains on "
+                                 f"task.name); set data.train=FILE too, or {fix}")
         named = [k for k in ("prompt_field", "answer_field") if getattr(self, k) is not None]
         if named and self.format not in ("auto", "jsonl"):
             raise ValueError(f"data.{named[0]} is read only for plain rows, not data.format={self.format}, which "
@@ -316,7 +323,15 @@ class ObjectiveConfig(_Strict):
                                                                 "range (e.g. {kl: exact}, {eps_low: 0.2, eps_high: 0.28})")
     advantage: Literal["zscore", "mean", "rloo"] = Field("zscore", description="zscore (GRPO), mean (Dr.GRPO) or rloo")
     std: Literal["population", "sample"] = Field(
-        "population", description="z-score σ: population (the paper's Eq. 3) or sample (the reference code's)")
+        "population", description="z-score σ: population (the paper's Eq. 3) or sample (the reference code's); "
+                                  "advantage=zscore only")
+
+    @model_validator(mode="after")
+    def _std_needs_zscore(self) -> "ObjectiveConfig":
+        if self.std != "population" and self.advantage != "zscore":  # mean and rloo divide by no σ
+            raise ValueError(f"objective.std={self.std} sets the z-score's σ, and objective.advantage={self.advantage} "
+                             "divides by none; drop objective.std, or use objective.advantage=zscore")
+        return self
 
     @field_validator("name")
     @classmethod

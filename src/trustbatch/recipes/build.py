@@ -31,7 +31,8 @@ from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
 from .backends import Inputs, backend_for, learner_autocast
-from .checks import check_learner, check_objective, check_orchestrator, check_recorded_behaviour, check_reward
+from .checks import (check_learner, check_objective, check_orchestrator, check_recorded_behaviour, check_reward,
+                     check_shaping)
 
 __all__ = ["Built", "build_parts", "check_objective", "check_orchestrator", "checkpoint_loader", "configured_task",
            "engine_spec", "foreign_engine", "preflight", "prepare_run", "reference_policy", "restore_checkpoint_policy",
@@ -104,9 +105,11 @@ def preflight(cfg: Config) -> None:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
             installed; an engine setting the engine does not run; a reward model that is none, or where the run
             cannot hold it; a ``model.reference`` the run would ignore or cannot load; a reference KL with Ray
-            learner actors (``checks.check_learner``).
+            learner actors (``checks.check_learner``); an overlong zone longer than the completion budget
+            (``checks.check_shaping``).
     """
     check_objective(cfg)
+    check_shaping(cfg)
     check_learner(cfg)
     check_engine(engine_spec(cfg))
     check_orchestrator(cfg)

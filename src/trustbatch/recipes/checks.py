@@ -106,6 +106,20 @@ def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS
                         f"{budget_bytes / 2**20:.0f} MiB budget; use rollout.precision=float32 or kl='k3'")
 
 
+def check_shaping(cfg: Config) -> None:
+    """DAPO's overlong zone lies inside the completion budget: ``rollout.overlong_cache`` ≤ ``rollout.max_new_tokens``
+    (as resolved: the budget a data file's benchmark sets counts, ``defaults.with_answer_budget``).
+
+    Raises:
+        UserError: a zone longer than the budget (``advantages.overlong_penalty`` would fail in round 1).
+    """
+    ro = cfg.rollout
+    if ro.overlong_cache is not None and ro.overlong_cache > ro.max_new_tokens:
+        raise UserError(f"rollout.overlong_cache={ro.overlong_cache} is longer than the completion budget "
+                        f"rollout.max_new_tokens={ro.max_new_tokens} (the penalty zone is its last tokens); lower "
+                        "rollout.overlong_cache, or raise rollout.max_new_tokens")
+
+
 def check_orchestrator(cfg: Config) -> None:
     """What the ``(rollout.mode, orchestrator)`` pair refuses (``backends.BACKENDS``): ``orchestrator=ray`` runs the
     async rollout workers as Ray actors, so it needs that mode and Ray.

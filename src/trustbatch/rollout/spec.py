@@ -159,6 +159,10 @@ def _check_transformers(spec: EngineSpec) -> None:
     if spec.decode != "dynamic" and spec.precision in BATCH_SCALED:
         raise UserError(f"rollout.decode={spec.decode} does not run rollout.precision={spec.precision} (its activation "
                         "scales are taken over each forward's whole batch); use rollout.decode=dynamic")
+    if spec.quantization is not None:  # read by vLLM alone: the rollouts would stay float32 and on-policy
+        raise UserError(f"rollout.quantization={spec.quantization} is vLLM's online quantization, which the "
+                        "transformers engine does not run; add rollout.engine=vllm, or use rollout.precision "
+                        "(int8, fp8_e4m3, fp8_e4m3_rowwise) for a quantized copy in this engine")
 
 
 @register_engine("transformers", check=_check_transformers, shares_module=True, behaviour="recorded",
