@@ -190,6 +190,21 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cach
     assert records(run_dir) == records(four_rounds)
 
 
+def test_a_resume_that_raises_train_steps_steps_at_the_new_schedules_rates_from_its_first_step(tmp_path, cache):
+    """A finished 2-round cosine run (2 optimizer steps a round) extended to 4 rounds: the resumed segment's first
+    step ran at the old schedule's next rate (0: the decay had ended) and only the second at the new one's. The
+    rates, by hand: warm-up over 2 steps, then cosine to 0 just after the 8th step."""
+    run_dir = tmp_path / "run"
+    sched = ["train.lr_schedule=cosine", "train.warmup_steps=2", "train.minibatches=2"]
+    train(load_config(None, QUICK + sched + ["train.steps=2", f"run_dir={run_dir}"]))
+    train(resume=str(run_dir), overrides=["train.steps=4"])
+    lr, warm, total = load_config(None, TINY).train.lr, 2, 4 * 2
+    f = [(k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm)))
+         for k in range(total)]
+    logged = [x["lr"] for x in records(run_dir, "steps.jsonl") if x["step"] > 2]
+    assert logged == pytest.approx([lr * v for v in f[4:]], rel=1e-12)
+
+
 def test_resumes_that_would_redo_or_skip_recorded_rounds_are_refused(tmp_path, four_rounds, monkeypatch, capsys):
     """Each refusal is one line, and leaves every file of the run byte-identical: a run stopped after round 4 (no
     summary) resumed with train.steps below 4 (it "finished" untrained, its summary naming the base's accuracy); a

@@ -263,6 +263,12 @@ class Learner(ForwardPasses):
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the saved rate is the old schedule's next one; a resume that changes train.steps moves the decay's end, so
+        # the next step's rate is this run's schedule at that step (the lambdas are this run's: closures are not saved)
+        s = self.scheduler
+        for group, base, f in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+            group["lr"] = base * f(s.last_epoch)
+        s._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.version = int(state["policy_version"])
         self.bad_steps = int(state.get("bad_steps", 0))
 
