@@ -119,3 +119,22 @@ def test_training_rollouts_keep_the_training_datas_scorer_beside_a_heldout_file_
     assert (pool.name, source.pool.name) == ("math", "gsm8k")
     assert source.pool.score(["#### 72\nCheck: 48 + 24 = 72"], ["72"]).rewards == [1.0]  # gsm8k: the number after ####
     source.pool.close()
+
+
+def test_a_saved_config_reads_back_as_it_was_with_strings_that_look_like_exponent_floats(tmp_path):
+    """config.yaml is read with exponent floats (``3e-1``); it was written by ``yaml.safe_dump``, which leaves the
+    string ``1e5`` unquoted, so a run_dir or system prompt ``1e5`` came back as 100000.0 and the resume was refused.
+    The reference: the values as set, read back the way a resume reads config.yaml."""
+    from trustbatch.config import dump_config, read_yaml_file
+    from trustbatch.lab.experiment import Experiment
+
+    texts = {"run_dir": "1e5", "data.system_prompt": "2E-3", "model.revision": "+7e10"}
+    cfg = load_config(None, [f"{k}='{v}'" for k, v in texts.items()] + ["task.params={tag: '1e3', scale: 1e3}"])
+    assert (cfg.run_dir, cfg.data.system_prompt, cfg.model.revision) == tuple(texts.values())
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    again = load_config(None, [], base=read_yaml_file(tmp_path / "config.yaml", what="the run's config"))
+    assert again == cfg and again.task.params["tag"] == "1e3" and again.task.params["scale"] == 1000.0
+    # the lab writes an arm's values as override text the same way
+    exp = Experiment(name="x", description="", arms={"a": {"data.system_prompt": "1e5", "train.lr": 1e-3}},
+                     seeds=[0])
+    assert load_config(None, exp.overrides("a", 0)).data.system_prompt == "1e5"

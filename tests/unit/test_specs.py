@@ -41,12 +41,13 @@ def test_the_specs_carry_every_configured_value():
     cfg = load_config(None, ["rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.max_new_tokens=12",
                              "rollout.group_size=3", "rollout.prompts_per_step=5", "train.seed=11",
                              "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2", "rollout.overlong_cache=4",
-                             "objective.advantage=rloo", "objective.std=sample", "rollout.precision=bfloat16",
+                             "objective.std=sample", "rollout.prompt_order=random", "rollout.precision=bfloat16",
                              "threads=3", "reward.workers=0", "reward.timeout_s=2.5", "reward.max_failure_rate=0.25"])
     s = source_spec(cfg)
     assert (s.sampling.temperature, s.sampling.top_p, s.sampling.max_new_tokens, s.sampling.greedy) == (0.7, 0.9, 12, False)
     assert (s.group_size, s.prompts_per_step, s.seed, s.dynamic_sampling, s.max_sampling_rounds, s.overlong_cache,
-            s.advantage, s.std) == (3, 5, 11, True, 2, 4, "rloo", "sample")
+            s.std, s.prompt_order) == (3, 5, 11, True, 2, 4, "sample", "random")
+    assert source_spec(load_config(None, ["objective.advantage=rloo"])).advantage == "rloo"
     e = engine_spec(cfg)
     assert (e.name, e.precision, e.quantization, e.seed, e.threads) == ("transformers", "bfloat16", None, 11, 3)
     assert not s.behaviour_models

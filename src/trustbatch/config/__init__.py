@@ -9,8 +9,8 @@ every name is importable from ``trustbatch.config``.
 from .load import Config, _flatten, config_fields, dump_config, load_config, nearest_key
 from .sections import (DataConfig, EvalConfig, Float, FreeDict, Int, LogConfig, LoraConfig, ModelConfig,
                        ObjectiveConfig, RewardConfig, RewardFunctionConfig, RolloutConfig, TaskConfig, TrainConfig)
-from .yaml_io import read_yaml_file, yaml_loads
+from .yaml_io import read_yaml_file, yaml_dumps, yaml_loads
 
 __all__ = ["Config", "DataConfig", "EvalConfig", "Float", "FreeDict", "Int", "LogConfig", "LoraConfig", "ModelConfig",
            "ObjectiveConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "TaskConfig", "TrainConfig",
-           "_flatten", "config_fields", "dump_config", "load_config", "nearest_key", "read_yaml_file", "yaml_loads"]
+           "_flatten", "config_fields", "dump_config", "load_config", "nearest_key", "read_yaml_file", "yaml_dumps", "yaml_loads"]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from ..errors import UserError
 from .sections import (DataConfig, EvalConfig, Int, LogConfig, ModelConfig, ObjectiveConfig, RewardConfig,
                        RolloutConfig, TaskConfig, TrainConfig, _Strict)
-from .yaml_io import read_yaml_file, yaml_loads
+from .yaml_io import read_yaml_file, yaml_dumps, yaml_loads
 
 
 class Config(_Strict):
@@ -200,4 +200,4 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml_dumps(cfg.model_dump(mode="json"), sort_keys=False)

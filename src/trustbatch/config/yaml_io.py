@@ -19,11 +19,21 @@ class _Loader(yaml.SafeLoader):
     """
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings ``_Loader`` reads as floats (``'1e5'``): a dumped config reads back as it
+    was (a run_dir or system prompt ``1e5`` came back as 100000.0, and its resume was refused)."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
+
+
+def yaml_dumps(data: Any, **kwargs) -> str:
+    """``yaml.safe_dump(data, **kwargs)`` that ``yaml_loads`` reads back equal (see ``_Dumper``)."""
+    return yaml.dump(data, Dumper=_Dumper, **kwargs)
 
 
 class YamlBool(str):

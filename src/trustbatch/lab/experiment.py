@@ -33,9 +33,8 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-import yaml
 
-from ..config import load_config, read_yaml_file
+from ..config import load_config, read_yaml_file, yaml_dumps
 from ..errors import UserError
 
 # Lab II (issue 14): long enough to learn and to collapse, with one optimizer step per rollout round
@@ -110,7 +109,7 @@ class Experiment:
         merged = {**self.arms[arm], "train.seed": seed}
         if self.per_seed_base:
             merged["model.seed"] = seed
-        return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        return [f"{k}={yaml_dumps(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                 for k, v in merged.items()]
 
 

@@ -20,9 +20,7 @@ import os
 import shlex
 from pathlib import Path
 
-import yaml
-
-from ..config import Config, load_config, read_yaml_file
+from ..config import Config, load_config, read_yaml_file, yaml_dumps
 from ..errors import UserError
 from ..records import git_commit, package_version, read_metrics
 from ..seeding import row_seed
@@ -205,7 +203,7 @@ def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, com
     if command:
         lines += ["", "The same evaluation, sampled again from this directory (the same prompts and random streams), "
                   "run beside it and the data files:", "", "```", shlex.join(_no_local_paths(command)), "```"]
-    config = yaml.safe_dump(_no_local_paths(cfg.model_dump(mode="json")), sort_keys=False)
+    config = yaml_dumps(_no_local_paths(cfg.model_dump(mode="json")), sort_keys=False)
     lines += ["", "## Training configuration", "", "```yaml", config.rstrip(), "```", ""]
     return "\n".join(lines)
 
