@@ -240,7 +240,8 @@ class RolloutConfig(_Strict):
     max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
                                 "/ AIME / AMC gets 512 / 1024 / 20480 / 20480, at most half the model's context")
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
-    max_sampling_rounds: Int = Field(4, ge=1, description="rounds of refill for dynamic sampling")
+    max_sampling_rounds: Int = Field(4, ge=1, description="dynamic sampling: sampling calls per batch, the first "
+                                                          "included (N - 1 refills; verl's max_num_gen_batches)")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
     # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
     precision: Literal["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e4m3_rowwise"] = Field(

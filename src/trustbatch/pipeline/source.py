@@ -164,22 +164,22 @@ class SyncSource:
             "contexts": [{**self.contexts[part[x.prompt_index]], GROUP_KEY: x.prompt_index} for x in ro]}
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
                                  [self.references[part[x.prompt_index]] for x in ro], **ctx)
-        if self.check_round is not None:
-            self.check_round(scored, len(ro))
         if self.world.size == 1:
+            if self.check_round is not None:
+                self.check_round(scored, len(ro))
             return ro, scored.rewards, scored.errors, scored.timeouts, scored.components
-        rollouts, rewards, errors, timeouts, components = [], [], 0, 0, {}
-        for start, (r, s, e, t, c) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
-                                          self.world.gather((ro, scored.rewards, scored.errors, scored.timeouts,
-                                                             scored.components))):
+        rollouts, whole = [], None
+        for start, (r, s) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
+                                 self.world.gather((ro, scored))):
             for x in r:
                 x.prompt_index += start
             rollouts += r
-            rewards += s
-            errors, timeouts = errors + e, timeouts + t
-            for label, v in c.items():
-                components[label] = components.get(label, []) + v
-        return rollouts, rewards, errors, timeouts, components
+            whole = s if whole is None else whole + s
+        # judged on the whole round, as in one process, and alike on every rank (one rank's share over the limit
+        # stopped that rank alone, the others waiting in the next collective)
+        if self.check_round is not None:
+            self.check_round(whole, len(rollouts))
+        return rollouts, whole.rewards, whole.errors, whole.timeouts, whole.components
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
         batch = self.make_batch(self.batch_index)
