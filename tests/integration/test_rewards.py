@@ -135,6 +135,22 @@ def test_countdown_at_most_once_and_safety():
     assert cd("", ref) == 0.0
 
 
+def test_countdown_rows_with_negative_numbers():
+    """The data side reads ``-3`` in a row's numbers and solve() writes it; the scorer counted the digits alone, so
+    the -3 of a correct answer (its own demonstration too) was a 3 that is not given: 0. By hand: -3 + 5 + 7 = 9."""
+    from trustbatch.data.benchmarks import to_example
+
+    cd = get("countdown")
+    ex = to_example({"input": "-3,5,7", "output": "9"}, "countdown")
+    assert cd(ex.answer, ex.reference) == 1.0
+    assert cd("<answer>-3 + 5 + 7</answer>", ex.reference) == 1.0
+    assert cd("<answer>5 + 7 - 3</answer>", ex.reference) == 0.0  # 3 is not given, -3 is
+    assert cd("<answer>7 - (-3)</answer>", json.dumps({"numbers": [-3, 5, 7], "target": 10})) == 1.0
+    assert cd("<answer>-3 + -3 + 15</answer>", json.dumps({"numbers": [-3, 15], "target": 9})) == 0.0  # twice
+    # a minus before a given positive number is that number, as before
+    assert cd("<answer>-3 + 12</answer>", json.dumps({"numbers": [3, 12], "target": 9})) == 1.0
+
+
 def test_boxed_extraction():
     assert extract_boxed(r"so $\boxed{\frac{1}{2}}$ and") == r"\frac{1}{2}"
     assert extract_boxed(r"\boxed{1} then \boxed{x^{2}}") == "x^{2}"

@@ -31,6 +31,21 @@ def _eval(node) -> float:
     raise ValueError("only integers, + - * / and parentheses are allowed")
 
 
+def _numbers_used(tree, numbers: Counter) -> Counter:
+    """The given numbers an expression uses: each integer literal, and ``-n`` written as a minus before ``n`` where
+    ``-n`` is a given number not yet used (Countdown rows may hold negative numbers; ``-3 + 5`` uses the -3)."""
+    used: Counter = Counter()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+            v = node.operand.value
+            if isinstance(v, int) and used[-v] < numbers[-v]:
+                used[-v] += 1
+                node.operand.counted = True
+        elif isinstance(node, ast.Constant) and not getattr(node, "counted", False):
+            used[node.value] += 1
+    return used
+
+
 def extract_expression(completion: str) -> str | None:
     """The expression in the last ``<answer>…</answer>`` (else the last non-empty line), without ``= target``."""
     tags = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.S)
@@ -49,11 +64,12 @@ def countdown_reward(completion: str, reference: str, *, require_all: bool = Fal
     expr = extract_expression(completion)
     if expr is None or not _ALLOWED.match(expr) or "." in expr:
         return 0.0
-    used = Counter(int(x) for x in re.findall(r"\d+", expr))
-    if used - numbers or (require_all and used != numbers):
-        return 0.0
     try:
-        value = _eval(ast.parse(expr, mode="eval"))
+        tree = ast.parse(expr, mode="eval")
+        used = _numbers_used(tree, numbers)
+        if used - numbers or (require_all and used != numbers):
+            return 0.0
+        value = _eval(tree)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
         return 0.0
     return 1.0 if abs(value - target) < 1e-6 else 0.0
