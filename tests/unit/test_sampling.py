@@ -64,3 +64,16 @@ def test_a_group_does_not_depend_on_the_rest_of_the_batch(tiny_lm):
         assert max(abs(x - y) for x, y in zip(a.behavior_logprobs, b.behavior_logprobs)) < 1e-5
     other = eng.generate([[2, 5, 7]], 4, sp, seeds=[124])
     assert [r.completion_ids for r in other] != [r.completion_ids for r in alone]  # the seed matters
+
+
+def test_an_integer_or_numpy_temperature_samples_as_its_float(tiny_lm):
+    """transformers' TemperatureLogitsWarper takes a Python float alone: SamplingParams(temperature=2) failed in the
+    engine as "not strictly positive"; the vLLM engine and the config took it."""
+    import numpy as np
+
+    eng = TransformersEngine(tiny_lm, eos_id=1, pad_id=0)
+    want = eng.generate([[2, 5, 7]], 2, SamplingParams(temperature=2.0, top_p=1.0, max_new_tokens=4), seeds=[5])
+    for t, p in ((2, 1), (np.float32(2.0), np.float64(1.0))):
+        got = eng.generate([[2, 5, 7]], 2, SamplingParams(temperature=t, top_p=p, max_new_tokens=4), seeds=[5])
+        assert [(r.completion_ids, r.behavior_logprobs) for r in got] == \
+            [(r.completion_ids, r.behavior_logprobs) for r in want]

@@ -37,6 +37,9 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self):
+        # transformers' warpers take a Python float alone (an int 2 or a numpy float32 was "not strictly positive")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}; "
                              "use greedy=True for argmax decoding")
