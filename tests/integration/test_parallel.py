@@ -56,15 +56,15 @@ def _batch(B=5) -> TrainBatch:
 
 
 def _step(objective: str, world: World | None, micro_batch_size: int):
-    """One optimizer step; returns (gradients before the step, weights after it)."""
+    """One optimizer step; returns (gradients before the step, weights after it, the step's ratio quantiles)."""
     model = _model()
     learner = Learner(model, objective, {}, lr=1e-2, grad_clip=1e9, micro_batch_size=micro_batch_size, world=world)
     grads = sgd_recording_grads(learner, model)
     batch = _batch()
     if world is not None and world.size > 1:
         batch = batch.select(world.shard(len(batch)))
-    learner.step(batch)
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = learner.step(batch)
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, (out["ratio_p50"], out["ratio_p99"])
 
 
 def _ddp_steps(world: World, out_dir: Path) -> dict:
@@ -88,12 +88,13 @@ def test_the_ranks_hold_unequal_token_counts():
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_two_gloo_ranks_equal_one_process_on_the_whole_batch(two_ranks, objective):
-    want_grads, want_weights = _step(objective, None, micro_batch_size=64)
+    want_grads, want_weights, want_q = _step(objective, None, micro_batch_size=64)
     for rank in range(2):
-        grads, weights = two_ranks[rank][objective]
+        grads, weights, q = two_ranks[rank][objective]
         for n in want_grads:
             _close(grads[n], want_grads[n], f"{objective} grad {n} rank {rank}")
             _close(weights[n], want_weights[n], f"{objective} weight {n} rank {rank}")
+        assert q == pytest.approx(want_q, rel=1e-6)  # the quantiles of every rank's tokens, not a mean of shares
     # the gradient is not trivially equal: a 1/world-size slip would show
     assert max(g.abs().max() for g in want_grads.values()) > 1e-3
 
@@ -101,8 +102,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_whole_batch(two_ranks, objectiv
 @pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("mbs", [1, 2, 3])
 def test_micro_batches_give_the_one_micro_batch_gradient(objective, mbs):
-    want, _ = _step(objective, None, micro_batch_size=64)
-    got, _ = _step(objective, None, micro_batch_size=mbs)
+    want, _, _ = _step(objective, None, micro_batch_size=64)
+    got, _, _ = _step(objective, None, micro_batch_size=mbs)
     for n in want:
         _close(got[n], want[n], f"{objective} mbs={mbs} {n}")
 

@@ -18,7 +18,7 @@ this package imports torch and nothing else heavy (torch.distributed only when a
 from __future__ import annotations
 
 from ._common import (AGGREGATIONS, DEFAULT_LOG_RATIO_CLIP, ESS_SCOPES, ObjectiveOutput, aggregate,
-                      deferred_grad_refusals, with_budget_constant)
+                      deferred_grad_refusals, quantiles, with_budget_constant)
 from .clipped import cispo, dapo, decoupled_ppo, grpo, gspo, ppo_clip_per_token, reinforce  # registers them
 from .corrections import CORRECTIONS, correction_weights
 from .kl import FULL_KL_ESTIMATORS, KL_ESTIMATORS, exact_kl, kl_estimate, top_k_kl_lower_bound
@@ -32,6 +32,6 @@ __all__ = [
     "AGGREGATIONS", "CAP_RTOL", "CORRECTIONS", "DEFAULT_LOG_RATIO_CLIP", "ESS_SCOPES", "FULL_KL_ESTIMATORS", "KL_ESTIMATORS", "MAX",
     "LEARNER_SUPPLIED", "SUM", "TENSOR_INPUTS", "TOKEN_MEAN", "TRAINER_SUPPLIED", "MetricReducer", "Objective", "ObjectiveOutput",
     "ObjectiveSpec", "Opt", "RatioOf", "RatioStats", "aggregate", "cispo", "correction_weights", "dapo", "decoupled_ppo", "deferred_grad_refusals", "exact_kl", "get", "grpo", "gspo", "kl_estimate",
-    "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "register", "reinforce", "spec", "top_k_kl_lower_bound",
+    "names", "p3o", "p3o_two_anchor", "ppo_clip_per_token", "quantiles", "register", "reinforce", "spec", "top_k_kl_lower_bound",
     "validate_options", "with_budget_constant",
 ]

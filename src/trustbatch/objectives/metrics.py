@@ -8,7 +8,8 @@ optimizer step's value is one of four reductions, which the objective declares a
   token count the caller passes as ``num_tokens``) or a count: the step's value is the sum.
 - ``TOKEN_MEAN``: a mean over the call's valid tokens: the step's value is the token-weighted mean,
   Σ_i n_i·v_i / Σ_i n_i over calls i with n_i valid tokens (exactly the mean over all tokens for a
-  token mean; for a per-call statistic such as a quantile, its token-weighted average).
+  token mean; for a per-call statistic such as a quantile, its token-weighted average: the trainer's ``Learner``
+  logs ``ratio_p50``/``ratio_p99`` over the whole step's tokens instead).
 - ``MAX``: the largest value of any call.
 - ``RatioOf(num, den)``: a ratio of sums, num / den with both parts TOKEN_MEAN metrics of the same call
   (Σ x / n and Σ y / n), so that the step's value is Σ x / Σ y over every call (0 when Σ y = 0); the

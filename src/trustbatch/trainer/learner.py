@@ -368,8 +368,7 @@ class Learner(ForwardPasses):
             if isinstance(out, str):
                 failure = out
                 continue
-            if record_ratios:
-                step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
+            step_log_ratios.append((logp.detach() - mb.behavior_logprobs)[m].float().cpu())
             if pool_ess:
                 step_stats = step_stats + self._ratio_stats(logp, mb.behavior_logprobs, m)
             w = float(m.sum())
@@ -385,6 +384,7 @@ class Learner(ForwardPasses):
             return self._skip(failure or f"gradient norm {grad_norm}")
         lr = self._update()
         out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
+        out.update(self._ratio_quantiles(step_log_ratios) if "ratio_p50" in out else {})  # collective: every rank
         if pool_ess:  # every rank: a sum over ranks
             ess = self._sum_stats({"ess": step_stats})["ess"].ess()[0]
             if "ess" in out:
@@ -403,6 +403,20 @@ class Learner(ForwardPasses):
         for fn in self.on_step:
             fn(self.version, self.model)
         return lr
+
+    def _ratio_quantiles(self, step_log_ratios: list[torch.Tensor]) -> dict[str, float]:
+        """``ratio_p50`` and ``ratio_p99`` of the whole step: the quantiles (``objectives.quantiles``) of
+        ρ = exp(clamp(log π_θ − log π_b, ±log_ratio_clip)), the ratio the objectives take them of, over the response
+        tokens of every micro-batch and rank. Each objective call's own quantiles, averaged over the calls, moved with
+        ``micro_batch_size`` and ran low in the tail (p99 1.98 at 3 rows a micro-batch against 2.52 over the step).
+        Collective: every rank calls it."""
+        mine = torch.cat(step_log_ratios) if step_log_ratios else torch.zeros(0)
+        flat = torch.cat(self.world.gather(mine)) if self.world.size > 1 else mine
+        if flat.numel() == 0:
+            return {}
+        bound = float(self.options.get("log_ratio_clip", objectives.DEFAULT_LOG_RATIO_CLIP))
+        q = objectives.quantiles(flat.clamp(-bound, bound).exp(), (0.5, 0.99))
+        return {"ratio_p50": float(q[0]), "ratio_p99": float(q[1])}
 
     def _report_ratios(self, step_log_ratios: list[torch.Tensor]) -> None:
         """Hand this step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]) to the
