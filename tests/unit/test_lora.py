@@ -239,3 +239,31 @@ def test_the_reference_is_the_base_with_the_adapters_disabled_and_no_copy(tiny_p
     assert any(not torch.equal(p, lora[n]) for n, p in policy.model.named_parameters() if n in lora)
     full = Learner(base, "grpo", {"ref_kl_coef": 0.04})  # the contrast: full fine-tuning copies the initial policy
     assert not {p.data_ptr() for p in full.reference.parameters()} & {p.data_ptr() for p in base.parameters()}
+
+
+def test_with_lora_dropout_the_batch_ess_is_the_policys_whatever_the_micro_batches(tiny_policy):
+    """A training forward with dropout is a random sample of the policy. With several micro-batches P3O's batch ESS
+    came from the no-grad pass (the policy, as the engine samples it); with one, from the dropout sample: the logged
+    ESS, and the cap and KL weight with it, moved with micro_batch_size. The reference: Eq. 11 over the batch's
+    tokens from the policy in eval mode."""
+    from trustbatch.trainer import Learner
+
+    from llama_rows import learner_batch
+
+    policy, base_dir = tiny_policy
+    apply_lora(policy, r=4, alpha=8.0, dropout=0.5, target_modules="all-linear", base=str(base_dir))
+    _perturb_b(policy.model, scale=0.3)
+    batch = learner_batch(policy.tokenizer)
+    p, m, C = batch.packed, batch.packed.response_mask, batch.packed.response_mask.shape[1]
+    policy.model.eval()
+    with torch.no_grad():
+        logits = policy.model(input_ids=p.input_ids, attention_mask=p.attention_mask,
+                              position_ids=p.position_ids).logits[:, -C - 1:-1]
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, p.input_ids[:, -C:, None]).squeeze(-1)
+    rho = (logp - batch.behavior_logprobs.double())[m].exp()
+    want = float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum()))
+    assert want < 0.95
+    for micro in (len(batch), 2):
+        torch.manual_seed(0)
+        learner = Learner(policy.model, "p3o", micro_batch_size=micro, lr=0.0)
+        assert learner.step(copy.deepcopy(batch))["ess"] == pytest.approx(want, rel=1e-5), micro

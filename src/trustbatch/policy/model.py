@@ -300,6 +300,14 @@ def build_small_llama(vocab_size: int, *, hidden: int, layers: int, heads: int, 
     return LlamaForCausalLM(cfg)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s training forward is random: a dropout module with p > 0 (LoRA's ``lora_dropout``, GPT-2's
+    residual dropout) or an attention dropout rate in its config (Llama and Qwen2 apply it functionally)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    return float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in backward: transformers' own checkpointing, non-reentrant.
 

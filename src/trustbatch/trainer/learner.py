@@ -63,7 +63,7 @@ from ..pipeline.batch import TrainBatch
 from ..policy.budget import logit_tokens, vocab_size
 from ..policy.compile import compile_blocks
 from ..policy.forward import TopK, response_logprobs, teacher_forced, trimmed
-from ..policy.model import enable_activation_checkpointing
+from ..policy.model import enable_activation_checkpointing, has_dropout
 from ..policy.packed import packed_response_logprobs, packed_teacher_forced
 from ..policy.shared_prompt import grouped_response_logprobs
 from ..parallel import World, full_optimizer_state, is_sharded, load_full_optimizer_state
@@ -195,6 +195,9 @@ class Learner(ForwardPasses):
         # the exact KL is computed in the LM head's chunks; π_mix's weights need the batch ESS before it
         self.kl_in_head = self.full and self.spec.takes_kl_exact
         self.kl_needs_ess = self.kl_in_head and self.spec.needs_proximal
+        # a training forward with dropout is a random sample of the policy: the batch ESS is then always the no-grad
+        # pass's, as with several micro-batches (one micro-batch took its own, moving with micro_batch_size)
+        self.stochastic = has_dropout(model)
         self.diagnostics = diagnostics
         self.reductions = merged(self.spec.metrics, _LEARNER_METRICS, GRPO_ZEROED_METRICS if diagnostics else {})
         if logprob_chunk_size == "auto":
@@ -439,7 +442,8 @@ class Learner(ForwardPasses):
         chunks = self._chunks(len(batch))
         plan = _StepPlan(n_tokens, n_seqs, chunks, int(world.max([len(chunks)])[0]))
         if self.spec.batch_stats:
-            if self.ess_scope == "batch" and (plan.n_chunks > 1 or world.size > 1 or self.kl_needs_ess):
+            if self.ess_scope == "batch" and (plan.n_chunks > 1 or world.size > 1 or self.kl_needs_ess
+                                              or self.stochastic):
                 plan.shared.update(self.batch_stats(batch, self.spec.batch_stats))
             elif self.ess_scope == "micro_batch" and world.size > 1:
                 plan.per_micro_batch_stats = True
