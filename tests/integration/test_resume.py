@@ -9,9 +9,11 @@ first checkpoint, a corrupt newest checkpoint and leftover temporary checkpoint 
 import json
 import math
 import os
+import shutil
 import signal
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -203,6 +205,30 @@ def test_a_resume_that_raises_train_steps_steps_at_the_new_schedules_rates_from_
          for k in range(total)]
     logged = [x["lr"] for x in records(run_dir, "steps.jsonl") if x["step"] > 2]
     assert logged == pytest.approx([lr * v for v in f[4:]], rel=1e-12)
+
+
+def test_an_older_runs_config_resumes_and_exports_as_it_trained(tmp_path, four_rounds):
+    """config.yaml of a run made before keys and refusals were added: no rollout.prompt_order (it drew at random),
+    objective.std=sample under advantage=rloo, data.heldout_size without data.train, rollout.quantization on the
+    transformers engine (each read by nothing then). Resume and export read it as it trained; they refused it, and
+    the export card named the new default prompt order."""
+    from trustbatch.recipes.export import export_run
+    from trustbatch.recipes.train import resolved_config
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(four_rounds, run_dir)
+    text = (run_dir / "config.yaml").read_text()
+    for old, new in (("  prompt_order: epochs\n", ""), ("  advantage: zscore\n", "  advantage: rloo\n"),
+                     ("  std: population\n", "  std: sample\n"), ("  heldout_size: 256\n", "  heldout_size: 16\n"),
+                     ("  quantization: null\n", "  quantization: fp8_per_channel\n")):
+        assert old in text, old
+        text = text.replace(old, new)
+    (run_dir / "config.yaml").write_text(text)
+    cfg = resolved_config(resume=str(run_dir), overrides=["train.steps=5"])
+    assert (cfg.rollout.prompt_order, cfg.objective.advantage, cfg.objective.std) == ("random", "rloo", "population")
+    assert (cfg.data.heldout_size, cfg.rollout.quantization) == (256, None)
+    card = (Path(export_run(run_dir, tmp_path / "export")["out"]) / "README.md").read_text()
+    assert "prompt_order: random" in card and "std: population" in card
 
 
 def test_resumes_that_would_redo_or_skip_recorded_rounds_are_refused(tmp_path, four_rounds, monkeypatch, capsys):

@@ -122,3 +122,15 @@ def test_a_missing_model_is_named_by_evals_own_option(tmp_path):
     with pytest.raises(UserError) as e:
         evaluate(tmp_path / "no-model", [str(data)], n=2, ks=[1])
     assert "does not exist" in str(e.value) and "(--model=DIR)" in str(e.value) and "model.path" not in str(e.value)
+
+
+def test_a_plain_answer_reward_on_json_answers_is_refused_as_in_training(shared_dir, tmp_path):
+    """``--reward gsm8k`` on Countdown scored the last number of each JSON reference (training refuses it); now one
+    line before the model loads (no model at that path)."""
+    with pytest.raises(UserError, match="^reward 'gsm8k' reads a plain answer, but this data's answers are JSON, "
+                                        "scored by 'countdown'; drop it to use 'countdown'$"):
+        evaluate(tmp_path / "no-model", ["countdown"], n=1, ks=[1], limit=2, data_dir=str(shared_dir / "data"),
+                 reward="gsm8k", workers=0)
+    with pytest.raises(UserError, match="no-model"):  # a plain-answer benchmark takes it; the model is next
+        evaluate(tmp_path / "no-model", ["gsm8k"], n=1, ks=[1], limit=2, data_dir=str(shared_dir / "data"),
+                 reward="math", workers=0)

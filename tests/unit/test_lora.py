@@ -107,6 +107,21 @@ def test_an_output_layer_tied_to_the_embedding_is_refused(shared_dir):
     apply_lora(load_policy(path), r=4, alpha=8, dropout=0.0, target_modules="all-linear", base=str(path))
 
 
+def test_an_untied_output_layer_is_refused_it_would_take_the_full_head_path(tiny_policy):
+    """LoRA on an untied lm_head made it a peft layer, which the chunked LM head does not take: the learner silently
+    built every [B, C, V] logit (the reviewer's: 520 positions, 301 MiB where the budget is 441 and 256 MiB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    policy, base = tiny_policy
+    untied = LlamaForCausalLM(LlamaConfig(vocab_size=len(policy.tokenizer), hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2, tie_word_embeddings=False))
+    untied_policy = Policy(untied, policy.tokenizer, policy.eos_id, policy.pad_id)
+    with pytest.raises(UserError, match=r"adapts the output layer lm_head, which the learner's chunked LM head"):
+        apply_lora(untied_policy, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "lm_head"], base=str(base))
+    apply_lora(Policy(LlamaForCausalLM(untied.config), policy.tokenizer, policy.eos_id, policy.pad_id), r=4, alpha=8,
+               dropout=0.0, target_modules="all-linear", base=str(base))  # all-linear leaves the output layer out
+
+
 def _lora_run(extra=()):
     cfg = load_config(None, TINY + LORA + list(extra))
     task, policy, pool, _ = prepare_run(cfg)

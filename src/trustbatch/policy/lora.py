@@ -75,12 +75,14 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     Raises:
         UserError: the policy already has adapters; ``target_modules`` matches no module of the model, or
             matches an embedding (only linear layers: a tied embedding would also be the output layer), or a layer
-            whose weight is tied to another's (the output layer of a model with tie_word_embeddings).
+            whose weight is tied to another's (the output layer of a model with tie_word_embeddings), or the output
+            layer (the chunked LM head takes a plain ``Linear``).
     """
     import peft
 
     if policy.adapter is not None or has_lora(policy.model):
         raise UserError("the policy already has LoRA adapters; apply model.lora once")
+    head = policy.model.get_output_embeddings()
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                              target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -93,24 +95,35 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
             raise UserError(f"model.lora.target_modules={target_modules!r} does not fit the model "
                             f"({str(e).splitlines()[0][:200]}); name its linear layers (e.g. [q_proj, v_proj]) "
                             "or use all-linear") from None
-    embeddings = [n for n, m in _lora_layers(policy.model).items() if isinstance(m.get_base_layer(), torch.nn.Embedding)]
+    _refuse_unsupported_targets(policy.model, target_modules, head)
+    # set afterwards: get_peft_model overwrites it with the module's own name_or_path (None when built here)
+    wrapped.peft_config["default"].base_model_name_or_path = str(base)
+    policy.adapter = wrapped
+
+
+def _refuse_unsupported_targets(model: torch.nn.Module, target_modules, head: torch.nn.Module) -> None:
+    """Refuse adapters on an embedding, on a layer whose weight is tied to another's, or on the output layer
+    ``head`` (``apply_lora``'s errors)."""
+    embeddings = [n for n, m in _lora_layers(model).items() if isinstance(m.get_base_layer(), torch.nn.Embedding)]
     if embeddings:
         raise UserError(f"model.lora.target_modules={target_modules!r} adapts the embedding {embeddings[0]}; "
                         "LoRA here adapts linear layers only: name those (e.g. [q_proj, v_proj]) or use all-linear")
     # a layer whose weight is another module's too (an output layer tied to the input embedding): its merged weight
     # would replace both, so a merged copy (rollout engines, export) would embed its inputs with W + ΔW
     names_of: dict[int, list[str]] = {}
-    for n, param in policy.model.named_parameters(remove_duplicate=False):
+    for n, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(n)
-    shared = {n: names_of[id(m.get_base_layer().weight)] for n, m in _lora_layers(policy.model).items()}
+    shared = {n: names_of[id(m.get_base_layer().weight)] for n, m in _lora_layers(model).items()}
     tied = [(n, names) for n, names in shared.items() if len(names) > 1]
     if tied:
         raise UserError(f"model.lora.target_modules={target_modules!r} adapts {tied[0][0]}, whose weight is also "
                         f"{tied[0][1][0]} (tie_word_embeddings); adapt other layers (all-linear leaves it out) or "
                         "untie the model")
-    # set afterwards: get_peft_model overwrites it with the module's own name_or_path (None when built here)
-    wrapped.peft_config["default"].base_model_name_or_path = str(base)
-    policy.adapter = wrapped
+    adapted_head = next((n for n, m in _lora_layers(model).items() if m.get_base_layer() is head), None)
+    if adapted_head is not None:  # the learner's chunked head multiplies by a plain Linear's weight
+        raise UserError(f"model.lora.target_modules={target_modules!r} adapts the output layer {adapted_head}, which "
+                        "the learner's chunked LM head cannot run (every [B, C, V] logit would be built at once); "
+                        "adapt other layers (all-linear leaves it out)")
 
 
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from .budget import logit_tokens, vocab_size
 from .forward import pack, response_logprobs
 from .model import Policy
 
@@ -24,7 +25,8 @@ def sft(
     """Train ``policy`` in place on (prompt, completion) pairs for ``steps`` AdamW steps.
 
     The loss is the token-mean negative log-likelihood of completion tokens (EOS included), with a
-    linear warm-up over the first 10% of steps and cosine decay. Returns the last loss.
+    linear warm-up over the first 10% of steps and cosine decay. The LM head runs in chunks of the learner's
+    budget (``budget.logit_tokens``: 256 MiB of float32 logits). Returns the last loss.
     Raises ValueError on an empty ``demos`` list.
     """
     if not demos:
@@ -33,6 +35,8 @@ def sft(
     torch.manual_seed(seed)
     enc = [(policy.encode_prompt(p), policy.encode_completion(c)) for p, c in demos]
     model = policy.model
+    # the learner's LM-head budget: no [batch, C + 1, V] logits past it (the full path below it, as before)
+    chunk = logit_tokens(vocab_size(model))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warm = max(1, steps // 10)
@@ -43,7 +47,7 @@ def sft(
     for step in range(steps):
         batch = [enc[rng.randrange(len(enc))] for _ in range(batch_size)]
         packed = pack([b[0] for b in batch], [b[1] for b in batch], policy.pad_id)
-        logp, _ = response_logprobs(model, packed)
+        logp, _ = response_logprobs(model, packed, chunk_size=chunk)
         m = packed.response_mask
         loss = -(logp * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)

@@ -74,7 +74,7 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     # held-out evaluation scores a held-out file by its own scorer (trustbatch eval -b FILE does too)
     data_scorer = (getattr(task, "heldout_reward", None) if heldout else None) or task.reward
     name = terms if terms and not heldout else rw.name or data_scorer
-    _check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
+    check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
 
 
@@ -83,8 +83,10 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
 _PLAIN_ANSWER_SCORERS = ("gsm8k", "math")
 
 
-def _check_answer_scorers(names: list[str | None], data_scorer: str) -> None:
-    """Refuse a plain-answer scorer (``gsm8k``, ``math``) among ``names`` on data whose references are JSON.
+def check_answer_scorers(names: list[str | None], data_scorer: str,
+                         other: str | None = "train on data with plain answers (data.train=FILE)") -> None:
+    """Refuse a plain-answer scorer (``gsm8k``, ``math``) among ``names`` on data whose references are JSON
+    (reasoning-gym tasks, Countdown): it would score the last number of the JSON. ``other``: a second fix, or None.
 
     Raises:
         UserError: one such name, with the data's own scorer.
@@ -94,8 +96,7 @@ def _check_answer_scorers(names: list[str | None], data_scorer: str) -> None:
     wrong = next((n for n in names if n in _PLAIN_ANSWER_SCORERS), None)
     if wrong is not None:
         raise UserError(f"reward {wrong!r} reads a plain answer, but this data's answers are JSON, scored by "
-                        f"{data_scorer!r}; drop it to use {data_scorer!r}, or train on data with plain answers "
-                        "(data.train=FILE)")
+                        f"{data_scorer!r}; drop it to use {data_scorer!r}" + (f", or {other}" if other else ""))
 
 
 def preflight(cfg: Config) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import UserError
+from .build import check_answer_scorers
 
 
 def parse_ks(k: str, n: int) -> list[int]:
@@ -87,6 +88,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     dev = _checked_device(n, ks, temperature, max_new_tokens or 1, limit, timeout, workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
+    for b in benches if reward is not None else []:
+        check_answer_scorers([reward], b.reward, other=None)
     policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)

@@ -27,7 +27,7 @@ from ..seeding import row_seed
 from ..trainer.checkpoint import BEST, checkpoints, step_of
 from .hooks import EVAL_STREAM
 from .outputs import output_folder, staged_folder
-from .rundir import start_directory
+from .rundir import as_read_now, start_directory
 
 HELDOUT_KEYS = ("heldout_accuracy", "heldout_accuracy_se", "heldout_greedy_accuracy")
 
@@ -80,7 +80,7 @@ def _checked_run(run: Path, step: int | str | None) -> tuple[Path, Config, Path]
                         "trustbatch train run")
     try:
         saved = read_yaml_file(run / "config.yaml", what="the run's config")
-        cfg = load_config(None, None, base=saved if isinstance(saved, dict) else {})
+        cfg = load_config(None, None, base=as_read_now(saved) if isinstance(saved, dict) else {})
     except UserError as e:
         raise UserError(f"cannot export {str(run)!r}: {e}") from None
     found = checkpoints(run)

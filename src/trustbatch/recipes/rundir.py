@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, DataConfig
 from ..errors import UserError
 from ..records import git_commit, package_version
 from ..trainer.runlog import MetricsLog
@@ -97,6 +97,33 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def as_read_now(saved: dict) -> dict:
+    """A run's saved config (``config.yaml``, as a dict) as this version reads it, in place: a key added since the
+    run started gets the value that reproduces what that run computed, and a value this version refuses because
+    nothing reads it (it did nothing then either) goes back to its default, so an older run still resumes and
+    exports (``train._resolve_run``, ``export``).
+
+    - ``task.heldout_reserve`` 0: the base's SFT skipped the held-out prompts alone.
+    - ``rollout.prompt_order`` random: prompts were drawn at random with replacement.
+    - ``objective.std`` population under ``advantage`` mean or rloo (no σ); ``data.*`` size and format keys without
+      ``data.train`` (the task's own ran); ``rollout.quantization`` on the transformers engine (vLLM's alone).
+    """
+    task, ro, obj, data = (saved.get(k) if isinstance(saved.get(k), dict) else {} for k in
+                           ("task", "rollout", "objective", "data"))
+    if task:
+        task.setdefault("heldout_reserve", 0)
+    if ro:
+        ro.setdefault("prompt_order", "random")
+        if ro.get("engine", "transformers") == "transformers":
+            ro["quantization"] = None
+    if obj.get("advantage") in ("mean", "rloo"):
+        obj["std"] = "population"
+    if data and not data.get("train"):
+        for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field"):
+            data[k] = DataConfig.model_fields[k].default
+    return saved
 
 
 def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -> list[str]:

@@ -34,8 +34,8 @@ from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, p
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
-from .rundir import (RunLock, check_resume_changes, check_resume_paths, open_metrics_log, record_segment,
-                     run_dir_write_error, set_aside)
+from .rundir import (RunLock, as_read_now, check_resume_changes, check_resume_paths, open_metrics_log,
+                     record_segment, run_dir_write_error, set_aside)
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
@@ -65,10 +65,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         if not isinstance(saved, dict):
             raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
         check_resume_paths(saved, run_dir)
-        if isinstance(saved.get("task"), dict):  # from before the reserve: its base skipped the held-out prompts alone
-            saved["task"].setdefault("heldout_reserve", 0)
-        if isinstance(saved.get("rollout"), dict):  # from before rollout.prompt_order: its prompts were drawn at random
-            saved["rollout"].setdefault("prompt_order", "random")
+        as_read_now(saved)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
         if any(o.partition("=")[0].strip() == "run_dir" for o in overrides or []) and \
                 Path(cfg.run_dir or "").resolve() != run_dir.resolve():
