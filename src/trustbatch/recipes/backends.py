@@ -107,12 +107,14 @@ def _learner_kwargs(cfg: Config, version: int) -> dict:
 def local_learner(inp: Inputs) -> Learner:
     """The learner in this process (data parallel over ``inp.world`` with DDP or FSDP2)."""
     cfg, tr = inp.cfg, inp.cfg.train
-    # FSDP2's own mixed precision (bf16 compute weights, float32 shards and reductions) beside the autocast
-    param_dtype = torch.bfloat16 if tr.strategy == "fsdp2" and tr.precision == "bf16-mixed" else None
     # the reference KL's model; under LoRA by default the peft model, whose base the learner runs with adapters off
     reference = inp.reference if inp.reference is not None else inp.policy.adapter
     return Learner(inp.policy.model, cfg.objective.name, learner_options(cfg), world=inp.world,
-                   strategy=tr.strategy, param_dtype=param_dtype, reference=reference,
+                   # bf16-mixed is the learner's autocast under FSDP2 too, never FSDP2's MixedPrecisionPolicy(param_dtype=
+                   # bf16): that casts the weights and the activations between blocks to bf16, which the rollout and
+                   # evaluation engines (whole float32 copies under the same autocast) do not, so on-policy rounds
+                   # were off-policy (P3O's cap bound on 61 % of round 1's tokens; test_fsdp2_end_to_end.py)
+                   strategy=tr.strategy, reference=reference,
                    **_learner_kwargs(cfg, inp.version))
 
 
