@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from ..config import dump_config, load_config
+from ..recipes.defaults import with_answer_budget
 from ..errors import UserError
 from ..processes import die_with_parent
 from ..records import atomic_write
@@ -38,7 +39,8 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
     if run_dir.exists():
         shutil.rmtree(run_dir)  # started but never checkpointed: start over
     run_dir.mkdir(parents=True)
-    cfg = load_config(None, exp.overrides(arm, seed) + [f"run_dir={run_dir}"])
+    # the defaults that follow the data first: the written file sets every key, rollout.max_new_tokens included
+    cfg = with_answer_budget(load_config(None, exp.overrides(arm, seed) + [f"run_dir={run_dir}"]))[0]
     (run_dir.parent / f"seed{seed}.yaml").write_text(dump_config(cfg))
     return base + ["--config", str(run_dir.parent / f"seed{seed}.yaml")]
 
