@@ -362,7 +362,8 @@ class TrainConfig(_Strict):
     """The learner: optimizer, batching, replay, precision and data parallelism."""
 
     steps: Int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
-    lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
+    # float32's largest value: AdamW's step in float32 weights overflowed past it (a traceback in round 1)
+    lr: Float = Field(3e-4, gt=0, lt=3.4e38, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after the warm-up: constant, or a linear or cosine decay to 0 at the last optimizer "
