@@ -265,3 +265,13 @@ def test_a_full_disk_is_told_before_the_torn_checkpoint_is_removed(tmp_path, mon
         ckpt_mod.save_checkpoint(tmp_path, 1, _OneFilePolicy(), {})
     assert e.value.errno == errno.ENOSPC and "unexpected pos" in str(e.value)
     assert not list(root.iterdir())  # and nothing half-written is left
+
+
+def test_the_checkpoint_just_written_survives_rotation_beside_a_later_rounds_folder(tmp_path):
+    """A resume that fell back past a corrupt newest checkpoint (step 4) writes round 3's: with checkpoint_keep=1 the
+    rotation kept the newest by name, step 4, and deleted the checkpoint it had just written."""
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)  # the corrupt one, left on disk
+    ckpt_mod.save_checkpoint(tmp_path, 2, _OneFilePolicy(), {}, keep=1)
+    written = ckpt_mod.save_checkpoint(tmp_path, 3, _OneFilePolicy(), {}, keep=1)
+    assert written.is_dir() and (written / "trainer_state.pt").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000004"]

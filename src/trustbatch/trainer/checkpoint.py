@@ -96,8 +96,10 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     best = None if best_of is None else best_checkpoint(run_dir, best_of)
     if best_of is not None:
         _name_best(root, best)
+    # the one just written stays too: a later round's folder on disk (left by a resume that fell back past a corrupt
+    # newest checkpoint) would otherwise push it out of the ``keep`` newest
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-        if old != best:
+        if old not in (best, final):
             shutil.rmtree(old, ignore_errors=True)
     return final
 
