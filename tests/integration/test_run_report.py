@@ -155,6 +155,27 @@ def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(two_runs, tmp_path
     assert afile.read_text() == "not a folder"
 
 
+def test_a_report_that_cannot_be_written_whole_keeps_the_earlier_one_and_is_one_line(two_runs, tmp_path):
+    """The figure was saved straight into OUT/runs.png: a disk that filled mid-write (here a 64 KiB file-size limit)
+    left half a PNG beside the earlier report's page, and a traceback."""
+    import resource
+
+    from runproc import one_line
+
+    out = tmp_path / "report"
+    write_comparison(two_runs, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before["runs.png"]) > 64 << 10
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    p = subprocess.run([sys.executable, "-m", "trustbatch", "report", *map(str, two_runs), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    assert p.returncode == 2 and "cannot write the report" in one_line(p.stderr), p.stderr[-2000:]
+    assert {q.name: q.read_bytes() for q in out.iterdir()} == before  # no temporary file left either
+
+
 def test_a_readme_of_the_users_is_never_replaced_and_an_earlier_report_is(two_runs, tmp_path):
     """``report --out .`` in a project root replaced its README.md with the comparison, silently."""
     mine = tmp_path / "project"

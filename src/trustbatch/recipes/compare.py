@@ -8,6 +8,7 @@ column is drawn for the metrics that some run logged.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -156,8 +157,10 @@ def plot_runs(runs: list[Run], path: Path) -> list[str]:
     fig.legend(handles, names, loc="lower center", ncol=min(len(runs), 4), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 if rows > 1 else 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()  # rendered whole, then renamed in: a failed write leaves the old figure, never half a PNG
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    atomic_write(path, buf.getvalue())
     return [k for k, _ in panels]
 
 
@@ -232,7 +235,8 @@ def write_comparison(run_dirs: list[str | Path], out: str | Path) -> Path:
     Raises:
         UserError: no run directory, one given twice, or one without ``metrics.jsonl`` / ``config.yaml``; the
             runs logged none of the plotted metrics; ``out`` is a file, lies inside one, or cannot be created or
-            written (``outputs.output_folder``); ``out`` holds a README.md that is not an earlier report's.
+            written (``outputs.output_folder``), or a write there fails (a full disk: the earlier report's files are
+            kept whole); ``out`` holds a README.md that is not an earlier report's.
     """
     if not run_dirs:
         raise UserError("give at least one run directory: trustbatch report RUN_DIR [RUN_DIR ...] --out DIR")
@@ -244,6 +248,10 @@ def write_comparison(run_dirs: list[str | Path], out: str | Path) -> Path:
     if page.exists() and not page.read_text(encoding="utf-8", errors="replace").startswith(PAGE_TITLE):
         raise UserError(f"--out {str(out)!r} holds a README.md that is no run comparison; give a new or empty "
                         "directory, or a previous report's")
-    plot_runs(runs, out / FIGURE)
-    atomic_write(page, report_markdown(runs))
+    try:
+        plot_runs(runs, out / FIGURE)
+        atomic_write(page, report_markdown(runs))
+    except OSError as e:
+        raise UserError(f"cannot write the report into {str(out)!r} ({e.strerror or e}); free space there or give "
+                        "another --out") from None
     return page
