@@ -41,7 +41,7 @@ def _command(exp: Experiment, arm: str, seed: int, run_dir: Path) -> list[str] |
     run_dir.mkdir(parents=True)
     # the defaults that follow the data first: the written file sets every key, rollout.max_new_tokens included
     cfg = with_answer_budget(load_config(None, exp.overrides(arm, seed) + [f"run_dir={run_dir}"]))[0]
-    (run_dir.parent / f"seed{seed}.yaml").write_text(dump_config(cfg))
+    atomic_write(run_dir.parent / f"seed{seed}.yaml", dump_config(cfg))
     return base + ["--config", str(run_dir.parent / f"seed{seed}.yaml")]
 
 
