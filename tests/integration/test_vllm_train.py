@@ -45,6 +45,27 @@ def test_async_rollout_worker_samples_with_vllm(tmp_path, monkeypatch):
     assert recs[-1]["worker_restarts"] == 0
 
 
+def test_async_vllm_workers_sample_streams_of_their_own(tmp_path, monkeypatch):
+    """Every worker's vLLM engine had the run's seed, and vLLM samples from its engine's stream alone: at k=1 with
+    one prompt, batch 1 (worker 1's first, from the same weights as batch 0) was a copy of batch 0, row for row
+    (the reviewer's: 8 of 8; with one worker, or the transformers engine: 0). Two draws of G=8 six-token
+    completions from the same policy agree row for row by chance with probability far below 1e-6."""
+    from trustbatch.trainer.learner import Learner
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    seen, original = [], Learner.train_on
+    monkeypatch.setattr(Learner, "train_on", lambda self, batch, **kw: seen.append(batch) or original(self, batch, **kw))
+    train(load_config(None, VLLM_TINY + [
+        "task.train_size=1", "rollout.prompts_per_step=1", "rollout.group_size=8", "rollout.max_new_tokens=6",
+        "train.steps=2", "eval.every=100", f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm", "rollout.mode=async",
+        "rollout.max_staleness=1", "rollout.workers=2"]))
+    b0, b1 = seen[:2]
+    assert b0.policy_version.tolist() == b1.policy_version.tolist() == [0] * 8  # both from the first weights
+    rows = [[tuple(ids[m].tolist()) for ids, m in zip(b.packed.input_ids[:, -b.packed.response_mask.shape[1]:],
+                                                      b.packed.response_mask)] for b in (b0, b1)]
+    assert rows[0] != rows[1]
+
+
 def _first_batch_spy(monkeypatch) -> list:
     """Patch ``Learner.train_on`` to keep, at round 1, a copy of the policy before its first update (the weights
     that sampled the batch) and the batch the learner received; returns the list they go into."""

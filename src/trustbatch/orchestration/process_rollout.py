@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
 from ..pipeline.staleness import behaviour_round, may_start
 from ..pipeline.weight_sync import Stateless, named_weights
-from .rollout_worker import RolloutWorker, WorkerSpec, save_worker_model
+from .rollout_worker import RolloutWorker, WorkerSpec, for_start, save_worker_model
 
 
 class _Shared:
@@ -128,10 +128,12 @@ class ProcessTransport(Stateless):
         self.procs: list = [None] * workers
         self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
         self.requested = 0
+        self.started = 0  # worker processes started so far, restarts included (``for_start``)
         self._preloaded: dict = {}
 
     def _start(self, wid: int, first: int = -1) -> None:
-        p = self.ctx.Process(target=_worker_main, args=(wid, self.spec, self.shared, self.m, self.ahead, first,
+        spec, self.started = for_start(self.spec, self.started), self.started + 1
+        p = self.ctx.Process(target=_worker_main, args=(wid, spec, self.shared, self.m, self.ahead, first,
                                                         os.getpid()),
                              daemon=False, name=f"trustbatch-rollout-{wid}")  # it owns a reward pool
         p.start()

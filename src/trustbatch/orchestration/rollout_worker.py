@@ -17,6 +17,7 @@ from ..data.tasks import LongPrompts
 from ..pipeline.source import SourceSpec, SyncSource
 from ..rewards.spec import RewardSpec
 from ..rollout.spec import EngineSpec
+from ..seeding import row_seed
 
 
 @dataclass
@@ -39,6 +40,18 @@ class WorkerSpec:
     threads: int = 1
     contexts: list | None = None
     long_prompts: LongPrompts | None = None
+
+
+def for_start(spec: WorkerSpec, start: int) -> WorkerSpec:
+    """``spec`` for the ``start``-th worker process or actor this source starts (0-based, restarts counted): its
+    engine gets a random stream of its own, ``row_seed(seed, start)`` cut to 32 bits (vLLM's range). vLLM samples from its engine's seed alone
+    (per-request seeds fail in its CPU sampler), so every worker replayed one stream: two workers' n-th batches of
+    the same prompts and weights were copies. The first start keeps the run's seed (one worker: as before). The
+    transformers engine samples from each batch's own seeds and is unchanged."""
+    if start == 0:
+        return spec
+    seed = row_seed(spec.engine.seed, start) % 2**32
+    return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, seed=seed))
 
 
 class RolloutWorker:
