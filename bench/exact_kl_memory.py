@@ -7,7 +7,8 @@ V = 151,936, tied embeddings) with ``--layers`` layers instead of 24 (the decode
 the LM head, the part the exact KL changes, is the full one). Float32 on the CPU. The behaviour policy is a perturbed
 copy of it, present in both arms (it is the rollout engine's model in a real run; the k3 arm never reads it), sampled
 at T = 0.7: the exact arm rebuilds its distribution by teacher forcing, chunk by chunk. One micro-batch of
-``--rows`` rows × ``--tokens`` completion tokens (prompt 16), LM head in chunks of ``--chunk`` columns.
+``--rows`` rows × ``--tokens`` completion tokens (prompt 16), LM head in chunks of ``--chunk`` positions
+(``train.logprob_chunk_size`` counts rows × columns: every row and ``--chunk // --rows`` columns).
 
 Each arm runs in a fresh process: it builds everything, takes one learner step (warm-up: AdamW's state, the
 allocator), then measures two more steps on the same batch, each as its peak RSS (VmHWM, reset through
@@ -109,7 +110,7 @@ def main() -> None:
 
     interleave({arm: lambda arm=arm: runs[arm].append(_spawn(arm, a)) for arm in ARMS}, repeats=a.repeats, warmup=0)
     shape = {k: getattr(a, k) for k in ("layers", "rows", "tokens", "chunk", "threads")}
-    chunk_mib = a.rows * a.chunk * QWEN25_05B["vocab_size"] * 4 / 2 ** 20
+    chunk_mib = a.chunk * QWEN25_05B["vocab_size"] * 4 / 2 ** 20  # one [rows, chunk // rows, V] float32 buffer
     keys = ("step_peak_mib", "fwd_bwd_peak_mib", "step_s", "fwd_bwd_s")
     lines = record("exact_kl_memory", {arm: {**{k: [r[k] for r in rs] for k in keys},
                                              "kl_behavior": rs[-1]["kl_behavior"]} for arm, rs in runs.items()},
