@@ -128,11 +128,11 @@ class ProcessTransport(Stateless):
         self.procs: list = [None] * workers
         self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
         self.requested = 0
-        self.started = 0  # worker processes started so far, restarts included (``for_start``)
+        self.starts = 0  # worker processes started so far, restarts included (``for_start``)
         self._preloaded: dict = {}
 
     def _start(self, wid: int, first: int = -1) -> None:
-        spec, self.started = for_start(self.spec, self.started), self.started + 1
+        spec, self.starts = for_start(self.spec, self.starts), self.starts + 1
         p = self.ctx.Process(target=_worker_main, args=(wid, spec, self.shared, self.m, self.ahead, first,
                                                         os.getpid()),
                              daemon=False, name=f"trustbatch-rollout-{wid}")  # it owns a reward pool

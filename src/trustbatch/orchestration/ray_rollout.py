@@ -81,7 +81,7 @@ class RayTransport(Stateless):
                                 "each; lower rollout.workers or add nodes")
             self._remote = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
             self.requested, self.k = 0, 0  # until the first request
-            self.started = 0  # actors started so far, restarts included (``for_start``)
+            self.starts = 0  # actors started so far, restarts included (``for_start``)
             self.next_index = 0
             self.held_batch = [-1] * workers  # the batch each actor makes (or will make first after a restart)
             self.calls: list = [None] * workers  # (make_batch ref, load_weights ref or None) in flight
@@ -97,8 +97,8 @@ class RayTransport(Stateless):
 
     # ---- actors ------------------------------------------------------------------------------------
     def _new_actor(self, wid: int) -> None:
-        self.actors[wid] = self._remote.remote(for_start(self.spec, self.started))
-        self.started += 1
+        self.actors[wid] = self._remote.remote(for_start(self.spec, self.starts))
+        self.starts += 1
         self.ready[wid] = self.actors[wid].__ray_ready__.remote()
         self.actor_version[wid] = None
         self.calls[wid] = None
