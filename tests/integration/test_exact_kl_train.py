@@ -109,6 +109,17 @@ def test_recorded_distribution_over_the_budget_is_refused_in_one_line():
     assert "rollout.precision=float32" in msg and "kl='k3'" in msg
     for ok in (["rollout.precision=float32"], ["objective.options={kl: k3}"]):  # rebuilt, or no whole distribution
         check_recorded_behaviour(load_config(None, ["objective.options={kl: exact}", *ROUND, *ok]), vocab=151_936)
+    # the record is held twice at its peak (the rows beside the batch; the batch beside a mini-batch's copy): 216
+    # tokens x 151,936 x 4 bytes = 125 MiB fit, 232 tokens = 134.5 MiB (269 MiB held) do not
+    for prompts, fits in ((27, True), (29, False)):
+        small = load_config(None, ["objective.options={kl: exact}", "rollout.precision=fp8_e4m3",
+                                   f"rollout.prompts_per_step={prompts}", "rollout.group_size=8",
+                                   "rollout.max_new_tokens=1"])
+        if fits:
+            check_recorded_behaviour(small, vocab=151_936)
+        else:
+            with pytest.raises(UserError, match="held twice at its peak"):
+                check_recorded_behaviour(small, vocab=151_936)
 
 
 def test_cli_refuses_a_recorded_distribution_over_the_budget(tmp_path):

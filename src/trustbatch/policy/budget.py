@@ -10,9 +10,10 @@ or rows. Budgets:
 - ``KV_BYTES`` = 2^32 bytes (4 GiB) of key/value cache per generate call: rows · (prompt + new tokens) ·
   ``kv_bytes_per_token``.
 - The recorded behaviour distribution (kl="exact" with a rollout precision other than float32,
-  ``rollout.spec.behaviour_distribution`` "recorded"): one round's N rows · steps · V float32 in one
-  ``[tokens, V]`` budget, ``LOGITS_BYTES`` (``recorded_fits``): at V = 151,936, 441 tokens (e.g. 55 rows of 8);
-  at V = 304, 220,752 (the lab's 512 rows of up to 32 steps take 19,922,944 bytes).
+  ``rollout.spec.behaviour_distribution`` "recorded"): one round's N rows · steps · V float32, held twice at its
+  peak (the rollouts' rows beside the built batch; the batch beside a mini-batch's rows, which the learner selects
+  by copying), in one ``[tokens, V]`` budget, ``LOGITS_BYTES`` (``recorded_fits``): at V = 151,936, 220 tokens
+  (e.g. 27 rows of 8); at V = 304, 110,376 (the lab's 512 rows of up to 32 steps take 19,922,944 bytes).
 
 A chunk or call holds several tensors of its size at once (logits, log-softmax, their gradient), so the
 process's peak is a small multiple of the budget, not the budget.
@@ -41,8 +42,10 @@ def recorded_bytes(rows: int, steps: int, vocab: int) -> int:
 
 
 def recorded_fits(rows: int, steps: int, vocab: int, budget_bytes: int = LOGITS_BYTES) -> bool:
-    """Whether one round's recorded distributions fit ``budget_bytes`` (``recorded_bytes`` ≤ budget)."""
-    return recorded_bytes(rows, steps, vocab) <= budget_bytes
+    """Whether one round's recorded distributions fit ``budget_bytes`` held twice (2 · ``recorded_bytes`` ≤ budget):
+    the round's rows beside its batch while the batch is built, the batch beside a mini-batch's copy while the
+    learner trains (the reviewer's: a 102 MB record failed under a 70 MB allowance, trained under 180 MB)."""
+    return 2 * recorded_bytes(rows, steps, vocab) <= budget_bytes
 
 
 def vocab_size(model: torch.nn.Module) -> int:

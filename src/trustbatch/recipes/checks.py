@@ -85,8 +85,8 @@ def _exact_kl_refusal(cfg: Config, engine: str, needs_proximal: bool) -> str | N
 def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS_BYTES) -> None:
     """Fail at start when the exact KL needs the behaviour distribution recorded at sampling (an engine that declares
     ``recorded`` at ``rollout.precision``: teacher forcing would rebuild another distribution) and one round's
-    record, N = prompts_per_step · group_size rows × max_new_tokens steps × ``vocab`` float32, passes
-    ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
+    record, N = prompts_per_step · group_size rows × max_new_tokens steps × ``vocab`` float32, held twice at its
+    peak, passes ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
     once the policy is loaded (``recipes.build.build_parts``), before any rollout.
 
     Raises:
@@ -102,8 +102,8 @@ def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS
         raise UserError(f"objective.options {cause} with rollout.precision={ro.precision} needs the behaviour "
                         f"distribution recorded at sampling (teacher forcing does not rebuild it at that precision), "
                         f"which at V={vocab} takes {rows} rows x {steps} steps x V x 4 bytes = "
-                        f"{recorded_bytes(rows, steps, vocab) / 2**20:.0f} MiB per round, over the "
-                        f"{budget_bytes / 2**20:.0f} MiB budget; use rollout.precision=float32 or kl='k3'")
+                        f"{recorded_bytes(rows, steps, vocab) / 2**20:.0f} MiB per round, held twice at its peak: "
+                        f"over the {budget_bytes / 2**20:.0f} MiB budget; use rollout.precision=float32 or kl='k3'")
 
 
 def check_shaping(cfg: Config) -> None:
