@@ -21,3 +21,26 @@ def test_a_data_file_arm_gets_the_answer_budget_and_a_set_budget_stays(tmp_path,
         assert cmd == ["train", "--config", str(written)]
         assert yaml.safe_load(written.read_text())["rollout"]["max_new_tokens"] == want, arm
         assert load_config(str(written)).rollout.max_new_tokens == want
+
+
+def test_the_preflight_probes_a_data_file_arm_at_its_runs_budget(tmp_path, shared_dir, monkeypatch):
+    """The pre-flight measures a step the arm's run really takes: it probed a GSM8K arm at 8 new tokens while the run
+    trains at 256 (the reviewer's: response_length 8.0)."""
+    import pytest
+
+    import trustbatch.lab.preflight as preflight
+    from trustbatch.errors import UserError
+
+    data, model = shared_dir / "data" / "gsm8k" / "train.jsonl", shared_dir / "models" / "stories260K-hf"
+    (tmp_path / "x.yaml").write_text(yaml.safe_dump({"description": "", "seeds": [0], "arms": {
+        "auto": {"data.train": str(data), "model.path": str(model)}}}))
+    seen = []
+
+    def probe(cfg, arm, console=None):
+        seen.append(cfg.rollout.max_new_tokens)
+        raise UserError("not probed here")
+
+    monkeypatch.setattr(preflight, "probe_arm", probe)
+    with pytest.raises(UserError, match="no arm could be measured"):
+        preflight.run_preflight(str(tmp_path / "x.yaml"), tmp_path / "out")
+    assert seen == [256]

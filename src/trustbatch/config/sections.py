@@ -39,6 +39,8 @@ Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
 FreeDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+
 
 class _Strict(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` or `.nan` must not pass validation. protected_namespaces=(): keys such as
@@ -362,8 +364,7 @@ class TrainConfig(_Strict):
     """The learner: optimizer, batching, replay, precision and data parallelism."""
 
     steps: Int = Field(250, ge=1, description="rollout rounds; each gives epochs × minibatches optimizer steps")
-    # float32's largest value: AdamW's step in float32 weights overflowed past it (a traceback in round 1)
-    lr: Float = Field(3e-4, gt=0, lt=3.4e38, description="AdamW learning rate")
+    lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after the warm-up: constant, or a linear or cosine decay to 0 at the last optimizer "
@@ -424,6 +425,16 @@ class TrainConfig(_Strict):
         if not re.fullmatch(DEVICE_SPEC, v):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
+
+    @model_validator(mode="after")
+    def _step_size_in_float32(self) -> "TrainConfig":
+        # AdamW's first step is lr / (1 - beta1) (its bias correction; warm-up only lowers it): past float32's
+        # largest value it overflowed in round 1 with a traceback
+        b1 = self.adam_betas[0]
+        if b1 < 1 and self.lr / (1 - b1) >= FLOAT32_MAX:
+            raise ValueError(f"train.lr={self.lr:g}: AdamW's first step size lr / (1 - beta1) = "
+                             f"{self.lr / (1 - b1):.3g} passes float32's range ({FLOAT32_MAX:.3g}); lower train.lr")
+        return self
 
 
 class EvalConfig(_Strict):

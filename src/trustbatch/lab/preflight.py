@@ -337,6 +337,7 @@ def run_preflight(experiment: str, out: Path, *, seeds: list[int] | None = None,
         UserError: the experiment does not load, or no arm could be measured.
     """
     from ..records import atomic_write, git_commit
+    from ..recipes.defaults import with_answer_budget
     from .experiment import load_experiment
 
     start = time.time()
@@ -345,7 +346,8 @@ def run_preflight(experiment: str, out: Path, *, seeds: list[int] | None = None,
     probes, skipped = [], {}
     for seed in seeds:
         for arm in exp.arms:
-            cfg = load_config(None, exp.overrides(arm, seed))
+            # the defaults that follow the data, as the arm's run gets them (lab.runner): a GSM8K arm at 512 tokens
+            cfg = with_answer_budget(load_config(None, exp.overrides(arm, seed)))[0]
             if console is not None:
                 console.print(f"[dim]pre-flight {exp.name}/{arm} seed {seed} ({shift_label(cfg)})…[/dim]")
             try:
