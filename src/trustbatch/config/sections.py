@@ -428,12 +428,16 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _step_size_in_float32(self) -> "TrainConfig":
-        # AdamW's first step is lr / (1 - beta1) (its bias correction; warm-up only lowers it): past float32's
-        # largest value it overflowed in round 1 with a traceback
-        b1 = self.adam_betas[0]
-        if b1 < 1 and self.lr / (1 - b1) >= FLOAT32_MAX:
-            raise ValueError(f"train.lr={self.lr:g}: AdamW's first step size lr / (1 - beta1) = "
-                             f"{self.lr / (1 - b1):.3g} passes float32's range ({FLOAT32_MAX:.3g}); lower train.lr")
+        # AdamW's step size at step t is lr_t / (1 - beta1^t) (its bias correction): past float32's largest value it
+        # overflowed in round 1 with a traceback. With the linear warm-up lr_t = lr·t/W, the largest is within the
+        # first W + 1 steps (afterwards lr_t never grows and the correction shrinks)
+        b1, w = self.adam_betas[0], self.warmup_steps
+        if not 0 <= b1 < 1:
+            return self
+        peak = max(min(1.0, t / w if w else 1.0) / (1 - b1 ** t) for t in range(1, w + 2))
+        if self.lr * peak >= FLOAT32_MAX:
+            raise ValueError(f"train.lr={self.lr:g}: AdamW's largest step size, lr·{peak:.3g} with its bias correction "
+                             f"and train.warmup_steps={w}, passes float32's range ({FLOAT32_MAX:.3g}); lower train.lr")
         return self
 
 
