@@ -35,13 +35,14 @@ def _numbers_used(tree, numbers: Counter) -> Counter:
     """The given numbers an expression uses: each integer literal, and ``-n`` written as a minus before ``n`` where
     ``-n`` is a given number not yet used (Countdown rows may hold negative numbers; ``-3 + 5`` uses the -3)."""
     used: Counter = Counter()
+    negated: set[int] = set()  # the literals already counted with their minus (ast.walk visits a parent first)
     for node in ast.walk(tree):
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
             v = node.operand.value
             if isinstance(v, int) and used[-v] < numbers[-v]:
                 used[-v] += 1
-                node.operand.counted = True
-        elif isinstance(node, ast.Constant) and not getattr(node, "counted", False):
+                negated.add(id(node.operand))
+        elif isinstance(node, ast.Constant) and id(node) not in negated:
             used[node.value] += 1
     return used
 
