@@ -155,10 +155,37 @@ def test_boxed_extraction():
     assert extract_boxed(r"so $\boxed{\frac{1}{2}}$ and") == r"\frac{1}{2}"
     assert extract_boxed(r"\boxed{1} then \boxed{x^{2}}") == "x^{2}"
     assert extract_boxed(r"cut off \boxed{\frac{1}{") is None
-    assert extract_answer("no box, it costs 1,234 dollars.") == "1234"
-    assert extract_answer("nothing here") is None
-    assert extract_answer(r"so $d = \boxed{\textbf{(073)}}.$") == "073"
-    assert get("math")("The answer is 0.5", r"\frac{1}{2}") == 1.0  # last-number fallback, checked symbolically
+    # \boxed 5: the one token after it, never a brace further on
+    assert extract_boxed("The answer is $\\boxed 5$, since $x^{2} = 25$.") == "5"
+    assert extract_boxed("The answer is $\\boxed 5$.\n\\end{document}") == "5"
+    assert extract_answer(r"so $d = \boxed{\textbf{(073)}}.$") == "$073$"
+    assert extract_answer(r"cut off \boxed{\frac{1}{") is None  # an unfinished answer, not the digits before it
+    assert get("math")("The answer is 0.5", r"\frac{1}{2}") == 1.0  # no box: math-verify's reading, symbolic
+
+
+def test_math_reward_without_a_box_reads_the_answer_as_math_verify_does(shared_dir):
+    """Without a box the reward is math-verify's own ``parse`` + ``verify`` of the completion (TRL's and verl's
+    reward), never the text's last digits: on MATH-500, each row's gold written as a model writes an unboxed final
+    answer scores 1, and another row's gold scores as math-verify scores it."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
+    math = get("math")
+    golds = [_gold(r["answer"]) for r in _rows(shared_dir, "math500")]
+    assert [g for g in golds if math(f"The final answer is ${g}$.", g) != 1.0] == []
+    differ = []
+    for i, g in enumerate(golds[:120]):
+        other = golds[(i + 7) % len(golds)]
+        said = f"The final answer is ${other}$."
+        ref = float(verify(parse(f"${g}$", extraction_config=cfg), parse(said, extraction_config=cfg)))
+        if math(said, g) != ref:
+            differ.append((g, other))
+    assert differ == []
+    # the last digits of the text would score these 1 (3 of 14/3, 2 of sqrt 2, 2 of a cut-off box)
+    assert math("The final answer is $\\frac{14}{3}$.", "3") == 0.0
+    assert math("The answer is $\\sqrt{2}$.", "2") == 0.0
+    assert math("So the answer is \\boxed{\\frac{3}{2", "2") == 0.0
+    assert math("The final answer is $\\frac{14}{3}$.", "\\frac{14}{3}") == 1.0
 
 
 def test_pool_cuts_hang_counts_errors_and_goes_on():
@@ -240,3 +267,19 @@ def test_prompt_answer_rows_need_no_fields_and_the_refusal_names_the_keys(tmp_pa
     with pytest.raises(UserError, match="line 1: the prompt field 'prompt' is a list of chat messages .TRL's "
                                         "conversational format.*data.chat_template"):
         load_benchmark(str(h))
+
+
+@pytest.mark.parametrize("task", ["arc_agi", "rearc"])
+def test_reasoning_gym_tasks_score_their_own_answer_as_reasoning_gym_does(task):
+    """A task's reference keeps its entry's tuples: reasoning-gym's ``score_answer`` compares arc_agi's and rearc's
+    answer board with ``==`` against a tuple of tuples, which a JSON list never equals (the gold scored 0.05)."""
+    from trustbatch.data.tasks import load_task
+    from trustbatch.rewards.scorers import import_reasoning_gym, score_one
+
+    rg, _ = import_reasoning_gym()
+    split = load_task(task, train_size=2, heldout_size=1, seed=0)
+    entries = list(rg.create_dataset(task, size=6, seed=0))  # load_task's pool: the same generator and seed
+    scorer = get(split.reward)
+    for ex in split.heldout + split.train:
+        entry = next(e for e in entries if e["question"] == ex.prompt)
+        assert score_one(scorer, ex.answer, ex.reference)[0] == rg.get_score_answer_fn(task)(ex.answer, entry) == 1.0

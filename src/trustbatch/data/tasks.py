@@ -12,10 +12,10 @@ after the last ``answer``, with the task's own ``score_answer``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..rewards.scorers import entry_reference
 
 
 # Defaults per task, merged under the user's task.params. chain_sum: sums and differences of 2–3
@@ -130,7 +130,7 @@ def load_task(name: str, *, train_size: int, heldout_size: int, seed: int, param
         if q in seen:
             continue
         seen.add(q)
-        ref = json.dumps({"answer": entry["answer"], "metadata": entry.get("metadata", {})}, default=str)
+        ref = entry_reference(entry)
         demo = chain_sum_steps(entry["metadata"]["expression"]) if steps_of else str(entry["answer"])
         examples.append(Example(prompt=q, reference=ref, answer=demo))
     if len(examples) < heldout_size + 1:

@@ -1,7 +1,7 @@
 """Reward scorers: ``score(completion: str, reference: str) -> float`` in [0, 1].
 
 Names (``get``):
-- ``math``: final answer (last ``\\boxed{}``, else last number) verified by math-verify;
+- ``math``: final answer (last ``\\boxed{}``, else math-verify's reading of the completion) verified by math-verify;
 - ``gsm8k``: the number after ``####``;
 - ``countdown``: an expression over the given numbers that equals the target;
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;

@@ -1,8 +1,12 @@
-"""The ``math`` reward: the final answer (last ``\\boxed{}``, else the last number) checked by math-verify.
+"""The ``math`` reward: the final answer (the last ``\\boxed{}``, else math-verify's own reading of the
+completion) checked by math-verify.
 
 math-verify (https://github.com/huggingface/Math-Verify) decides equivalence symbolically and
 numerically (fractions, intervals, tuples, sets, units). It parses LaTeX only between math
-delimiters, so both the gold answer and the extracted prediction are wrapped in ``$…$``.
+delimiters, so both the gold answer and a boxed prediction are wrapped in ``$…$``. Without a box, the
+whole completion goes to math-verify's ``parse`` (its "final answer is" patterns, then the last LaTeX or
+plain expression), as TRL's and verl's math-verify rewards do: the last digits of the text would read
+``$\\frac{14}{3}$`` as 3 and ``$\\sqrt{2}$`` as 2.
 """
 
 from __future__ import annotations
@@ -12,16 +16,25 @@ import re
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
+
+
+def _last_box(text: str) -> re.Match | None:
+    found = list(_BOX.finditer(text))
+    return found[-1] if found else None
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces; None if there is none."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces, or the one token of
+    ``\\boxed 5``; None if there is none or it was cut off."""
+    box = _last_box(text)
+    if box is None:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        # \boxed 5 (no braces) is valid LaTeX for one token
-        m = re.match(r"\\(?:boxed|fbox)\s+(\S+)", text[start:])
-        return m.group(1).rstrip("$.") if m else None
+    i = box.end()
+    if not text.startswith("{", i):
+        # \boxed 5 (no braces) is valid LaTeX for one token; a brace further on belongs to something else
+        m = re.match(r"[^\s{}$]+", text[i:])
+        return (m.group().rstrip(".,") or None) if m else None
     depth = 0
     for j in range(i, len(text)):
         if text[j] == "{":
@@ -49,9 +62,12 @@ def _unbold(ans: str) -> str:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The model's final answer: the last ``\\boxed{}`` content, falling back to the last number."""
+    """The text math-verify reads as the model's final answer: the last ``\\boxed{}``'s content between ``$…$``;
+    None when that box is empty or cut off (an unfinished answer); the whole completion when it has no box."""
+    if _last_box(completion) is None:
+        return completion
     boxed = extract_boxed(completion)
-    return _unbold(boxed) if boxed is not None and boxed.strip() else last_number(completion)
+    return f"${_unbold(boxed)}$" if boxed is not None and boxed.strip() else None
 
 
 def gold_text(answer) -> str:
@@ -64,7 +80,8 @@ def gold_text(answer) -> str:
 def math_reward(completion: str, reference: str) -> float:
     """1.0 if the completion's final answer is mathematically equivalent to ``reference`` (LaTeX or a number), else 0.0.
 
-    Extraction: the last ``\\boxed{…}``, else the last number in the completion; no answer gives 0.
+    Extraction (``extract_answer``): the last ``\\boxed{…}``, else math-verify's ``parse`` of the whole completion;
+    an empty or cut-off last box, or nothing math-verify can read, gives 0.
     Raises whatever math-verify raises on pathological input; the reward pool turns that into 0.
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -74,7 +91,7 @@ def math_reward(completion: str, reference: str) -> float:
         return 0.0
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
     gold = parse(f"${reference}$", extraction_config=configs)
-    got = parse(f"${pred}$", extraction_config=configs)
+    got = parse(pred, extraction_config=configs)
     if not gold or not got:
         return 0.0
     return 1.0 if verify(gold, got) else 0.0

@@ -88,8 +88,36 @@ def import_reasoning_gym():
     return reasoning_gym, DATASETS
 
 
+_TUPLE = "__tuple__"
+
+
+def _tag_tuples(x):
+    if isinstance(x, tuple):
+        return {_TUPLE: [_tag_tuples(v) for v in x]}
+    if isinstance(x, list):
+        return [_tag_tuples(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _tag_tuples(v) for k, v in x.items()}
+    return x
+
+
+def _untag(d: dict):
+    return tuple(d[_TUPLE]) if d.keys() == {_TUPLE} else d
+
+
+def entry_reference(entry: dict) -> str:
+    """A reasoning-gym entry's ``answer`` and ``metadata`` as the JSON reference ``ReasoningGymScorer`` reads back.
+
+    Tuples are written as ``{"__tuple__": [...]}`` so they come back as tuples: JSON has only lists, and some tasks'
+    ``score_answer`` compares with ``==`` against a tuple of tuples (``arc_agi`` and ``rearc``: a list never equals
+    it, so their own answer scored 0.05). Other values JSON cannot hold are written as ``str``.
+    """
+    return json.dumps(_tag_tuples({"answer": entry["answer"], "metadata": entry.get("metadata", {})}), default=str)
+
+
 class ReasoningGymScorer:
-    """Scores with the reasoning-gym task's ``score_answer(answer, entry)``; the reference is the entry as JSON."""
+    """Scores with the reasoning-gym task's ``score_answer(answer, entry)``; the reference is the entry as JSON
+    (``entry_reference``; a plain JSON object, such as a data file's, is read as it is)."""
 
     def __init__(self, task: str):
         reasoning_gym, DATASETS = import_reasoning_gym()
@@ -99,7 +127,7 @@ class ReasoningGymScorer:
         self._ds = reasoning_gym.create_dataset(task, size=1, seed=0)
 
     def __call__(self, completion: str, reference: str) -> float:
-        entry = json.loads(reference)
+        entry = json.loads(reference, object_hook=_untag)
         return float(self._ds.score_answer(completion.strip(), entry))
 
 
