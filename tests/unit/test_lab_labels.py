@@ -112,9 +112,42 @@ def test_a_registered_analysis_the_folders_copy_lacks_is_read_from_the_registrat
             f"at the registration commit `{registered}`") in text
     assert "**Sensitivity: Wilcoxon signed-rank**" in text and "'Equivalent within ±0.05'" in _equivalence_line(text)
     spec = yaml.safe_load((root / "e" / "experiment.yaml").read_text())
-    (root / "e" / "experiment.yaml").write_text(yaml.safe_dump(spec | {"wilcoxon": False, "equivalence_margin": 0.04}))
+    (root / "e" / "experiment.yaml").write_text(yaml.safe_dump(spec | {"wilcoxon": True, "equivalence_margin": 0.05}))
     text = write_report(root, tmp_path / "r2", figures="none").read_text()
-    assert "are read from" not in text and "Wilcoxon" not in text and "'Equivalent within ±0.04'" in text
+    assert "are read from" not in text and "Post hoc" not in text and "'Equivalent within ±0.05'" in text
+
+
+def test_a_registered_design_edited_after_the_runs_is_post_hoc_and_the_registered_one_is_analysed(tmp_path, monkeypatch):
+    """``lab run`` copies the YAML it runs into the folder; an edit after the results (another primary pair, a
+    wider margin, no Wilcoxon, a seed added) must not be analysed as registered: the report names each change as
+    post hoc and analyses the registration commit's design, on its seeds only."""
+    repo = tmp_path / "repo"
+    (repo / "src/trustbatch/lab/experiments").mkdir(parents=True)
+    _git(repo, "init", "-q", "-b", "main")
+    design = {"arms": {"p3o@x": {}, "grpo@x": {}, "p3o@y": {}}, "seeds": [0, 1], "compare": [["p3o@x", "grpo@x"]],
+              "wilcoxon": True, "equivalence_margin": 0.05}
+    (repo / "src/trustbatch/lab/experiments/e.yaml").write_text(yaml.safe_dump(design))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "registration")
+    registered = _git(repo, "rev-parse", "--short", "HEAD")
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    root = tmp_path / "runs"
+    # seed 2 (added later) would turn the mean difference p3o@x − grpo@x from +0.110 into +0.040
+    write_runs(root / "e", {"p3o@x": [0.60, 0.62, 0.20], "grpo@x": [0.50, 0.50, 0.30], "p3o@y": [0.5, 0.5, 0.5]})
+    (root / "e" / "experiment.yaml").write_text(yaml.safe_dump(
+        {**design, "seeds": [0, 1, 2], "compare": [["p3o@y", "grpo@x"]], "wilcoxon": False, "equivalence_margin": 0.2,
+         "registered": registered, "commit": registered}))
+    (root / "e" / "calls.jsonl").write_text(json.dumps({"start": 0.0, "end": 60.0, "commit": registered,
+                                                        "seeds": [0, 1, 2]}) + "\n")
+    text = write_report(root, tmp_path / "r", figures="none").read_text()
+    post = next(line for line in text.splitlines() if line.startswith("**Post hoc, not analysed:**"))
+    for said in ('`seeds` [0, 1, 2] where the registration has [0, 1]',
+                 '`compare` [["p3o@y", "grpo@x"]] where the registration has [["p3o@x", "grpo@x"]]',
+                 "`wilcoxon` false where the registration has true",
+                 "`equivalence_margin` 0.2 where the registration has 0.05"):
+        assert said in post, said
+    assert "p3o@x − grpo@x = +0.110" in text and "p3o@y − grpo@x" not in text  # the registered pair, seeds 0 and 1
+    assert "**Sensitivity: Wilcoxon signed-rank**" in text and "'Equivalent within ±0.05'" in _equivalence_line(text)
 
 
 def test_lab_run_writes_the_analysis_keys_into_the_folders_experiment_yaml(tmp_path):

@@ -196,3 +196,19 @@ def test_report_says_a_match_at_an_unresolved_margin_is_no_difference_found():
     assert lines[2].endswith("read it as 'no difference found', not as equivalence.") and "beyond it" in lines[2]
     assert lines[3].endswith("**equivalent within ±0.02**.")
     assert equivalence_lines([], "21f970c", "post hoc") == []
+
+
+def test_the_match_caveat_follows_the_interval_rules_margin_not_the_tost_margin():
+    """The interval rule reads 'match' at ±0.02 (``MARGIN``) whatever ``equivalence_margin`` is, so whether that
+    'match' rests on a resolved margin is ±0.02 against the pair's resolvable margin: at a TOST margin of 0.05 a
+    pair resolving ±0.025 still needs the caveat, and at 0.01 a pair resolving ±0.0125 does not."""
+    from trustbatch.lab.report.tables import equivalence_lines
+    from trustbatch.lab.stats import MARGIN, Equivalence
+
+    caveat = "read it as 'no difference found', not as equivalence."
+    wide = Equivalence("a", "b", 8, 0.0, 0.0214, 0.05, 0.025, 1.5e-4, 0.05)
+    lines = equivalence_lines([(wide, True)], "21f970c", "fixed before these runs", margin=0.05)
+    assert MARGIN < wide.resolvable and lines[2].endswith(caveat), lines[2]
+    narrow = Equivalence("a", "b", 8, 0.0, 0.0107, 0.01, 0.0125, 0.2, 0.05)
+    lines = equivalence_lines([(narrow, True)], "21f970c", "fixed before these runs", margin=0.01)
+    assert MARGIN >= narrow.resolvable and "beyond it" in lines[2] and not lines[2].endswith(caveat), lines[2]

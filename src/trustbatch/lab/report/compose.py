@@ -17,7 +17,8 @@ from ..stats import (BOTH_COLLAPSE_RULE, EQUIVALENCE_RULE, MARGIN, SENSITIVITY_R
 from .figures import dose_figure, experiment_figures
 from .header import header_lines
 from .provenance import (base_fingerprints, calls_line, experiment_cost, experiment_spec, experiment_time, git_commit,
-                         mixed_bases, mixed_line, prompts_per_round, registration_line, rule_standing, run_commits, standing_label)
+                         mixed_bases, mixed_line, prompts_per_round, registered_seeds, registration_line, rule_standing,
+                         run_commits, standing_label)
 from .runs import arm_scores, load_runs, unscored
 from .tables import (arm_table, base_table, cost_table, equivalence_lines, preflight_summary, preflight_table,
                      step_ratio_line, tuned_baseline, within_round_lines)
@@ -32,6 +33,8 @@ def experiment_section(name: str, exp_dir: Path, out: Path, *, figures: str = "d
     spec, completed = experiment_spec(name, exp_dir)
     tune = spec.get("tune") or {}
     arms, tuning = _split_tuning(load_runs(exp_dir), [int(x) for x in tune.get("seeds") or []])
+    if (allowed := registered_seeds(spec)) is not None:  # runs of seeds added after a registration: post hoc
+        arms = {a: kept for a, runs in arms.items() if (kept := [r for r in runs if r["seed"] in allowed])}
     if not arms:
         return "\n".join([f"## {name}", "", f"No finished runs in `{exp_dir}`.", ""] + preflight_table(exp_dir)), []
     draw = figures == "draw"

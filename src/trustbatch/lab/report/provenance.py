@@ -16,7 +16,7 @@ import yaml
 from .. import records
 from ...records import git_commit
 from ..calls import WALL, covered_seconds, elapsed_seconds, load_calls
-from ..experiment import ANALYSIS_KEYS
+from ..experiment import ANALYSIS_KEYS, LAB_SEEDS, default_comparisons
 from .runs import run_config
 
 
@@ -34,37 +34,79 @@ def descends(commit: str, ancestor: str) -> bool | None:
 EXPERIMENTS_DIR = "src/trustbatch/lab/experiments"  # a bundled experiment's YAML, in the repository
 
 
-def registered_analysis(name: str, registered: str | None) -> dict:
-    """The analysis keys (``experiment.ANALYSIS_KEYS``) of experiment ``name``'s YAML as the registration commit
-    ``registered`` holds it (``git show``); {} without a registration, or when git or the file cannot say."""
-    return dict(_registered_analysis(name, registered)) if registered else {}
+# what a registration fixes and ``lab run`` copies into the folder's experiment.yaml: a later edit must not change it
+DESIGN_KEYS = ("seeds", "compare") + ANALYSIS_KEYS
+
+
+def registered_design(name: str, registered: str | None) -> dict:
+    """The design keys (``DESIGN_KEYS``) of experiment ``name``'s YAML as the registration commit ``registered``
+    holds it (``git show``); {} without a registration, or when git or the file cannot say."""
+    return dict(_registered_design(name, registered)) if registered else {}
 
 
 @functools.lru_cache(maxsize=None)  # a commit's files never change: one `git show` per experiment and report
-def _registered_analysis(name: str, registered: str) -> tuple:
+def _registered_design(name: str, registered: str) -> tuple:
     try:
         r = subprocess.run(["git", "show", f"{registered}:{EXPERIMENTS_DIR}/{name}.yaml"], capture_output=True,
                            text=True, cwd=Path(__file__).parent)
         spec = yaml.safe_load(r.stdout) if r.returncode == 0 else None
     except (OSError, yaml.YAMLError):
         return ()
-    return tuple((k, spec[k]) for k in ANALYSIS_KEYS if k in spec) if isinstance(spec, dict) else ()
+    if not isinstance(spec, dict):
+        return ()
+    # a key the registration left out holds its default there, so a later edit that sets it is a change too
+    defaults = {"seeds": list(LAB_SEEDS), "compare": [], "wilcoxon": False, "equivalence_margin": None,
+                "interaction": None}
+    return tuple((k, spec.get(k, defaults[k])) for k in DESIGN_KEYS)
+
+
+def _same(key: str, folder, registered) -> bool:
+    if key == "seeds":  # fewer seeds is a design not yet run to the end, not a change
+        return {int(x) for x in folder or []} <= {int(x) for x in registered or []}
+    return (folder or None) == (registered or None)
 
 
 def experiment_spec(name: str, exp_dir: Path) -> tuple[dict, str | None]:
-    """The folder's ``experiment.yaml`` ({} without one) and, for a registered experiment whose copy lacks the
-    analysis keys its registration commit's YAML gives, that copy completed from the registration with a line that
-    says so (else None). ``lab run`` before the fix of issue 47's Lab IV wrote the design without those keys, so
-    the registered analysis is read from where it was registered, never from a later edit."""
+    """The folder's ``experiment.yaml`` ({} without one) with, for a registered experiment, its design as the
+    registration commit's YAML gives it, and a line that says what the folder's copy left out or changed (else
+    None).
+
+    The registered design (seeds, comparisons, analysis keys) is read from where it was registered, never from a
+    later edit: ``lab run`` copies the YAML it runs into the folder, so an edit after the results (another primary
+    pair, a wider margin, more seeds) would otherwise be analysed as if registered. The report names such a
+    change as post hoc and analyses the registration's design (runs of seeds it does not hold are left out,
+    ``registered_seeds``). ``lab run`` before the fix of issue 47's Lab IV wrote the design without the analysis
+    keys: those are completed from the registration, as a runner bug, not a change."""
     path = exp_dir / "experiment.yaml"
     spec = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
-    missing = {k: v for k, v in registered_analysis(name, spec.get("registered")).items() if k not in spec}
-    if not missing:
+    reg = registered_design(name, spec.get("registered"))
+    if not reg:
         return spec, None
-    keys = ", ".join(f"`{k}`" for k in missing)
-    return {**spec, **missing}, (f"The analysis keys {keys} are read from `{EXPERIMENTS_DIR}/{name}.yaml` at the "
-                                 f"registration commit `{spec['registered']}`: the folder's `experiment.yaml`, "
-                                 "written by `lab run`, left them out (a runner bug, fixed after these runs).")
+    missing = [k for k in ANALYSIS_KEYS if k not in spec and reg[k] not in (None, False)]
+    # no compare list means the default pairs of the arms it runs: the same design as those pairs written out
+    planned = [a for a in spec.get("arms") or {} if a not in (spec.get("preflight_only") or [])]
+    pairs = {k: [list(p) for p in (v or default_comparisons(planned))] for k, v in (("folder", spec.get("compare")),
+                                                                                   ("registered", reg["compare"]))}
+    changed = [k for k in DESIGN_KEYS if k in spec and not (
+        pairs["folder"] == pairs["registered"] if k == "compare" else _same(k, spec[k], reg[k]))]
+    lines = []
+    if missing:
+        keys = ", ".join(f"`{k}`" for k in missing)
+        lines.append(f"The analysis keys {keys} are read from `{EXPERIMENTS_DIR}/{name}.yaml` at the registration "
+                     f"commit `{spec['registered']}`: the folder's `experiment.yaml`, written by `lab run`, left them "
+                     "out (a runner bug, fixed after these runs).")
+    if changed:
+        said = "; ".join(f"`{k}` {json.dumps(spec[k])} where the registration has {json.dumps(reg[k])}" for k in changed)
+        lines.append(f"**Post hoc, not analysed:** the folder's `experiment.yaml` differs from the design registered "
+                     f"at `{spec['registered']}` ({said}). This report analyses the registered design"
+                     + (", and only the registered seeds' runs" if "seeds" in changed else "") + ".")
+    return {**spec, **reg}, (" ".join(lines) or None)
+
+
+def registered_seeds(spec: dict) -> set[int] | None:
+    """The seeds a registered experiment's analysis may use (``experiment_spec``'s ``seeds``), None when it is
+    not registered or lists no seeds (every finished run counts)."""
+    return {int(x) for x in spec["seeds"]} if spec.get("registered") and spec.get("seeds") else None
 
 
 def run_commits(spec: dict, calls: list[dict]) -> list[str | None]:

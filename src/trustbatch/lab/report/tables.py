@@ -173,8 +173,8 @@ def preflight_summary(runs: Path) -> list[str]:
 
 def equivalence_lines(results: list[tuple], rule: str, label: str, margin: float = MARGIN) -> list[str]:
     """The experiment's resolvable margins and TOST lines from (``stats.tost`` result, whether the interval rule
-    read 'match') pairs; [] without a comparison. A 'match' at a margin the design does not resolve is said to be
-    no more than 'no difference found'. ``rule``: the rule's commit; ``label``: how it stands against these runs
+    read 'match') pairs; [] without a comparison. A 'match' (always at ±``MARGIN``) where ``MARGIN`` is below the
+    pair's resolvable margin is said to be no more than 'no difference found'. ``rule``: the rule's commit; ``label``: how it stands against these runs
     (``provenance.standing_label``: "fixed before these runs", "post hoc", ...); ``margin``: the experiment's TOST
     margin (``equivalence_margin``)."""
     if not results:
@@ -187,7 +187,8 @@ def equivalence_lines(results: list[tuple], rule: str, label: str, margin: float
             f"this design resolves: {span} across its comparisons (TOST at the family's level α/m with {POWER:.0%} power "
             f"at a true difference of 0, from each pair's paired SD and seeds). 'Equivalent within ±{margin}' is tested "
             "only where ±" f"{margin} is at or above a pair's resolvable margin:", ""] + [
-        f"- {r.sentence()}" + (unresolved if matched and r.verdict() == "beyond the design" else "") for r, matched in results] + [""]
+        # the interval rule's 'match' is read at ±MARGIN whatever the TOST margin: that margin must be resolved
+        f"- {r.sentence()}" + (unresolved if matched and MARGIN < r.resolvable else "") for r, matched in results] + [""]
 
 
 def tuned_baseline(tune: dict, tuning: dict[str, list[dict]]) -> tuple[str | None, list[str]]:
