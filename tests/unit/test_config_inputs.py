@@ -36,6 +36,9 @@ def test_an_empty_mapping_in_yaml_sets_a_section_to_its_defaults_as_on_the_comma
     (["data.format=math"], "data.format is read only with data.train .* drop data.format"),
     (["objective.advantage=rloo", "objective.std=sample"], "objective.advantage=rloo divides by none"),
     (["objective.advantage=mean", "objective.std=sample"], "objective.advantage=mean divides by none"),
+    # 16 rows in 20 optimizer steps: steps without a row
+    (["train.minibatches=20", "rollout.prompts_per_step=2", "rollout.group_size=8"],
+     r"^train.minibatches=20 splits a round of 16 completions .* set train.minibatches ≤ 16$"),
 ])
 def test_keys_nothing_would_read_are_refused_in_one_line(args, message):
     with pytest.raises(UserError, match=message) as e:

@@ -204,6 +204,20 @@ def test_minibatches_split_the_rows_evenly_into_that_many_optimizer_steps(tiny):
     assert [r["grad_norm"] > 0 for r in learner.step_records] == [True] * 4 and learner.version == 4
 
 
+def test_a_batch_of_fewer_rows_than_minibatches_takes_a_step_a_row_and_no_empty_step(tiny):
+    """2 rows (what DAPO's dynamic sampling may keep) in 4 mini-batches: 2 steps of one row each, so the version,
+    the schedule and the logged steps count only steps that trained (an empty step moved all three)."""
+    tok, model = tiny
+    b = _batch(tok, seed=3)
+    b.behavior_logprobs = b.behavior_logprobs.double()
+    small = b.select(torch.arange(2))
+    learner = Learner(copy.deepcopy(model), "grpo", lr=1e-3, minibatches=4, lr_schedule="linear", total_steps=8)
+    sizes = []
+    out = learner.train_on(small, stop_before=lambda step, mini: sizes.append(len(mini)) or False)
+    assert sizes == [1, 1] and learner.version == 2 and out["optimizer_steps"] == 2.0
+    assert learner.scheduler.last_epoch == 2 and [r["lr"] for r in learner.step_records] == [1e-3, 1e-3 * 7 / 8]
+
+
 def test_the_logged_lr_is_the_rate_the_step_used(tiny):
     """Linear warm-up over 4 steps to lr = 1: the steps use 1/4, 2/4, 3/4, 1 (by hand), and log those."""
     tok, model = tiny

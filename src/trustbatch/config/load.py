@@ -46,6 +46,15 @@ class Config(_Strict):
     threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
     @model_validator(mode="after")
+    def _minibatches_have_rows(self) -> "Config":
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.train.minibatches > rows:
+            raise ValueError(f"train.minibatches={self.train.minibatches} splits a round of {rows} completions "
+                             f"(rollout.prompts_per_step × group_size) into more optimizer steps than it has rows; "
+                             f"set train.minibatches ≤ {rows}")
+        return self
+
+    @model_validator(mode="after")
     def _task_defaults(self) -> "Config":
         # a task whose completions need more room (data.tasks.TASK_DEFAULTS) gets it unless the key was set
         from ..data.tasks import TASK_DEFAULTS
@@ -122,7 +131,8 @@ def _format_error(e: ValidationError) -> str:
         hint = f"did you mean {near!r}? " if near else ""
         return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")
-    if msg.startswith(f"{loc}.") and err["type"] == "value_error":  # a section's own check names its key itself
+    # a section's own check names its key itself, and a check across sections (no loc) names its keys
+    if err["type"] == "value_error" and (not loc or msg.startswith(f"{loc}.")):
         return msg
     if err["type"].endswith("_type"):  # every branch refused the type: name them all
         msg = " or ".join(dict.fromkeys(x["msg"] for x in errs if x["type"].endswith("_type")))

@@ -315,9 +315,11 @@ class Learner(ForwardPasses):
             perm = torch.randperm(len(batch))
             if self.world.size > 1:
                 perm = torch.tensor(self.world.gather(perm.tolist())[0], dtype=torch.long)
-            # exactly `minibatches` pieces of sizes that differ by at most one (chunk gave fewer, e.g. 2+2+2 rows and
-            # an empty step for 6 rows in 4); every rank takes as many optimizer steps, even with fewer rows
-            pieces = list(torch.tensor_split(perm, self.minibatches))
+            # `minibatches` pieces of sizes that differ by at most one (chunk gave fewer, e.g. 2+2+2 rows and an empty
+            # step for 6 rows in 4), but never an empty one: a batch of fewer rows (DAPO's dynamic sampling kept few
+            # groups) takes one step a row, as a step without rows would move the version and the LR schedule. The
+            # count comes from the global batch, so every rank takes as many optimizer steps, even with fewer rows
+            pieces = list(torch.tensor_split(perm, max(1, min(self.minibatches, len(batch)))))
             for mb_index, piece in enumerate(pieces):
                 mine = piece[(piece >= shard.start) & (piece < shard.stop)]
                 mini = local.select(mine - shard.start)
