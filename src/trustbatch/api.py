@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pydantic import BaseModel
 
-from .config import Config, load_config, read_yaml_file
+from .config import Config, _flatten, load_config
 from .errors import UserError
 from .policy.base import cache_dir
 from .records import atomic_write
 from .rewards.scorers import is_score
-from .recipes.train import train
+from .recipes.train import saved_config, train
 from .rewards.objects import in_other_processes, register_again, reward_name
 
 
@@ -36,7 +36,8 @@ class Trainer:
     """RL post-training from Python; ``train()`` returns the run's summary (also written to ``summary.json``).
 
     Args:
-        config: a ``Config``, a YAML file's path, or None for the defaults.
+        config: a ``Config``, a dict (nested as a YAML file holds it, or with dotted keys), a YAML file's path, or
+            None for the defaults.
         model: a local model directory (``model.path``).
         reward_funcs: a reward function or a list of them, each a scorer name (``"gsm8k"``, ``"module:function"``) or a callable:
             ``f(completion, reference) -> float`` per completion, or TRL's batch form
@@ -44,9 +45,10 @@ class Trainer:
             completions of one prompt together, so it may rank them).
         reward_weights: one weight per reward function (default 1 each); the training reward is Σ w_i r_i. A reward
             model (TRL's model-id reward_funcs) is ``overrides={"reward.model": DIR}``, one more term of that sum.
-        train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset`` or a file path, in any format
-            ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
-        overrides: ``{"train.steps": 4}`` or ``["train.steps=4"]``, applied last, as on the command line.
+        train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset``, a pandas ``DataFrame`` or a
+            file path, in any format ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
+        overrides: ``{"train.steps": 4}``, ``{"train": {"steps": 4}}`` (nested as in a YAML file: the keys inside a
+            section, never the section replaced) or ``["train.steps=4"]``, applied last, as on the command line.
         resume: a run directory to continue from its last checkpoint, as ``trustbatch train --resume``: its saved
             config, with ``overrides`` of the resumable keys only; give the same reward callables again.
 
@@ -55,13 +57,14 @@ class Trainer:
             callable reward with async rollout workers or Ray, which cannot reach it), and whatever ``train`` raises.
     """
 
-    def __init__(self, config: Config | str | Path | None = None, *, model: str | Path | None = None,
+    def __init__(self, config: Config | Mapping[str, Any] | str | Path | None = None, *, model: str | Path | None = None,
                  reward_funcs: Sequence[Callable | str] | None = None, reward_weights: Sequence[float] | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None,
                  overrides: Mapping[str, Any] | Sequence[str] | None = None, resume: str | Path | None = None):
         self.resume = str(resume) if resume is not None else None
-        if callable(reward_funcs) or isinstance(reward_funcs, str):  # one function, as TRL's GRPOTrainer takes it
-            reward_funcs = [reward_funcs]
+        if reward_funcs is not None and (callable(reward_funcs) or isinstance(reward_funcs, str)
+                                         or not isinstance(reward_funcs, Iterable)):
+            reward_funcs = [reward_funcs]  # one function, as TRL's GRPOTrainer takes it (reward_name refuses a non-callable)
         if self.resume is not None:
             if any(x is not None for x in (config, model, train_dataset, eval_dataset, reward_weights)):
                 raise UserError("resume continues a run with its saved config; give only reward_funcs (the same "
@@ -74,7 +77,9 @@ class Trainer:
         # only what was set: a dump of every field would read as all set, and drop the defaults that follow the data
         # (the answer budget, a task's parameters)
         base = _set_values(config) if isinstance(config, Config) else None
-        path = None if isinstance(config, Config) or config is None else str(config)
+        path = None if isinstance(config, (Config, Mapping)) or config is None else str(config)
+        # a dict is read as a YAML file's mapping would be, under what the keyword arguments set
+        first = _override_list(config) if isinstance(config, Mapping) else []
         sets: dict[str, Any] = {}
         if model is not None:
             sets["model.path"] = str(model)
@@ -87,7 +92,7 @@ class Trainer:
             sets["reward.functions"] = [{"name": reward_name(f), "weight": w} for f, w in zip(reward_funcs, weights)]
         elif reward_weights is not None:
             raise UserError("reward_weights without reward_funcs; give the functions they weigh")
-        args = [f"{k}={_value(v)}" for k, v in sets.items()] + _override_list(overrides)
+        args = first + [f"{k}={_value(v)}" for k, v in sets.items()] + _override_list(overrides)
         self.config = load_config(path, args, base=base)
         names = [t.name for t in self.config.reward.functions]
         if self.config.rollout.mode == "async":
@@ -103,12 +108,13 @@ class Trainer:
 
 
 def _saved_reward_names(run: Path) -> list[str]:
-    """The reward function names of the run's saved config (none when it cannot be read: the resume says why)."""
-    try:
-        saved = read_yaml_file(run / "config.yaml", what="the run's config")
-    except UserError:
-        return []
-    functions = ((saved or {}).get("reward") or {}).get("functions") or [] if isinstance(saved, dict) else []
+    """The reward function names of the run's saved config.
+
+    Raises:
+        UserError: the run directory or its config cannot be read (``recipes.train.saved_config``).
+    """
+    saved = saved_config(run)
+    functions = (saved.get("reward") or {}).get("functions") or []
     return [t["name"] for t in functions if isinstance(t, dict) and isinstance(t.get("name"), str)]
 
 
@@ -116,7 +122,9 @@ def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[
     if overrides is None:
         return []
     if isinstance(overrides, Mapping):
-        return [f"{k}={_value(v)}" for k, v in overrides.items()]
+        # {"reward": {"workers": 0}} is reward.workers=0, as in a YAML file: set whole, it would replace the section
+        # and drop what reward_funcs, model or train_dataset set in it
+        return [f"{k}={_value(v)}" for k, v in _flatten(dict(overrides)).items()]
     if isinstance(overrides, str):
         raise UserError(f"overrides={overrides!r} is one string; give a list of key=value strings or a dict")
     return [str(o) for o in overrides]
@@ -192,6 +200,8 @@ def _as_file(data: Any, what: str) -> str:
 def _rows(data: Any, what: str) -> list[dict]:
     if hasattr(data, "to_list") and hasattr(data, "column_names"):  # a datasets.Dataset
         data = data.to_list()
+    elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame (iterating it gives its columns)
+        data = data.to_dict("records")
     if not isinstance(data, Iterable) or isinstance(data, Mapping):
         raise UserError(f"{what} is a {type(data).__name__}; give a list of dicts, a datasets.Dataset or a file path")
     rows = list(data)

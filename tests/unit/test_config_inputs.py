@@ -78,10 +78,39 @@ def test_the_api_takes_python_values_and_refuses_what_is_not_a_value_in_one_line
         ([0.5], 5, 0.5, str(tmp_path / "run"))
     for kw, message in ((dict(reward_funcs=[f, f], reward_weights=[1.0, "x"]), "reward weight 'x' is a str"),
                         (dict(reward_funcs=[f, f], reward_weights=[1.0]), "1 reward_weights for 2 reward_funcs"),
-                        (dict(overrides={"train.steps": {1, 2}}), "cannot be a config value")):
+                        (dict(overrides={"train.steps": {1, 2}}), "cannot be a config value"),
+                        (dict(reward_funcs=3), "is not callable"),
+                        # a mistyped resume path is named, not blamed on the reward functions' count
+                        (dict(resume=tmp_path / "no-such-run", reward_funcs=[f]), "no such directory")):
         with pytest.raises(UserError, match=message) as e:
             Trainer(**kw)
         assert "\n" not in str(e.value)
+
+
+def test_a_section_shaped_override_or_config_dict_sets_keys_inside_the_section(tmp_path):
+    """``overrides={"reward": {"workers": 0}}`` means reward.workers=0, as ``reward: {workers: 0}`` in a YAML file:
+    set whole it replaced the section and dropped the reward function, the model and the data the keyword arguments
+    had set (the run trained on the data's built-in scorer)."""
+    def f(completion, reference):
+        return 0.0
+
+    rows = [{"prompt": "1 + 1 =", "answer": "2"}] * 3
+    cfg = Trainer(model=tmp_path / "m", reward_funcs=[f], train_dataset=rows,
+                  overrides={"reward": {"workers": 0}, "model": {"sft_steps": 3}, "data": {"heldout_size": 2}}).config
+    assert [t.name for t in cfg.reward.functions] == [Trainer(reward_funcs=[f]).config.reward.functions[0].name]
+    assert (cfg.reward.workers, cfg.model.path, cfg.model.sft_steps, cfg.data.heldout_size) == \
+        (0, str(tmp_path / "m"), 3, 2) and cfg.data.train.endswith(".jsonl")
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("train: {steps: 4}\nrollout: {group_size: 3}\n")
+    from_dict = Trainer({"train": {"steps": 4}, "rollout.group_size": 3}, reward_funcs=[f]).config
+    assert from_dict == Trainer(yaml_file, reward_funcs=[f]).config
+
+
+def test_a_pandas_dataframe_is_read_as_its_rows(tmp_path):
+    pandas = pytest.importorskip("pandas")
+    rows = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "2 + 2 =", "answer": "4"}]
+    a = Trainer(train_dataset=pandas.DataFrame(rows)).config.data.train
+    assert a == Trainer(train_dataset=rows).config.data.train  # the same rows, the same content-named file
 
 
 @pytest.mark.parametrize("folder, kind", [("aime2024", "aime"), ("amc_23", "amc"), ("train_aime", "aime"),

@@ -45,6 +45,26 @@ class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a run; the message says how to resume."""
 
 
+def saved_config(run_dir: Path) -> dict:
+    """The config a run directory to resume saved (``config.yaml``), as a dict.
+
+    Raises:
+        UserError: no such directory, no ``config.yaml``, or one that is not valid YAML or not a mapping.
+    """
+    if not run_dir.is_dir():
+        raise UserError(f"cannot resume {str(run_dir)!r}: no such directory; give the run_dir of a trustbatch "
+                        "train run")
+    if not (run_dir / "config.yaml").exists():
+        raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
+    try:
+        saved = read_yaml_file(run_dir / "config.yaml", what="the run's config")
+    except UserError as e:
+        raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
+    return saved
+
+
 def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | None):
     """(cfg, run_dir, changed keys, lines to print) for a new run or a resume; refuses what would lose or mix records.
 
@@ -53,17 +73,7 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
     """
     if resume:
         run_dir = Path(resume)
-        if not run_dir.is_dir():
-            raise UserError(f"cannot resume {str(run_dir)!r}: no such directory; give the run_dir of a trustbatch "
-                            "train run")
-        if not (run_dir / "config.yaml").exists():
-            raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
-        try:
-            saved = read_yaml_file(run_dir / "config.yaml", what="the run's config")
-        except UserError as e:
-            raise UserError(f"cannot resume {str(run_dir)!r}: {e}; restore it or start a new run") from None
-        if not isinstance(saved, dict):
-            raise UserError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping; restore it or start a new run")
+        saved = saved_config(run_dir)
         check_resume_paths(saved, run_dir)
         as_read_now(saved)
         cfg = load_config(None, overrides, base=copy.deepcopy(saved))  # load_config sets keys in nested dicts of base
