@@ -152,6 +152,12 @@ def test_export_loads_with_from_pretrained_and_scores_as_the_last_evaluation(par
     assert saved and all(torch.equal(state[k], v) for k, v in saved.items())  # the trained weights, not the base's
     gen = json.loads((out / "generation_config.json").read_text())
     assert (gen["do_sample"], gen["temperature"], gen["max_new_tokens"]) == (True, 1.0, 6)
+    # generate() with the export's own config samples what training sampled, softmax(logits / T) over all 512 tokens:
+    # without top_k in the file it applied its default top-k 50
+    ids = torch.tensor([[1, 5, 6, 7]])
+    g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                       output_logits=True, return_dict_in_generate=True)
+    assert torch.isfinite(g.scores[0]).all() and torch.equal(g.scores[0], g.logits[0] / gen["temperature"])
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 2 and 0.1 < last["heldout_accuracy"] < 0.9
     card = (out / "README.md").read_text()

@@ -106,15 +106,19 @@ def _checked_run(run: Path, step: int | str | None) -> tuple[Path, Config, Path]
 
 
 def _generation_config(policy, cfg: Config):
-    """The model's generation config with its special ids and the sampling the policy was trained under."""
+    """A generation config of the model's special ids and the sampling the policy was trained under, alone.
+
+    Built fresh, not from the base's: the rollout engine samples softmax(logits / T) with top-p and nothing else
+    (``_only_our_sampling`` blanks the base's top-k, repetition penalty, min-p ...), and ``generate`` applies
+    top-k 50 where a config names none, so ``top_k`` is written as 0 (off)."""
     from transformers import GenerationConfig
 
-    gen = policy.model.generation_config or GenerationConfig.from_model_config(policy.model.config)
+    base = policy.model.generation_config or GenerationConfig.from_model_config(policy.model.config)
     ro = cfg.rollout
     ends = policy.end_ids  # every end token the model has (an Instruct model's end of turn too), not only the EOS
-    gen.update(eos_token_id=list(ends) if len(ends) > 1 else ends[0], pad_token_id=policy.pad_id, do_sample=True, temperature=ro.temperature,
-               top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
-    return gen
+    return GenerationConfig(bos_token_id=base.bos_token_id, eos_token_id=list(ends) if len(ends) > 1 else ends[0],
+                            pad_token_id=policy.pad_id, do_sample=True, temperature=ro.temperature, top_p=ro.top_p,
+                            top_k=0, max_new_tokens=ro.max_new_tokens)
 
 
 def _heldout_at(run: Path, step: int) -> dict:
