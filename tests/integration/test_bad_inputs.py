@@ -407,6 +407,10 @@ MODEL_CASES = {  # id -> (how the copy is broken, substrings of the message)
     "config_not_json": (lambda d: (d / "config.json").write_text("{hidden_size: 64"), ["config.json is not valid JSON"]),
     "not_a_model": (lambda d: (d / "config.json").write_text('{"name": "my notes"}'), ["config.json names no model_type"]),
     "no_weights": (lambda d: (d / "model.safetensors").unlink(), ["no file named model.safetensors"]),
+    # transformers asked "[y/N]" on the terminal, then the message said to copy the directory again
+    "custom_code": (lambda d: _edit_config(d, model_type="mymodel", auto_map={
+        "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}),
+        ["needs its own Python code", "trust_remote_code"]),
 }
 
 
@@ -428,6 +432,27 @@ def test_broken_model_directory_is_one_line(shared_dir, tmp_path, case, capfd):
 def test_intact_model_copy_still_loads(shared_dir, tmp_path):
     policy = load_policy(_model_copy(shared_dir, tmp_path / "ok"))
     assert policy.model.get_input_embeddings().num_embeddings == 512 and policy.eos_id == 2
+
+
+def test_mask_buffers_older_transformers_saved_load_as_transformers_loads_them(shared_dir, tmp_path):
+    """Checkpoints written by transformers 4.x hold attention-mask buffers beside the weights (GPT-2 fine-tunes,
+    EleutherAI/gpt-neo-125M): transformers 5 reports them as unexpected and loads every weight as saved, and so does
+    load_policy (it refused them as 'weights of a different model')."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    d = _model_copy(shared_dir, tmp_path / "gpt2")  # stories260K's tokenizer, a GPT-2 of its vocabulary
+    (d / "model.safetensors").unlink()
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                               eos_token_id=2)).save_pretrained(d)
+    extra = {f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)}
+    save_file({**load_file(str(d / "model.safetensors")), **extra}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    reference, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    assert set(extra) <= set(info["unexpected_keys"])  # transformers reports them, and loads the model
+    state = load_policy(d).model.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
 
 
 def test_a_run_directory_given_as_a_model_names_its_newest_checkpoint(tmp_path):

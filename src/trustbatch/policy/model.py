@@ -215,17 +215,25 @@ def load_checked(p: Path, auto_class, dtype: torch.dtype):
     if not any((p / f).exists() for f in TOKENIZER_FILES):
         raise UserError(f"model directory {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                         "copy the model's tokenizer files into it")
+    # trust_remote_code=False: never run a directory's own Python, and never ask (transformers' [y/N] prompt waits
+    # for a terminal's answer); a model that needs it is refused in one line
+    custom = (f"model directory {where} needs its own Python code (config.json's auto_map; trust_remote_code), "
+              "which trustbatch does not run: use a model whose architecture transformers has built in")
     with _quiet_transformers():
         try:
-            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - any failure here is a bad directory, said in one line
+            if "trust_remote_code" in str(e):
+                raise UserError(custom) from None
             raise UserError(f"cannot load the tokenizer in {where}: {_cause(e)}; copy the model's tokenizer "
                             "files again") from None
         try:
             model, info = auto_class.from_pretrained(
-                p, local_files_only=True, dtype=dtype, output_loading_info=True,
+                p, local_files_only=True, dtype=dtype, output_loading_info=True, trust_remote_code=False,
                 ignore_mismatched_sizes=True)  # reported below with the tensor's name, not as a bare RuntimeError
         except Exception as e:  # noqa: BLE001
+            if "trust_remote_code" in str(e):
+                raise UserError(custom) from None
             raise UserError(f"cannot load the model in {where}: {_cause(e)}; check that config.json and the weights "
                             "are complete (copy the directory again)") from None
     _check_loaded(where, model, info, tok)
@@ -255,6 +263,12 @@ class _quiet_transformers:
             self._log.enable_progress_bar()
 
 
+# buffers older transformers saved with the weights (attention masks, rotary frequencies): recomputed on load, no
+# weight of the model, and transformers 5 loads such a checkpoint (EleutherAI/gpt-neo-125M, GPT-2 fine-tunes) with
+# them reported as unexpected
+_OLD_BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+
+
 def _check_loaded(where: str, model: torch.nn.Module, info: dict, tok) -> None:
     """UserError if the weights do not fill the model config.json describes, or the tokenizer does not fit it."""
     fix = "; config.json and the weights belong to different models: fix config.json or copy the matching weights"
@@ -266,7 +280,7 @@ def _check_loaded(where: str, model: torch.nn.Module, info: dict, tok) -> None:
                         f"config.json{fix}")
     for kind, says in (("missing_keys", "lack {n} tensors config.json asks for"),
                        ("unexpected_keys", "hold {n} tensors config.json has no place for")):
-        keys = sorted(info.get(kind) or [])
+        keys = sorted(k for k in info.get(kind) or [] if not (kind == "unexpected_keys" and k.endswith(_OLD_BUFFERS)))
         if keys:
             raise UserError(f"model directory {where}: the weights {says.format(n=len(keys))}, e.g. {keys[0]}{fix}")
     for name, t in model.named_parameters():
