@@ -467,3 +467,76 @@ def test_a_stopped_run_resumed_before_its_last_rounds_and_a_tracker_added_keep_e
     assert new.info.run_id != old.info.run_id and old.info.lifecycle_stage == "deleted"
     assert new.data.tags["trustbatch.replaces"] == old.info.run_id and new.data.params == old.data.params == {"a": "1"}
     assert new.info.run_name == old.info.run_name == run_dir.name
+
+
+def _mlflow_rounds(uri: str, run_dir: Path, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    return sorted((m.step, m.value) for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+def _mlflow_sample_rounds(uri: str, run_dir: Path, split: str) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    return sorted(int(f.path.rsplit("round_", 1)[1].removesuffix(".json"))
+                  for f in MlflowClient(tracking_uri=uri).list_artifacts(run_id, f"samples/{split}"))
+
+
+def test_a_ctrl_c_while_a_resume_starts_its_trackers_keeps_the_redone_rounds_out_of_mlflow(tmp_path, monkeypatch):
+    """A resume cut metrics.jsonl back to the checkpoint and marked MLflow's run stale in memory only; a Ctrl-C while
+    the trackers started (W&B's init takes seconds) lost the mark, and the next resume appended the redone rounds to
+    the run that held them: rounds 3 and 4 twice."""
+    pytest.importorskip("mlflow", reason=SKIP)
+    from trustbatch.trainer import runlog
+
+    _offline_wandb_and_mlflow_env(monkeypatch, tmp_path, None)
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "run"
+    run_dir.mkdir()
+    log = MetricsLog.open(run_dir, ["mlflow"], {"a": 1}, resume_round=None, mlflow_uri=uri)
+    for r in range(5):
+        log.log(r, {"x": float(r)})
+        if r == 2:
+            log.checkpointed(2)
+    # killed after round 4 (no close): tracked.json says MLflow holds rounds up to 2, and was open
+    real = runlog.open_trackers
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runlog, "open_trackers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog.open(run_dir, ["mlflow"], {"a": 1}, resume_round=2, mlflow_uri=uri)
+    monkeypatch.setattr(runlog, "open_trackers", real)
+    log = MetricsLog.open(run_dir, ["mlflow"], {"a": 1}, resume_round=2, mlflow_uri=uri)
+    for r in (3, 4, 5):
+        log.log(r, {"x": r + 0.5})
+    log.close()
+    assert _mlflow_rounds(uri, run_dir, "x") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5), (5, 5.5)]
+
+
+def test_samples_sent_before_a_rounds_metrics_line_are_redone_once_in_mlflow(tmp_path, monkeypatch):
+    """A round's samples reach the trackers before its metrics line: a kill between the two left round 3's samples in
+    MLflow while metrics.jsonl ended at round 2, and the resume (which looked at metrics.jsonl alone) kept that run,
+    so MLflow held samples of a round samples.jsonl never got (the resume samples every other round here)."""
+    pytest.importorskip("mlflow", reason=SKIP)
+
+    _offline_wandb_and_mlflow_env(monkeypatch, tmp_path, None)
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "run"
+    run_dir.mkdir()
+    row = {"prompt": "p", "completion": "c", "reward": 1.0, "reference": "r", "behaviour_logprob_sum": -0.5}
+    log = MetricsLog.open(run_dir, ["mlflow"], {"a": 1}, resume_round=None, mlflow_uri=uri)
+    for r in range(4):
+        log.log_samples(r, "train", [row])
+        if r < 3:  # killed after round 3's samples, before its metrics line
+            log.log(r, {"x": float(r)})
+    log.checkpointed(2)
+    log = MetricsLog.open(run_dir, ["mlflow"], {"a": 1}, resume_round=2, mlflow_uri=uri)
+    log.log(3, {"x": 3.5})  # round 3 redone without samples
+    log.log_samples(4, "train", [row])
+    log.log(4, {"x": 4.5})
+    log.close()
+    assert sorted({json.loads(line)["round"] for line in (run_dir / "samples.jsonl").read_text().splitlines()}) \
+        == _mlflow_sample_rounds(uri, run_dir, "train") == [0, 1, 2, 4]
+    assert _mlflow_rounds(uri, run_dir, "x") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]

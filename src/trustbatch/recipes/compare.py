@@ -31,7 +31,7 @@ PANELS = [
     ("clip_fraction", "clip fraction"),
     ("cap_fraction", "cap fraction (P3O)"),
     ("response_length", "response length (tokens)"),
-    ("tokens_per_s", "tokens/s (rollout)"),
+    ("tokens_per_s", "completion tokens / s of the whole round"),
 ]
 FIGURE = "runs.png"
 PAGE_TITLE = "# Run comparison"  # the first line of every page: what a later report may replace

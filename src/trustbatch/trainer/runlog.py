@@ -44,9 +44,14 @@ class MetricsLog:
         resuming = resume_round is not None
         held = Held(run_dir, fresh=not resuming)
         if resuming:
-            last = max((r.get("step", 0) for r in iter_metrics(log.path)), default=-1) if log.path.exists() else -1
-            log.truncate_after(resume_round)
+            # a round's samples reach the trackers before its metrics line: the last round sent is the later of both
+            sent = [r.get("step", 0) for r in iter_metrics(log.path)] if log.path.exists() else []
+            sent += [r.get("round", 0) for r in iter_metrics(log.samples_path)] if log.samples_path.exists() else []
+            last = max(sent, default=-1)
             held.redo_after(resume_round, last, stored_ids(run_dir))
+            if held.data or held.path.exists():  # on disk before the records that show it are cut
+                held.save()
+            log.truncate_after(resume_round)
         log.trackers = open_trackers(names, run_dir, config, resuming=resuming, mlflow_uri=mlflow_uri, held=held)
         log.held = held
         log._sent = min((held.entry(t.name)["through"] for t in log.trackers), default=-1)
