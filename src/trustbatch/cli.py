@@ -92,6 +92,9 @@ def sft(
 
     console = Console(soft_wrap=True)
     cfg = load_config(config, overrides)
+    if cfg.model.lora is not None:  # the SFT trains every weight: adapters would be set and never read
+        raise UserError("trustbatch sft trains every weight and reads no model.lora; drop model.lora here (a LoRA "
+                        "train run starts from the SFT model as its base)")
     if out is not None:  # before the SFT, not after it
         out = output_folder(out, create=False)
         if out.is_dir() and any(out.iterdir()):

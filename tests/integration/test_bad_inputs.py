@@ -79,6 +79,8 @@ CLI_CASES = {  # id -> (args, substrings the one line must hold)
                              ["rollout.overlong_cache=4096", "rollout.max_new_tokens=256"]),
     "quantization_transformers": (["train", "train.steps=1", "rollout.quantization=fp8_per_channel"],
                                   ["rollout.quantization=fp8_per_channel", "rollout.engine=vllm"]),
+    # the SFT trained every weight with the adapters' settings unread
+    "sft_lora": (["sft", "model.path=MODEL", "model.lora.r=4"], ["trustbatch sft", "model.lora"]),
     "eval_null_answer": (["eval", "--model", "MODEL", "-b", "DATA/null_answer.jsonl", "-n", "1", "-k", "1"],
                          ["null_answer.jsonl", "line 3", "null"]),
     "eval_truncated_model": (["eval", "--model", "TRUNC", "-b", "DATA/good.jsonl", "-n", "1", "-k", "1"],

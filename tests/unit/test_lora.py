@@ -282,3 +282,62 @@ def test_with_lora_dropout_the_batch_ess_is_the_policys_whatever_the_micro_batch
         torch.manual_seed(0)
         learner = Learner(policy.model, "p3o", micro_batch_size=micro, lr=0.0)
         assert learner.step(copy.deepcopy(batch))["ess"] == pytest.approx(want, rel=1e-5), micro
+
+
+@pytest.mark.parametrize("extra", [dict(use_rslora=True), dict(alpha_pattern={"v_proj": 32}),
+                                   dict(rank_pattern={"v_proj": 4})], ids=["rslora", "alpha_pattern", "rank_pattern"])
+def test_an_adapter_peft_saved_loads_as_peft_merges_it(shared_dir, tmp_path, extra):
+    """``load_policy`` on an adapter peft itself wrote (``eval --model DIR``, ``model.path=DIR``) gives peft's own
+    ``merge_and_unload()``: the adapter was rebuilt from r and alpha alone (rslora's and alpha_pattern's scaling
+    α/r instead of α/√r or the layer's α: logits 5.6 off; rank_pattern a size-mismatch traceback)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = shared_dir / "models" / "stories260K-hf"
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    reference = wrapped.merge_and_unload().eval()
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, load_policy(tmp_path / "adapter").model.eval()(ids).logits
+    assert (want - got).abs().max() <= 1e-5
+
+
+def test_a_dora_adapter_is_refused_in_one_line(shared_dir, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(shared_dir / "models" / "stories260K-hf"),
+                        peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)).save_pretrained(tmp_path / "a")
+    with pytest.raises(UserError, match="uses DoRA, which trustbatch cannot merge") as e:
+        load_policy(tmp_path / "a")
+    assert "\n" not in str(e.value)
+
+
+def test_a_lora_run_from_a_lora_checkpoint_exports_both_adapters_merged(tmp_path, cache):
+    """A LoRA run whose model.path is another LoRA run's checkpoint trains on that checkpoint merged; its own
+    checkpoints name it as their base, and load there too (export refused: 'not a model directory')."""
+    quiet = Console(file=io.StringIO())
+    args = TINY + LORA + ["train.steps=1"]
+    train(load_config(None, args + [f"run_dir={tmp_path / 'one'}"]), console=quiet)
+    first = tmp_path / "one" / "checkpoints" / "step_000001"
+    train(load_config(None, args + [f"run_dir={tmp_path / 'two'}", f"model.path={first}"]), console=quiet)
+    second = tmp_path / "two" / "checkpoints" / "step_000001"
+    stage_one, both = load_policy(first).model.eval(), load_policy(second).model.eval()
+    # by hand: stage one merged, then stage two's W + (α/r)·B·A on top, under the base's names
+    expected = dict(stage_one.state_dict())
+    adapter, cfg = _adapter(second), json.loads((second / "adapter_config.json").read_text())
+    for key in [k for k in adapter if ".lora_A." in k]:
+        weight = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        expected[weight] = expected[weight] + cfg["lora_alpha"] / cfg["r"] * (b @ adapter[key])
+    got = both.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.allclose(got[k], expected[k], atol=1e-6, rtol=0) for k in got)
+    assert any(not torch.equal(got[k], stage_one.state_dict()[k]) for k in got)  # stage two trained something

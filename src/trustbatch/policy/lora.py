@@ -267,19 +267,28 @@ def load_merged(path: str | Path, load_base, dtype: torch.dtype = torch.float32)
         UserError: the base the checkpoint names is missing or not a model directory (the message names it),
             or the adapter is unreadable.
     """
+    from peft import PeftModel
+
     p = Path(path)
     base = adapter_base(p)
-    if not base or not (Path(base) / "config.json").exists():
+    # the base may itself be a LoRA checkpoint (a LoRA run that started from one): load_base merges it first
+    if not base or not any((Path(base) / f).exists() for f in ("config.json", ADAPTER_CONFIG)):
         raise UserError(f"LoRA checkpoint {str(p)!r} names base model {base!r}, which is not a model directory here; "
                         f"restore the base there or edit base_model_name_or_path in {p / ADAPTER_CONFIG}")
-    policy = load_base(base, dtype=dtype)
     cfg = json.loads((p / ADAPTER_CONFIG).read_text())
-    apply_lora(policy, r=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout") or 0.0),
-               target_modules=cfg["target_modules"], base=base)
+    # merged_weights merges W + scaling·B·A per layer; DoRA's magnitudes and whole trained copies of other modules
+    # are more than that
+    for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (whole trained modules)")):
+        if cfg.get(key):
+            raise UserError(f"LoRA checkpoint {str(p)!r} uses {what}, which trustbatch cannot merge; merge it with "
+                            "peft's merge_and_unload() and give the merged model's directory")
+    policy = load_base(base, dtype=dtype)
     try:
-        restore_adapter(policy, read_adapter(p))
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the LoRA adapter in {str(p)!r} ({type(e).__name__}); copy it again") from None
+        # peft builds the layers from the checkpoint's own config (rslora, alpha_pattern, rank_pattern included)
+        PeftModel.from_pretrained(policy.model, str(p), is_trainable=False)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise UserError(f"cannot read the LoRA adapter in {str(p)!r} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}); copy it again") from None
     policy.model = merged_copy(policy.model)
     policy.adapter = None
     return policy
