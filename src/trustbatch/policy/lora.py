@@ -85,7 +85,9 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
     head = policy.model.get_output_embeddings()
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                              target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    # manual_seed seeds every CUDA generator too: fork them all, or a GPU run's dropout stream would restart at
+    # model.seed on every rank (the fork on CUDA is not run here: no GPU)
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))), warnings.catch_warnings():
         torch.manual_seed(seed)
         warnings.simplefilter("ignore", FutureWarning)  # peft calls transformers' renamed is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # a tied target is refused below
