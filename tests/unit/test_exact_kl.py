@@ -211,6 +211,32 @@ def test_p3o_two_anchor_exact_equals_a_brute_force_mixture_kl():
     assert out.metrics["loss"] == pytest.approx(total / n, rel=1e-10)
 
 
+@pytest.mark.parametrize("objective", ["p3o", "p3o_two_anchor"])
+def test_the_behaviour_and_proximal_distributions_take_no_gradient(objective):
+    """π_b and the proximal policy are constants of the loss (a stop-gradient, as the [B, T] log-probs are): a
+    caller's [B, T, V] inputs built from the policy's own logits (on-policy at T = 0.7) left a path for the
+    gradient through them. The gradient w.r.t. the policy's logits equals the one with those inputs detached."""
+    B, T, V = 2, 3, 6
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    idx = torch.randint(0, V, (B, T, 1), generator=torch.Generator().manual_seed(1))
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+
+    def grad(detached: bool) -> torch.Tensor:
+        z = _logits(6, B, T, V).requires_grad_(True)
+        lpf = torch.log_softmax(z, -1)
+        bf, pf = torch.log_softmax(z / 0.7, -1), torch.log_softmax(z * 0.9, -1)
+        if detached:
+            bf, pf = bf.detach(), pf.detach()
+        lp, blp, plp = (t.gather(-1, idx).squeeze(-1) for t in (lpf, bf, pf))
+        extra = dict(proximal_logprobs=plp.detach(), proximal_logprobs_full=pf) if objective == "p3o_two_anchor" else {}
+        out = objectives.get(objective)(lp, blp.detach(), adv, mask, kl="exact", logprobs_full=lpf,
+                                        behavior_logprobs_full=bf, **extra)
+        out.loss.backward()
+        return z.grad
+
+    assert torch.equal(grad(False), grad(True))
+
+
 # ---- the engine keeps the sampled tokens' log-probs and hands its teacher ----------------------------
 
 

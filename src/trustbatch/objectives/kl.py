@@ -71,8 +71,9 @@ def exact_kl(logprobs_full: torch.Tensor, behavior_logprobs_full: torch.Tensor) 
 
 
 # Q_o, the behaviour's mass outside its top k, is 1 − Σ exp(top-k log-probs): an engine's float32 log-probs fix it only
-# to ~2^-23. Below that it is floored there: a larger Q_o lowers P_o·log(P_o/Q_o), so the value stays a lower bound
-# (a float32 sum over 1 + 1e-7 would otherwise give Q_o = 0 and a tail term of P_o·87 nats, an artefact).
+# to ~2^-23. Below that it is floored there: a larger Q_o lowers P_o·log(P_o/Q_o) (a float32 sum over 1 + 1e-7 would
+# otherwise give Q_o = 0 and a tail term of P_o·87 nats, an artefact). The rounding can still leave Q_o under the true
+# tail mass where that is near k·2^-24: the value is a bound to float32's resolution of the tail (objectives.md §8).
 Q_OTHER_FLOOR = 2.0**-23
 
 
@@ -118,7 +119,9 @@ def top_k_kl_lower_bound(logprobs_full: torch.Tensor, behavior_top_logprobs: tor
     KL_k − KL = −P_o·KL(p(·|not S) ‖ q(·|not S)) ≤ 0 (the chain rule of KL over the partition; Cover & Thomas,
     Elements of Information Theory, Thm 2.5.3 and the log-sum inequality): a lower bound, equal to the KL when
     k = V (no "other") or when p/q is constant outside S. It is tight when π_θ puts little mass outside S (P_o
-    small) or has the same shape as π_b there; it misses what π_θ does inside π_b's tail.
+    small) or has the same shape as π_b there; it misses what π_θ does inside π_b's tail. With float32 top-k
+    log-probs it is a bound to float32's resolution of π_b's tail: where Q_o is near k·2^-24 the rounding can
+    leave Q_o below its true value and the value above the KL (``Q_OTHER_FLOOR``; objectives.md §8).
 
     Computed as ``exact_kl(logprobs_full, top_k_reference(...))``: value and gradient are the coarse-grained KL's
     (``top_k_reference``).

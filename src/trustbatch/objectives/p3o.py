@@ -46,7 +46,8 @@ _NORM_TOL = 1e-3
 
 
 def _full_input(prep: Prepared, name: str, t, V: int | None = None) -> torch.Tensor:
-    """Check a [B, T, V] log-prob input, cast it to the compute dtype and zero it at masked positions."""
+    """Check a [B, T, V] log-prob input, cast it to the compute dtype and zero it at masked positions; every input
+    but the policy's own ``logprobs_full`` is detached."""
     B, T = prep.mask.shape
     if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[:2]) != (B, T) or (V is not None and t.shape[2] != V):
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -67,7 +68,8 @@ def _full_input(prep: Prepared, name: str, t, V: int | None = None) -> torch.Ten
         if off > _NORM_TOL:
             raise ValueError(f"{name} is not normalised (|logsumexp| up to {off:.3g} at valid positions); "
                              "pass log_softmax over the vocabulary")
-    t = t.to(prep.logprobs.dtype)
+    # π_b and the proximal policy are constants of the loss (Eq. 12, a stop-gradient), as the [B, T] inputs are
+    t = (t if name == "logprobs_full" else t.detach()).to(prep.logprobs.dtype)
     return torch.where(m3, t, torch.zeros((), dtype=t.dtype))
 
 
