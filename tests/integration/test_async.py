@@ -34,8 +34,11 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_at_k0_writes_the_sync_metrics(tmp_path, cache):
-    base = TINY + SIGNAL + ["train.steps=4"]
+@pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
+def test_async_at_k0_writes_the_sync_metrics(tmp_path, cache, precision):
+    """Under bf16-mixed the workers sample under the learner's autocast, as the sync engine (its own module) does:
+    they sampled in float32, and P3O's cap bound on ~half the tokens of these staleness-0 batches."""
+    base = TINY + SIGNAL + ["train.steps=4", f"train.precision={precision}"]
     train(load_config(None, base + [f"run_dir={tmp_path / 'sync'}"]))
     train(load_config(None, base + [f"run_dir={tmp_path / 'async'}", "rollout.mode=async", "rollout.max_staleness=0"]))
     sync, asyn = _records(tmp_path / "sync"), _records(tmp_path / "async")
@@ -44,6 +47,17 @@ def test_async_at_k0_writes_the_sync_metrics(tmp_path, cache):
     for a, b in zip(sync, asyn):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING | ASYNC_ONLY}
     assert all(r["staleness"] == 0 and r["max_staleness"] == 0 for r in asyn[1:])
+
+
+def test_the_simulated_lag_samples_under_the_learners_autocast(tmp_path, cache):
+    """``rollout.staleness`` samples from a lagged float32 copy: under bf16-mixed, under the learner's autocast as the
+    sync engine, so its first round (nothing to lag yet) is the sync run's (it sampled in float32: off-policy)."""
+    base = TINY + SIGNAL + ["train.steps=1", "eval.every=100", "train.precision=bf16-mixed"]
+    train(load_config(None, base + [f"run_dir={tmp_path / 'sync'}"]))
+    train(load_config(None, base + [f"run_dir={tmp_path / 'lag'}", "rollout.staleness=1"]))
+    sync, lag = _records(tmp_path / "sync")[-1], _records(tmp_path / "lag")[-1]
+    assert lag["step"] == 1 and lag["cap_fraction"] == 0.0
+    assert {k: v for k, v in sync.items() if k not in TIMING} == {k: v for k, v in lag.items() if k not in TIMING}
 
 
 @pytest.mark.parametrize("k,workers", [(1, 1), (3, 2)])

@@ -28,7 +28,9 @@ class WorkerSpec:
     ``load_weights``). prompts, references: the training prompts' token ids and gold answers. engine, source,
     reward: the specs the trainer built from its config (``recipes.build``). threads: the worker's torch threads
     (its engine's too). contexts: per prompt, for batch-form reward functions (``SyncSource``). long_prompts: what
-    ``data.max_prompt_tokens`` did to the prompts, for the round's metrics (``SyncSource``).
+    ``data.max_prompt_tokens`` did to the prompts, for the round's metrics (``SyncSource``). autocast: the learner's
+    autocast dtype by name (``"bfloat16"`` under bf16-mixed), which an engine computing as the learner does (a
+    float32 transformers engine) samples under; None: none.
     """
 
     model_dir: str
@@ -40,6 +42,7 @@ class WorkerSpec:
     threads: int = 1
     contexts: list | None = None
     long_prompts: LongPrompts | None = None
+    autocast: str | None = None
 
 
 def for_start(spec: WorkerSpec, start: int) -> WorkerSpec:
@@ -65,7 +68,8 @@ class RolloutWorker:
         self.spec = spec
         policy = load_policy(spec.model_dir)
         self.engine = make_engine(dataclasses.replace(spec.engine, threads=spec.threads), policy,
-                                  model_dir=spec.model_dir)
+                                  model_dir=spec.model_dir,
+                                  autocast=getattr(torch, spec.autocast) if spec.autocast else None)
         self.pool = spec.reward.pool()
         # a broken scorer stops the run from the learner's side, with its message
         check = spec.reward.check(where="a rollout worker's batch")

@@ -155,10 +155,12 @@ class BehaviourVersions:
         max_lag: the most versions a trained-on batch can lag the learner (the source's bound k; the controller's
             k_max for ``max_staleness=auto``).
         temperature: the workers' sampling temperature (1 when they decode greedily).
+        autocast: the dtype the workers' engines sample under (the learner's, bf16-mixed), or None.
     """
 
-    def __init__(self, inner: WeightSync, model: torch.nn.Module, *, version: int, max_lag: int, temperature: float):
-        self.inner, self.max_lag, self.temperature = inner, max_lag, temperature
+    def __init__(self, inner: WeightSync, model: torch.nn.Module, *, version: int, max_lag: int, temperature: float,
+                 autocast: torch.dtype | None = None):
+        self.inner, self.max_lag, self.temperature, self.autocast = inner, max_lag, temperature, autocast
         self.frozen = merged_copy(model).requires_grad_(False)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self._loaded: int | None = None
@@ -205,4 +207,5 @@ class BehaviourVersions:
         if self._loaded != v:
             self.frozen.load_state_dict(self.states[v])
             self._loaded = v
-        batch.behaviour = {v: Teacher(self.frozen, self.temperature, name=f"the behaviour policy (version {v})")}
+        batch.behaviour = {v: Teacher(self.frozen, self.temperature, self.autocast,
+                                      name=f"the behaviour policy (version {v})")}

@@ -85,6 +85,15 @@ def learner_autocast(cfg: Config) -> torch.dtype | None:
     return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
 
 
+def engine_autocast(inp: Inputs) -> torch.dtype | None:
+    """The autocast dtype a rollout engine samples under: the learner's (``learner_autocast``) for an engine that
+    computes as the learner does (a float32 transformers engine: the shared module, the lagged copy of
+    ``rollout.staleness``, an async worker's copy, and the behaviour ``Teacher`` rebuilt for it); None for another
+    precision or engine, which computes its own way. Async workers and the lagged copy sampled in float32 under
+    bf16-mixed: every staleness-0 batch was off-policy (P3O's cap bound on ~half the tokens at async k = 0)."""
+    return learner_autocast(inp.cfg) if shares_module(inp.engine) else None
+
+
 def learner_options(cfg: Config) -> dict:
     """``objective.options`` as the learner takes them: with ``aggregation: seq_mean_token_sum`` and no
     ``seq_constant``, the constant is the generation budget ``rollout.max_new_tokens`` (Dr.GRPO's L_const, arXiv
@@ -152,7 +161,7 @@ def sync_engine(inp: Inputs, learner: LearnerProtocol):
     # the learner's module itself, whose adapted layers compute W x + (α/r)·B A x; under FSDP2 the whole copy
     model = whole if inp.sharded else merged_copy(policy.model) if shifted and policy.adapter is not None else whole
     engine = make_engine(inp.engine, policy, model=model, share=not shifted, version=inp.version,
-                         autocast=None if shifted else learner_autocast(cfg))
+                         autocast=engine_autocast(inp))
     if ro.staleness > 0:
         sync = LaggedSync(engine, ro.staleness, keep=ro.staleness + tr.epochs * tr.minibatches)
         learner.on_step.append(sync.record)
@@ -204,7 +213,8 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
     return WorkerSpec(model_dir="", prompts=[inp.policy.encode_prompt(e.prompt) for e in train],
                       references=[e.reference for e in train], engine=inp.engine,
                       source=dataclasses.replace(inp.source, behaviour_models=sends),
-                      reward=inp.reward, contexts=[e.context() for e in train], long_prompts=inp.task.long_prompts)
+                      reward=inp.reward, contexts=[e.context() for e in train], long_prompts=inp.task.long_prompts,
+                      autocast=str(d).removeprefix("torch.") if (d := engine_autocast(inp)) is not None else None)
 
 
 def _bounds(inp: Inputs) -> dict:
@@ -223,7 +233,8 @@ def _exact_behaviour(inp: Inputs, source: BoundedSource) -> WeightSync:
     sp = inp.source.sampling
     source.behaviour = BehaviourVersions(source.sync, inp.policy.model, version=inp.version,
                                          max_lag=source.controller.k_max if source.controller else source.k,
-                                         temperature=1.0 if sp.greedy else sp.temperature)
+                                         temperature=1.0 if sp.greedy else sp.temperature,
+                                         autocast=engine_autocast(inp))
     return source.behaviour
 
 
