@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import yaml
 
 from trustbatch.api import Trainer
 from trustbatch.config import load_config
@@ -36,6 +37,13 @@ def test_an_empty_mapping_in_yaml_sets_a_section_to_its_defaults_as_on_the_comma
     (["data.format=math"], "data.format is read only with data.train .* drop data.format"),
     (["objective.advantage=rloo", "objective.std=sample"], "objective.advantage=rloo divides by none"),
     (["objective.advantage=mean", "objective.std=sample"], "objective.advantage=mean divides by none"),
+    # the data file is the task: the run evaluated 256 held-out rows
+    (["data.train=t.jsonl", "task.heldout_size=64"],
+     r"^task.heldout_size is read only without data.train \(the data file is the task\); use data.heldout_size$"),
+    (["data.train=t.jsonl", "task.name=leg_counting"], r"^task.name is read only without data.train .*; drop task.name$"),
+    # torch's AdamW refused it with a traceback, after the run directory was made
+    (["train.adam_betas=[1.0, 0.99]"], r"^invalid value for 'train.adam_betas.0': Input should be less than 1"),
+    (["train.adam_betas=[0.9, -0.1]"], r"^invalid value for 'train.adam_betas.1': Input should be greater than or"),
     # 16 rows in 20 optimizer steps: steps without a row
     (["train.minibatches=20", "rollout.prompts_per_step=2", "rollout.group_size=8"],
      r"^train.minibatches=20 splits a round of 16 completions .* set train.minibatches ≤ 16$"),
@@ -170,3 +178,31 @@ def test_a_saved_config_reads_back_as_it_was_with_strings_that_look_like_exponen
     exp = Experiment(name="x", description="", arms={"a": {"data.system_prompt": "1e5", "train.lr": 1e-3}},
                      seeds=[0])
     assert load_config(None, exp.overrides("a", 0)).data.system_prompt == "1e5"
+
+
+def test_a_printed_config_read_back_takes_overrides_as_the_defaults_do(tmp_path):
+    """--print-config's file writes an unset section as null (model.lora: null): an override inside it was refused
+    as "'lora' is not a section"; and a section given twice in a YAML file kept only its last copy."""
+    from trustbatch.config import dump_config
+
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(dump_config(load_config()))
+    assert load_config(printed, ["model.lora.r=8"]) == load_config(None, ["model.lora.r=8"])
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train: {steps: 2, lr: 0.001}\nrollout: {group_size: 4}\ntrain: {epochs: 2}\n")
+    with pytest.raises(UserError, match=r"line 3.*found the key 'train' twice \(first at line 1\)") as e:
+        load_config(twice)
+    assert "\n" not in str(e.value)
+
+
+def test_a_run_saved_with_task_keys_beside_its_data_file_still_resumes(tmp_path):
+    """Those keys did nothing then either: a saved config with them reads back (``as_read_now``) with the task's
+    defaults, as the run computed."""
+    from trustbatch.config import dump_config
+    from trustbatch.recipes.rundir import as_read_now
+
+    saved = yaml.safe_load(dump_config(load_config(None, ["data.train=t.jsonl"])))
+    saved["task"]["heldout_size"] = 64
+    with pytest.raises(UserError):
+        load_config(None, base=saved)
+    assert load_config(None, base=as_read_now(saved)) == load_config(None, ["data.train=t.jsonl"])

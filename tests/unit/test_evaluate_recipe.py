@@ -25,7 +25,8 @@ def test_parse_ks_sorts_and_checks_against_n():
 
 @pytest.mark.parametrize("kw, message", [
     ({"ks": [0, 1]}, "need 1 <= k <= n"),
-    ({"temperature": 0.0}, r"^--temperature must be > 0 \(pass@k is over samples\) \(got 0.0\)$"),
+    ({"temperature": 0.0}, r"^--temperature must be a finite number > 0 \(pass@k is over samples\) \(got 0.0\)$"),
+    ({"temperature": float("inf")}, r"^--temperature must be a finite number > 0 .*\(got inf\)$"),  # a traceback
     ({"workers": -1}, r"^--workers must be >= 0 \(got -1\)$"),  # only the option that is wrong is named
     ({"limit": 0, "timeout": -1.0}, r"^--limit must be >= 1 \(got 0\); --timeout must be > 0 \(got -1.0\)$"),
     ({"engine": "sglang"}, "--engine 'sglang' must be transformers or vllm"),

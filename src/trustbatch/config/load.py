@@ -46,6 +46,18 @@ class Config(_Strict):
     threads: Int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
 
     @model_validator(mode="after")
+    def _task_keys_without_a_data_file(self) -> "Config":
+        # a data file is the task: the reasoning-gym task's keys would be read by nothing (the run said it trained
+        # 256 held-out prompts where task.heldout_size=64 asked for fewer)
+        if self.data.train:
+            default = TaskConfig().model_dump()
+            unread = next((k for k, v in self.task.model_dump().items() if v != default[k]), None)
+            if unread is not None:
+                fix = f"use data.{unread}" if unread in ("train_size", "heldout_size") else f"drop task.{unread}"
+                raise ValueError(f"task.{unread} is read only without data.train (the data file is the task); {fix}")
+        return self
+
+    @model_validator(mode="after")
     def _minibatches_have_rows(self) -> "Config":
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         if self.train.minibatches > rows:
@@ -72,7 +84,9 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
         key = "data.train"
     parts = key.split(".")
     for p in parts[:-1]:
-        nxt = d.setdefault(p, {})
+        if d.get(p) is None:  # a section left null (model.lora: null in a printed config) is set from its defaults
+            d[p] = {}
+        nxt = d[p]
         if not isinstance(nxt, dict):
             raise UserError(f"config key {key!r}: {p!r} is not a section")
         d = nxt

@@ -38,6 +38,7 @@ def _finite_values(v: Any, where: str = "") -> Any:
 Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
 FreeDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
+Beta = Annotated[Float, Field(ge=0, lt=1)]  # torch's AdamW refuses others, after the run directory is made
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 
@@ -370,7 +371,7 @@ class TrainConfig(_Strict):
         "constant", description="after the warm-up: constant, or a linear or cosine decay to 0 at the last optimizer "
                                 "step (steps × epochs × minibatches)")
     weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay")
-    adam_betas: tuple[Float, Float] = Field((0.9, 0.99), description="AdamW's (beta1, beta2)")
+    adam_betas: tuple[Beta, Beta] = Field((0.9, 0.99), description="AdamW's (beta1, beta2), each in [0, 1)")
     adam_eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
     grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")
     micro_batch_size: Int = Field(512, ge=1, description="rows per micro-batch (gradient accumulation within an "

@@ -12,11 +12,27 @@ from ..errors import UserError
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``3e-1``, ``1e4``, ``-2E+3`` as floats.
+    """SafeLoader that also reads ``3e-1``, ``1e4``, ``-2E+3`` as floats, and refuses a key given twice in one
+    mapping.
 
     YAML 1.1 (PyYAML) needs a dot in a float, so ``{eps_high: 3e-1}`` would be the string
-    ``'3e-1'``; typed fields coerce it back, free-form dicts (objective.options) do not.
+    ``'3e-1'``; typed fields coerce it back, free-form dicts (objective.options) do not. PyYAML keeps the last of
+    two equal keys, so a section written twice (``train:`` at the top and again further down) silently lost the
+    first one's settings.
     """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    if key_node.value in seen:
+                        raise yaml.constructor.ConstructorError(
+                            "while reading a mapping", node.start_mark,
+                            f"found the key {key_node.value!r} twice (first at line {seen[key_node.value] + 1}); give "
+                            "it once", key_node.start_mark)
+                    seen[key_node.value] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Sequence
@@ -143,7 +144,8 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     bad = [f"{name} must be {rule} (got {value})" for name, value, rule, ok in (
-        ("--temperature", temperature, "> 0 (pass@k is over samples)", temperature > 0),
+        ("--temperature", temperature, "a finite number > 0 (pass@k is over samples)",
+         math.isfinite(temperature) and temperature > 0),
         ("--max-new-tokens", max_new_tokens, ">= 1", max_new_tokens >= 1),
         ("--limit", limit, ">= 1", limit is None or limit >= 1),
         ("--timeout", timeout, "> 0", timeout > 0),

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from ..config import Config, DataConfig
+from ..config import Config, DataConfig, TaskConfig
 from ..errors import UserError
 from ..records import git_commit, package_version
 from ..trainer.runlog import MetricsLog
@@ -108,7 +108,8 @@ def as_read_now(saved: dict) -> dict:
     - ``task.heldout_reserve`` 0: the base's SFT skipped the held-out prompts alone.
     - ``rollout.prompt_order`` random: prompts were drawn at random with replacement.
     - ``objective.std`` population under ``advantage`` mean or rloo (no σ); ``data.*`` size and format keys without
-      ``data.train`` (the task's own ran); ``rollout.quantization`` on the transformers engine (vLLM's alone).
+      ``data.train`` (the task's own ran), and ``task.*`` with it (the file ran); ``rollout.quantization`` on the
+      transformers engine (vLLM's alone).
     """
     task, ro, obj, data = (saved.get(k) if isinstance(saved.get(k), dict) else {} for k in
                            ("task", "rollout", "objective", "data"))
@@ -123,6 +124,8 @@ def as_read_now(saved: dict) -> dict:
     if data and not data.get("train"):
         for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field"):
             data[k] = DataConfig.model_fields[k].default
+    if data.get("train") and task:
+        saved["task"] = TaskConfig().model_dump(mode="json")
     return saved
 
 
