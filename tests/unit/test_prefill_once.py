@@ -142,3 +142,26 @@ def test_per_tensor_fp8_prefills_once_with_the_whole_forwards_scales(stories, mo
         assert shapes[:2] == [(len(prompts), max(lens) - 1), (5 * len(prompts), 1)]
         worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.behavior_logprobs, rb.behavior_logprobs))
         assert worst > 1e-3, worst
+
+
+def test_a_recurrent_model_samples_on_the_plain_path():
+    """A recurrent (stateful) cache cannot be indexed out to the rows: Mamba's prefill-once stopped with
+    "'LinearAttentionLayer' object has no attribute 'batch_select_indices'". It takes the plain path, whose
+    behaviour log-probs are a float64 forward's of each row alone."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2,
+                                                         pad_token_id=0, initializer_range=0.3)).eval()
+    m64 = copy.deepcopy(model).double()
+    out = TransformersEngine(model, 2, 0).generate([[5, 6, 7, 8, 9, 10], [11, 12]], 3, SamplingParams(max_new_tokens=6),
+                                                  seeds=[1, 2])
+    assert len(out) == 6
+    for r in out:
+        p, c = r.prompt_ids, r.completion_ids
+        with torch.no_grad():
+            want = torch.log_softmax(m64(input_ids=torch.tensor([p + c])).logits[0], -1)[len(p) - 1:len(p) + len(c) - 1]
+        got = torch.tensor(r.behavior_logprobs, dtype=torch.float64)
+        assert (want.gather(-1, torch.tensor(c)[:, None])[:, 0] - got).abs().max() <= 1e-5

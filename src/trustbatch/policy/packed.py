@@ -42,16 +42,20 @@ from .forward import (Packed, Teacher, decoder_hidden, head_parts, last_hidden, 
 from .shared_prompt import shared_prompt_unsupported, split_prompts, uses_alibi
 
 _TREE_MASK_ATTN = ("sdpa", "eager")  # attention implementations that take an arbitrary 4-D mask as given
-# model types whose causal mask ignores restarting position_ids (OPT builds it from the attention mask alone), so
-# packed sequences would see each other; tests/unit/test_packed_models.py finds them by a sweep of decoder types
-_MASK_WITHOUT_POSITIONS = ("opt",)
+# model types whose causal mask ignores restarting position_ids (OPT and BioGPT build it from the attention mask
+# alone), so packed sequences would see each other; tests/unit/test_packed_models.py finds them by a sweep of types
+_MASK_WITHOUT_POSITIONS = ("opt", "biogpt")
 _WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 log = logging.getLogger(__name__)
 
 
 def packing_unsupported(model: torch.nn.Module) -> str | None:
     """Why packed sequences would attend to each other in ``model`` (unwrapped), or None: ALiBi biases, computed from
-    the attention mask, or a causal mask built without ``position_ids``. Such a model takes the padded forward."""
+    the attention mask, a causal mask built without ``position_ids``, or a recurrent state (Mamba, Jamba, Falcon-H1,
+    OLMo-hybrid: transformers' ``_is_stateful``), which runs on from one packed sequence into the next. Such a
+    model takes the padded forward."""
+    if getattr(model, "_is_stateful", False):
+        return "a recurrent state would run on from one packed sequence into the next"
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if uses_alibi(text):

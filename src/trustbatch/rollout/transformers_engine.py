@@ -46,7 +46,7 @@ from transformers import (Cache, GenerationConfig, LogitsProcessor, LogitsProces
                           TopPLogitsWarper)
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
-from ..policy.forward import Recorded, Teacher, refuse_empty_prompts
+from ..policy.forward import Recorded, Teacher, refuse_empty_prompts, unwrap
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams, end_ids_of
@@ -340,7 +340,10 @@ class TransformersEngine:
         P = ids.shape[1]
         row_slot = _prompt_slots(items)
         first = [row_slot.index(s) for s in range(max(row_slot) + 1)]  # a row of each distinct prompt
-        if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None:
+        # a recurrent (stateful) cache cannot be indexed out to the rows: transformers' linear-attention layers have
+        # no batch_select_indices (the run stopped with a traceback)
+        if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None or \
+                getattr(unwrap(self.model), "_is_stateful", False):
             return None
         if scaled:
             # the plain path's first forward over all N rows, less the repeats: each layer's scale
