@@ -44,3 +44,67 @@ def test_the_preflight_probes_a_data_file_arm_at_its_runs_budget(tmp_path, share
     with pytest.raises(UserError, match="no arm could be measured"):
         preflight.run_preflight(str(tmp_path / "x.yaml"), tmp_path / "out")
     assert seen == [256]
+
+
+def test_nested_sections_in_an_experiment_merge_key_by_key_as_a_config_file_does(tmp_path):
+    """``common: {rollout: {temperature: 0.6}}`` and an arm's ``{rollout: {precision: bfloat16}}``: set whole, the
+    arm's section replaced common's and LAB_COMMON's (the arm trained at T = 1.0, 250 rounds, no diagnostics)."""
+    from trustbatch.lab.experiment import load_experiment
+
+    nested, dotted = tmp_path / "nested.yaml", tmp_path / "dotted.yaml"
+    nested.write_text(yaml.safe_dump({"seeds": [0], "common": {"rollout": {"temperature": 0.6}},
+                                      "arms": {"a": {"rollout": {"precision": "bfloat16"},
+                                                     "objective": {"name": "grpo", "options": {"eps_low": 0.3}}}}}))
+    dotted.write_text(yaml.safe_dump({"seeds": [0], "common": {"rollout.temperature": 0.6},
+                                      "arms": {"a": {"rollout.precision": "bfloat16", "objective.name": "grpo",
+                                                     "objective.options": {"eps_low": 0.3}}}}))
+    got, want = (load_config(None, load_experiment(str(p)).overrides("a", 0)) for p in (nested, dotted))
+    assert got == want
+    assert (got.rollout.temperature, got.rollout.precision, got.train.steps, got.train.diagnostics) == \
+        (0.6, "bfloat16", 100, True)
+
+
+def test_an_arm_name_that_is_not_one_folder_is_refused(tmp_path):
+    """``p3o@1/2`` trained into p3o@1/2/seed0, which the archive's glob (ARM/seedK) never found: its runs were dropped."""
+    import pytest
+
+    from trustbatch.errors import UserError
+    from trustbatch.lab.experiment import load_experiment
+
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump({"arms": {"p3o@1/2": {}, "grpo@1/2": {}}}))
+    with pytest.raises(UserError, match="arm name '(p3o|grpo)@1/2' would not be one folder"):
+        load_experiment(str(tmp_path / "e.yaml"))
+
+
+def test_arms_whose_bases_are_one_model_build_it_once(tmp_path):
+    """A LoRA arm and a full fine-tuning arm of one seed train from one base (the cache's key): it was built twice,
+    by two workers at once. A seed of its own is another base."""
+    from trustbatch.lab.runner import base_builds
+
+    exp = Experiment(name="x", description="", seeds=[0, 1],
+                     arms={"full": {"model.sft_steps": 5}, "lora": {"model.sft_steps": 5, "model.lora": {"r": 4}}})
+    builds = [b[:2] for b in base_builds(exp)[0]]
+    assert len(builds) == 2 and {seed for _, seed in builds} == {0, 1}
+
+
+def test_an_interrupt_while_bases_build_ends_the_builders_at_once():
+    """Ctrl-C or SIGTERM (``lab run`` turns it into KeyboardInterrupt) while bases build: the queued builds are
+    cancelled and the running builders end (the runner waited for every queued base, 26 s for six small ones)."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from trustbatch.lab.runner import _stop_builds
+
+    ex = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
+    futures = [ex.submit(time.sleep, 60) for _ in range(5)]
+    while not any(f.running() for f in futures):
+        time.sleep(0.05)
+    procs = list(ex._processes.values())
+    deadline = time.monotonic() + 10
+    _stop_builds(ex)
+    # polled, not joined: the executor's own thread reaps its processes too
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in procs)
+    assert sum(f.cancelled() for f in futures) >= 2  # the ones not yet handed to a worker

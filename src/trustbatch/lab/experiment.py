@@ -34,7 +34,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 
-from ..config import load_config, read_yaml_file, yaml_dumps
+from ..config import _flatten, load_config, read_yaml_file, yaml_dumps
 from ..errors import UserError
 
 # Lab II (issue 14): long enough to learn and to collapse, with one optimizer step per rollout round
@@ -146,8 +146,13 @@ def load_experiment(name_or_path: str, seeds: list[int] | None = None) -> Experi
         spec = read_yaml_file(path, what="experiment") or {}
     if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
         raise UserError(f"experiment {str(path)!r} needs an 'arms' mapping of arm name -> overrides")
-    common = {**LAB_COMMON, **(spec.get("common") or {})}
-    arms = {str(a): {**common, **(o or {})} for a, o in spec["arms"].items()}
+    # dotted keys, as a config file's sections are read: a nested section ({rollout: {precision: ...}}) set whole
+    # would replace LAB_COMMON's and common's keys of that section (T = 1.0 where common said 0.6, 250 rounds)
+    common = {**LAB_COMMON, **_flatten(dict(spec.get("common") or {}))}
+    arms = {str(a): {**common, **_flatten(dict(o or {}))} for a, o in spec["arms"].items()}
+    if bad := next((a for a in arms if "/" in a or "\\" in a or a.startswith(".") or not a.strip()), None):
+        raise UserError(f"experiment {str(path)!r}: arm name {bad!r} would not be one folder (it names the arm's "
+                        "folder of runs); use letters, digits, '@', '_', '-' and '.' inside the name")
     compare = spec.get("compare") or []
     if not isinstance(compare, list) or any(not isinstance(c, list) or len(c) != 2 or any(x not in arms for x in c)
                                             for c in compare):

@@ -69,6 +69,7 @@ def base_builds(exp: Experiment) -> list[list[tuple[str, int, list[str], bool]]]
     after the bases it loads are cached. Keying by what is built, not by arm, keeps two workers from
     training the same model at once (an on-policy arm and a foreign arm share their seed's base).
     """
+    from ..policy.base import base_key
     from ..recipes.build import task_key
 
     bases: dict[tuple, tuple] = {}
@@ -77,13 +78,15 @@ def base_builds(exp: Experiment) -> list[list[tuple[str, int, list[str], bool]]]
         overrides = exp.overrides(arm, seed)
         cfg = load_config(None, overrides)
         model = cfg.model.model_dump(mode="json")
+        # the base cache's own key: arms that differ in settings no base reads (model.lora, a reference) share one
+        # base, and two workers built it at once
         if cfg.model.path is None:
-            bases.setdefault((repr(task_key(cfg)), json.dumps(model, sort_keys=True)), (arm, seed, overrides, False))
+            bases.setdefault(base_key(task_key(cfg), model), (arm, seed, overrides, False))
         if cfg.rollout.foreign_fraction > 0:
             spec = cfg.rollout.foreign_model
             # a mapping is merged into the model settings (recipes.build.foreign_engine); a name is itself the key
-            what = json.dumps({**model, **spec} if isinstance(spec, dict) else spec, sort_keys=True, default=str)
-            foreigns.setdefault((repr(task_key(cfg)), cfg.model.path, what), (arm, seed, overrides, True))
+            what = base_key(task_key(cfg), {**model, **spec}) if isinstance(spec, dict) else json.dumps(spec, default=str)
+            foreigns.setdefault((cfg.model.path, what), (arm, seed, overrides, True))
     return [w for w in (list(bases.values()), list(foreigns.values())) if w]
 
 
@@ -119,10 +122,22 @@ def build_shared_base(exp: Experiment, console, jobs: int = 1) -> None:
             for f, arm, seed in futures:
                 try:
                     f.result()
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the builds now, not after every queued one
+                    _stop_builds(ex)
+                    raise
                 except Exception as e:
                     ex.shutdown(cancel_futures=True)
                     raise UserError(f"seed {seed}, {arm}: building the base model failed: "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def _stop_builds(ex) -> None:
+    """Cancel the builds not started and end the running ones (their bases are cached only once complete: an
+    interrupted build leaves nothing a later call would load)."""
+    running = list((getattr(ex, "_processes", None) or {}).values())  # shutdown forgets them
+    ex.shutdown(wait=False, cancel_futures=True)
+    for proc in running:
+        proc.terminate()
 
 
 def _sigterm_as_interrupt():
