@@ -79,7 +79,8 @@ def _inputs(engine: EngineSpec):
     train = [Example(prompt=f"{i} + 1 =", reference=str(i + 1), answer=str(i + 1)) for i in range(4)]
     spec = SourceSpec(SamplingParams(max_new_tokens=3), group_size=2, prompts_per_step=3, seed=0,
                       behaviour_models=True)  # kl=exact asks for the behaviour distribution
-    return backends.Inputs(cfg=SimpleNamespace(rollout=SimpleNamespace(staleness=0, foreign_fraction=0.0)),
+    return backends.Inputs(cfg=SimpleNamespace(rollout=SimpleNamespace(staleness=0, foreign_fraction=0.0),
+                                                  train=SimpleNamespace(precision="float32")),
                            task=SimpleNamespace(train=train, long_prompts=None),
                            policy=SimpleNamespace(encode_prompt=lambda text: [1, 2, len(text)]), pool=None,
                            world=SimpleNamespace(size=1), version=VERSION, engine=engine, source=spec,
