@@ -47,8 +47,10 @@ class Trainer:
             model (TRL's model-id reward_funcs) is ``overrides={"reward.model": DIR}``, one more term of that sum.
         train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset``, a pandas ``DataFrame`` or a
             file path, in any format ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
-        overrides: ``{"train.steps": 4}``, ``{"train": {"steps": 4}}`` (nested as in a YAML file: the keys inside a
-            section, never the section replaced) or ``["train.steps=4"]``, applied last, as on the command line.
+        overrides: ``{"train.steps": 4}``, ``{"train": {"steps": 4}}`` or ``["train.steps=4"]``, applied last. A
+            dict is read as a YAML file's mapping is: a dict value sets the keys inside it (``{"model.lora": {"r":
+            8}}`` keeps the other LoRA keys set before), never the whole section as ``model.lora={r: 8}`` does on
+            the command line; ``task.params``, ``objective.options`` and ``rollout.foreign_model`` are set whole.
         resume: a run directory to continue from its last checkpoint, as ``trustbatch train --resume``: its saved
             config, with ``overrides`` of the resumable keys only; give the same reward callables again.
 

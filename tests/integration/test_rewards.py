@@ -186,6 +186,9 @@ def test_math_reward_without_a_box_reads_the_answer_as_math_verify_does(shared_d
     assert math("The answer is $\\sqrt{2}$.", "2") == 0.0
     assert math("So the answer is \\boxed{\\frac{3}{2", "2") == 0.0
     assert math("The final answer is $\\frac{14}{3}$.", "\\frac{14}{3}") == 1.0
+    # MATH's money (\$18, which math-verify's patterns skip) and a box echoed empty from an instruction still read
+    assert math("In total, Tom spends \\$42.50.", "42.50") == math("The answer is \\$18.90.", "\\$18.90") == 1.0
+    assert math("I will put the final answer within \\boxed{}. So the answer is 5.", "5") == 1.0
 
 
 def test_pool_cuts_hang_counts_errors_and_goes_on():

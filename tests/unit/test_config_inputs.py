@@ -206,3 +206,7 @@ def test_a_run_saved_with_task_keys_beside_its_data_file_still_resumes(tmp_path)
     with pytest.raises(UserError):
         load_config(None, base=saved)
     assert load_config(None, base=as_read_now(saved)) == load_config(None, ["data.train=t.jsonl"])
+    # more mini-batches than a round's completions: the steps with rows are the ones such a run now takes
+    saved = yaml.safe_load(dump_config(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=4"])))
+    saved["train"]["minibatches"] = 16
+    assert load_config(None, base=as_read_now(saved)).train.minibatches == 8

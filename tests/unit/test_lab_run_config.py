@@ -60,6 +60,13 @@ def test_nested_sections_in_an_experiment_merge_key_by_key_as_a_config_file_does
                                                      "objective.options": {"eps_low": 0.3}}}}))
     got, want = (load_config(None, load_experiment(str(p)).overrides("a", 0)) for p in (nested, dotted))
     assert got == want
+    # rollout.foreign_model is a name or a mapping, set whole (split into keys it was refused as "not a section")
+    named = tmp_path / "foreign.yaml"
+    named.write_text(yaml.safe_dump({"seeds": [0], "common": {"rollout": {"foreign_fraction": 0.5,
+                                                                          "foreign_model": "initial"}},
+                                     "arms": {"b": {"rollout.foreign_model": {"hidden": 96, "seed": 1}}}}))
+    assert load_config(None, load_experiment(str(named)).overrides("b", 0)).rollout.foreign_model == \
+        {"hidden": 96, "seed": 1}
     assert (got.rollout.temperature, got.rollout.precision, got.train.steps, got.train.diagnostics) == \
         (0.6, "bfloat16", 100, True)
 

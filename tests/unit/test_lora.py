@@ -341,3 +341,19 @@ def test_a_lora_run_from_a_lora_checkpoint_exports_both_adapters_merged(tmp_path
     assert got.keys() == expected.keys()
     assert all(torch.allclose(got[k], expected[k], atol=1e-6, rtol=0) for k in got)
     assert any(not torch.equal(got[k], stage_one.state_dict()[k]) for k in got)  # stage two trained something
+
+
+def test_an_adapter_whose_tensors_its_config_does_not_name_is_refused(shared_dir, tmp_path):
+    """peft only warns on tensors the config has no layer for (v_proj's, with target_modules [q_proj]): the model
+    loaded with those adapters dropped, logits 16.8 off the checkpoint's merged weights."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = shared_dir / "models" / "stories260K-hf"
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
+    with pytest.raises(UserError, match="the adapter's tensors do not match its adapter_config.json") as e:
+        load_policy(tmp_path / "a")
+    assert "\n" not in str(e.value)

@@ -210,13 +210,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise UserError(_format_error(e)) from None
 
 
+# keys whose value is one whole dict (or, for rollout.foreign_model, a name or a dict), never a section's keys
+FREE_FORM = ("task.params", "objective.options", "rollout.foreign_model")
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        # Free-form dicts (task.params, objective.options) are set whole, not flattened; so is an empty one, which
+        # Free-form dicts (FREE_FORM) are set whole, not flattened; so is an empty one, which
         # sets a section to its defaults (``lora: {}``), as ``model.lora={}`` does on the command line.
-        if isinstance(v, dict) and v and key not in ("task.params", "objective.options"):
+        if isinstance(v, dict) and v and key not in FREE_FORM:
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v

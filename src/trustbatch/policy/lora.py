@@ -287,10 +287,16 @@ def load_merged(path: str | Path, load_base, dtype: torch.dtype = torch.float32)
     policy = load_base(base, dtype=dtype)
     try:
         # peft builds the layers from the checkpoint's own config (rslora, alpha_pattern, rank_pattern included)
-        PeftModel.from_pretrained(policy.model, str(p), is_trainable=False)
+        policy.adapter = PeftModel.from_pretrained(policy.model, str(p), is_trainable=False)
+        weights = read_adapter(p)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise UserError(f"cannot read the LoRA adapter in {str(p)!r} ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}); copy it again") from None
+    try:  # peft only warns on tensors the config has no layer for, or layers the file has no tensors for
+        restore_adapter(policy, weights)
+    except UserError:
+        raise UserError(f"LoRA checkpoint {str(p)!r}: the adapter's tensors do not match its {ADAPTER_CONFIG} (other "
+                        "target modules or ranks); copy the checkpoint again") from None
     policy.model = merged_copy(policy.model)
     policy.adapter = None
     return policy

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, DataConfig, TaskConfig
+from ..config.load import FREE_FORM
 from ..errors import UserError
 from ..records import git_commit, package_version
 from ..trainer.runlog import MetricsLog
@@ -92,7 +93,7 @@ def set_aside(run_dir: Path) -> Path:
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and f"{prefix}{k}" not in ("task.params", "objective.options", "rollout.foreign_model"):
+        if isinstance(v, dict) and f"{prefix}{k}" not in FREE_FORM:
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -109,7 +110,8 @@ def as_read_now(saved: dict) -> dict:
     - ``rollout.prompt_order`` random: prompts were drawn at random with replacement.
     - ``objective.std`` population under ``advantage`` mean or rloo (no σ); ``data.*`` size and format keys without
       ``data.train`` (the task's own ran), and ``task.*`` with it (the file ran); ``rollout.quantization`` on the
-      transformers engine (vLLM's alone).
+      transformers engine (vLLM's alone); ``train.minibatches`` above a round's completions: that many (its other
+      steps had no rows).
     """
     task, ro, obj, data = (saved.get(k) if isinstance(saved.get(k), dict) else {} for k in
                            ("task", "rollout", "objective", "data"))
@@ -126,6 +128,10 @@ def as_read_now(saved: dict) -> dict:
             data[k] = DataConfig.model_fields[k].default
     if data.get("train") and task:
         saved["task"] = TaskConfig().model_dump(mode="json")
+    train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
+    rows = int(ro.get("prompts_per_step", 64)) * int(ro.get("group_size", 8)) if ro else None
+    if rows and isinstance(train.get("minibatches"), int) and train["minibatches"] > rows:
+        train["minibatches"] = rows  # the steps such a run took with rows (the empty ones are no longer taken)
     return saved
 
 

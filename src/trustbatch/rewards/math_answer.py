@@ -63,11 +63,16 @@ def _unbold(ans: str) -> str:
 
 def extract_answer(completion: str) -> str | None:
     """The text math-verify reads as the model's final answer: the last ``\\boxed{}``'s content between ``$…$``;
-    None when that box is empty or cut off (an unfinished answer); the whole completion when it has no box."""
-    if _last_box(completion) is None:
-        return completion
-    boxed = extract_boxed(completion)
-    return f"${_unbold(boxed)}$" if boxed is not None and boxed.strip() else None
+    None when that box is cut off (an unfinished answer); else the whole completion, its escaped dollar signs
+    (``\\$18``, MATH's money) dropped, which math-verify's patterns skip. An empty box (``\\boxed{}`` echoed from
+    an instruction) counts as none."""
+    if _last_box(completion) is not None:
+        boxed = extract_boxed(completion)
+        if boxed is None:
+            return None
+        if boxed.strip():
+            return f"${_unbold(boxed)}$"
+    return completion.replace("\\$", "")
 
 
 def gold_text(answer) -> str:
@@ -80,8 +85,8 @@ def gold_text(answer) -> str:
 def math_reward(completion: str, reference: str) -> float:
     """1.0 if the completion's final answer is mathematically equivalent to ``reference`` (LaTeX or a number), else 0.0.
 
-    Extraction (``extract_answer``): the last ``\\boxed{…}``, else math-verify's ``parse`` of the whole completion;
-    an empty or cut-off last box, or nothing math-verify can read, gives 0.
+    Extraction (``extract_answer``): the last ``\\boxed{…}``, else math-verify's ``parse`` of the whole completion,
+    else (math-verify reads nothing there) its last number; a cut-off last box, or no answer, gives 0.
     Raises whatever math-verify raises on pathological input; the reward pool turns that into 0.
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -91,7 +96,9 @@ def math_reward(completion: str, reference: str) -> float:
         return 0.0
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
     gold = parse(f"${reference}$", extraction_config=configs)
-    got = parse(pred, extraction_config=configs)
+    # math-verify reads nothing in some plain texts (a number its patterns do not match): the last number then
+    got = parse(pred, extraction_config=configs) or (
+        parse(f"${n}$", extraction_config=configs) if not pred.startswith("$") and (n := last_number(pred)) else [])
     if not gold or not got:
         return 0.0
     return 1.0 if verify(gold, got) else 0.0
