@@ -5,7 +5,7 @@ seeds (the rollout engine shares the module, and no-grad forwards stay eager), s
 rewards); the learner's compiled training forward differs from the eager one only by the float32 round-off of
 inductor's fused kernels, so its metrics agree within 1e-5 and the on-policy ESS is 1 within 1e-6. Inductor writes
 the code it generates to ``TORCHINDUCTOR_CACHE_DIR``, which shows the compiled path ran. The same holds under
-``torchrun --nproc-per-node 2`` (gloo) with FSDP2 and DDP, both marked slow. One eager run in one process is the
+``torchrun --nproc-per-node 2`` (gloo) with FSDP2 and DDP. All three are slow (``make test-slow``). One eager run in one process is the
 reference for all three: two ranks of the eager step equal one process (tests/integration/test_fsdp2_end_to_end.py,
 test_parallel.py) to float32 reduction order, well inside 1e-5, and one eager launch fewer keeps ``make test`` short.
 """
@@ -50,9 +50,11 @@ def eager(tmp_path_factory, cache):  # noqa: F811
     return row
 
 
-# the two-rank launches are slow (make test-slow): each compiles on both ranks, 30 s of the default suite's 10 minutes
-@pytest.mark.parametrize("strategy", [None, pytest.param("fsdp2", marks=pytest.mark.slow),
-                                      pytest.param("ddp", marks=pytest.mark.slow)],
+# slow (make test-slow; 30 s of the default suite's 10 minutes each): inductor's C++ compile. The default suite keeps
+# the compiled step against the eager one in tests/unit/test_compile_blocks.py (aot_eager: the same graph capture
+# and AOT autograd, eager kernels) and runs inductor on CUDA in tests/gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [None, "fsdp2", "ddp"],
                          ids=["one_process", "fsdp2_2_ranks", "ddp_2_ranks"])
 def test_a_compiled_round_equals_the_eager_one(tmp_path, eager, strategy):
     compiled = _round_one(tmp_path, True, strategy)

@@ -114,6 +114,9 @@ def test_lora_on_two_fsdp2_ranks_equals_two_ddp_ranks(runs):
             assert _off(got_m[k], moments[k], torch.zeros_like(moments[k])) <= UPDATE_L2_TOL, (i, k)
 
 
+# slow (make test-slow; 19 s of launches): FSDP2's resume is the default suite's in test_fsdp2_end_to_end.py and a
+# LoRA run's in tests/unit/test_lora.py; this is their combination
+@pytest.mark.slow
 def test_a_lora_fsdp2_run_stopped_at_round_2_and_resumed_equals_the_uninterrupted_run(runs):
     run = runs / "resumed"
     _run(_train(run, "fsdp2", "train.steps=2"))

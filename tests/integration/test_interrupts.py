@@ -87,6 +87,7 @@ def test_a_lost_ctrl_c_is_redelivered_to_the_main_thread(script):
     assert took < LIMIT_S
 
 
+@pytest.mark.slow  # the control experiment, 12 s of sleeping past the limit (make test-slow)
 def test_the_plain_interpreter_loses_those_ctrl_cs():
     """The cases above are real: without the guard, each sleeps on past the limit."""
     for script in (OTHER_THREAD, IN_FINALIZER):
