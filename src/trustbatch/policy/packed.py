@@ -39,7 +39,7 @@ import torch
 from .chunked_logprobs import HeadInput, KLReference, TeacherForced, full_logprobs, head_logprobs
 from .forward import (Packed, Teacher, decoder_hidden, head_parts, last_hidden, response_logprobs, teacher_forced,
                       teaching, unwrap)
-from .shared_prompt import shared_prompt_unsupported, split_prompts, uses_alibi
+from .shared_prompt import recurrent, shared_prompt_unsupported, split_prompts, uses_alibi
 
 _TREE_MASK_ATTN = ("sdpa", "eager")  # attention implementations that take an arbitrary 4-D mask as given
 # model types whose causal mask ignores restarting position_ids (OPT and BioGPT build it from the attention mask
@@ -54,7 +54,7 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
     the attention mask, a causal mask built without ``position_ids``, or a recurrent state (Mamba, Jamba, Falcon-H1,
     OLMo-hybrid: transformers' ``_is_stateful``), which runs on from one packed sequence into the next. Such a
     model takes the padded forward."""
-    if getattr(model, "_is_stateful", False):
+    if recurrent(model):
         return "a recurrent state would run on from one packed sequence into the next"
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -65,6 +65,13 @@ def uses_alibi(config) -> bool:
     return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") in _ALIBI_TYPES
 
 
+def recurrent(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a DDP wrapper unwrapped) carries a recurrent state from token to token (Mamba, Jamba,
+    Falcon-H1, OLMo-hybrid: transformers' ``_is_stateful``): its cache cannot be indexed by row, and sequences
+    packed end to end would share the state."""
+    return bool(getattr(unwrap(model), "_is_stateful", False))
+
+
 def shared_prompt_unsupported(model: torch.nn.Module, inference: bool = False) -> str | None:
     """Why ``model`` cannot reuse a prompt's key/value cache for its completions, or None if it can.
 
@@ -81,7 +88,7 @@ def shared_prompt_unsupported(model: torch.nn.Module, inference: bool = False) -
         return f"{type(m).__name__} has no transformers config"
     if getattr(cfg, "is_encoder_decoder", False):
         return "an encoder-decoder model"
-    if getattr(m, "_is_stateful", False):
+    if recurrent(m):
         return "a stateful (recurrent) cache cannot be indexed by prompt"
     try:
         params = inspect.signature(m.forward).parameters

@@ -46,8 +46,9 @@ from transformers import (Cache, GenerationConfig, LogitsProcessor, LogitsProces
                           TopPLogitsWarper)
 
 from ..policy.budget import KV_BYTES, LOGITS_BYTES, generate_rows
-from ..policy.forward import Recorded, Teacher, refuse_empty_prompts, unwrap
+from ..policy.forward import Recorded, Teacher, refuse_empty_prompts
 from ..policy.kv_cache import GrowingCache, cache_kwarg, growing_cache_fits, output_cache
+from ..policy.shared_prompt import recurrent
 from ..seeding import row_seed
 from .engine import Rollout, SamplingParams, end_ids_of
 from .gumbel import NOISES, gumbel_pick, noise_stream, uniforms
@@ -343,7 +344,7 @@ class TransformersEngine:
         # a recurrent (stateful) cache cannot be indexed out to the rows: transformers' linear-attention layers have
         # no batch_select_indices (the run stopped with a traceback)
         if P < 2 or len(first) == len(items) or cache_kwarg(self.model) is None or \
-                getattr(unwrap(self.model), "_is_stateful", False):
+                recurrent(self.model):
             return None
         if scaled:
             # the plain path's first forward over all N rows, less the repeats: each layer's scale

@@ -382,14 +382,13 @@ class Learner(ForwardPasses):
             if self.diagnostics:
                 metrics.update(grpo_zeroed_shares(logp, mb.behavior_logprobs, mb.advantages, m))
             reducer.add(metrics, w)
-        if record_ratios:
-            self._report_ratios(step_log_ratios)
+        flat = self._step_ratios(step_log_ratios, record_ratios)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         if self.world.max([float(bool(failure) or not math.isfinite(grad_norm))])[0] > 0:
             return self._skip(failure or f"gradient norm {grad_norm}")
         lr = self._update()
         out = reducer.result(float(batch.packed.response_mask.sum()), self.world)
-        out.update(self._ratio_quantiles(step_log_ratios) if "ratio_p50" in out else {})  # collective: every rank
+        out.update(self._ratio_quantiles(flat) if "ratio_p50" in out else {})  # collective: every rank
         if pool_ess:  # every rank: a sum over ranks
             ess = self._sum_stats({"ess": step_stats})["ess"].ess()[0]
             if "ess" in out:
@@ -409,13 +408,12 @@ class Learner(ForwardPasses):
             fn(self.version, self.model)
         return lr
 
-    def _ratio_quantiles(self, step_log_ratios: list[torch.Tensor]) -> dict[str, float]:
+    def _ratio_quantiles(self, mine: torch.Tensor) -> dict[str, float]:
         """``ratio_p50`` and ``ratio_p99`` of the whole step: the quantiles (``objectives.quantiles``) of
         ρ = exp(clamp(log π_θ − log π_b, ±log_ratio_clip)), the ratio the objectives take them of, over the response
-        tokens of every micro-batch and rank. Each objective call's own quantiles, averaged over the calls, moved with
-        ``micro_batch_size`` and ran low in the tail (p99 1.98 at 3 rows a micro-batch against 2.52 over the step).
-        Collective: every rank calls it."""
-        mine = torch.cat(step_log_ratios).cpu() if step_log_ratios else torch.zeros(0)
+        tokens of every micro-batch (``mine``: this rank's, ``_step_ratios``) and rank. Each objective call's own
+        quantiles, averaged over the calls, moved with ``micro_batch_size`` and ran low in the tail (p99 1.98 at 3
+        rows a micro-batch against 2.52 over the step). Collective: every rank calls it."""
         flat = torch.cat(self.world.gather(mine)) if self.world.size > 1 else mine
         if flat.numel() == 0:
             return {}
@@ -423,12 +421,16 @@ class Learner(ForwardPasses):
         q = objectives.quantiles(flat.clamp(-bound, bound).exp(), (0.5, 0.99))
         return {"ratio_p50": float(q[0]), "ratio_p99": float(q[1])}
 
-    def _report_ratios(self, step_log_ratios: list[torch.Tensor]) -> None:
-        """Hand this step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]) to the
-        ``on_step_ratios`` callbacks with the step's tag."""
+    def _step_ratios(self, step_log_ratios: list[torch.Tensor], report: bool) -> torch.Tensor | None:
+        """This step's token log-ratios (log π_θ − log π_b over the response tokens, float32 [tokens]), copied to the
+        host once for both readers: the ``on_step_ratios`` callbacks (with the step's tag, when ``report``) and the
+        step's ratio quantiles; None when neither reads them."""
+        if not (report or "ratio_p50" in self.reductions):
+            return None
         flat = torch.cat(step_log_ratios).cpu() if step_log_ratios else torch.zeros(0)
-        for fn in self.on_step_ratios:
+        for fn in self.on_step_ratios if report else ():
             fn(*self._step_tag, flat)
+        return flat
 
     def _plan(self, batch: TrainBatch) -> "_StepPlan":
         """The step's global counts, micro-batches, and the batch statistics its micro-batches share; ValueError

@@ -60,9 +60,13 @@ def _registered_design(name: str, registered: str) -> tuple:
     return tuple((k, spec.get(k, defaults[k])) for k in DESIGN_KEYS)
 
 
-def _same(key: str, folder, registered) -> bool:
+def _same(key: str, folder, registered, arms: list[str]) -> bool:
     if key == "seeds":  # fewer seeds is a design not yet run to the end, not a change
         return {int(x) for x in folder or []} <= {int(x) for x in registered or []}
+    if key == "compare":  # no compare list means the default pairs of the arms it runs: the same design
+        def pairs(c):
+            return [list(p) for p in (c or default_comparisons(arms))]
+        return pairs(folder) == pairs(registered)
     return (folder or None) == (registered or None)
 
 
@@ -83,12 +87,8 @@ def experiment_spec(name: str, exp_dir: Path) -> tuple[dict, str | None]:
     if not reg:
         return spec, None
     missing = [k for k in ANALYSIS_KEYS if k not in spec and reg[k] not in (None, False)]
-    # no compare list means the default pairs of the arms it runs: the same design as those pairs written out
     planned = [a for a in spec.get("arms") or {} if a not in (spec.get("preflight_only") or [])]
-    pairs = {k: [list(p) for p in (v or default_comparisons(planned))] for k, v in (("folder", spec.get("compare")),
-                                                                                   ("registered", reg["compare"]))}
-    changed = [k for k in DESIGN_KEYS if k in spec and not (
-        pairs["folder"] == pairs["registered"] if k == "compare" else _same(k, spec[k], reg[k]))]
+    changed = [k for k in DESIGN_KEYS if k in spec and not _same(k, spec[k], reg[k], planned)]
     lines = []
     if missing:
         keys = ", ".join(f"`{k}`" for k in missing)
