@@ -3,6 +3,7 @@ given to the Python API keeps the defaults that follow the data, and keys nothin
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -210,3 +211,35 @@ def test_a_run_saved_with_task_keys_beside_its_data_file_still_resumes(tmp_path)
     saved = yaml.safe_load(dump_config(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=4"])))
     saved["train"]["minibatches"] = 16
     assert load_config(None, base=as_read_now(saved)).train.minibatches == 8
+
+
+UNREAD = [  # (a key set alone, a key that turns its option on), each read only with the other
+    ("rollout.max_sampling_rounds=8", "rollout.dynamic_sampling=true"),
+    ("rollout.foreign_model={hidden: 96}", "rollout.foreign_fraction=0.5"),
+    ("ray_learners=0", "orchestrator=ray"),
+    ("ray_address=host:6379", "orchestrator=ray"),
+    ("train.ess_scope=micro_batch", "objective.name=p3o"),
+]
+
+
+@pytest.mark.parametrize("key,option", UNREAD, ids=[u[0].split("=")[0] for u in UNREAD])
+def test_a_key_whose_option_is_off_is_refused_and_an_old_run_with_it_still_resumes(key, option):
+    """Each of these keys was accepted and read by nothing while its option was off (max_sampling_rounds=8 without
+    dynamic sampling trained as 1 sampling call a batch; an ESS scope under GRPO measured nothing). The reference:
+    the run reads nothing of it, so the config it computes equals the defaults'; with its option on, it is kept."""
+    from trustbatch.config import dump_config
+    from trustbatch.recipes.build import preflight
+    from trustbatch.recipes.rundir import as_read_now
+
+    alone = [key] + (["objective.name=grpo"] if key.startswith("train.ess_scope") else [])
+    with pytest.raises(UserError, match=rf"{re.escape(key.split('=')[0])}.* read only .*drop") as e:
+        preflight(load_config(None, alone)) if key.startswith("train.") else load_config(None, alone)
+    assert "\n" not in str(e.value)
+    with_option = load_config(None, [key, option] + (["rollout.mode=async"] if option.startswith("orch") else []))
+    assert dump_config(with_option) != dump_config(load_config(None, [option] + (
+        ["rollout.mode=async"] if option.startswith("orch") else [])))
+    # a saved config.yaml that holds it (an older version let it through) reads back as what that run computed
+    saved = yaml.safe_load(dump_config(load_config(None, alone[1:])))
+    section, _, name = key.split("=")[0].rpartition(".")
+    (saved[section] if section else saved)[name] = yaml.safe_load(key.split("=", 1)[1])
+    assert load_config(None, base=as_read_now(saved)) == load_config(None, alone[1:])

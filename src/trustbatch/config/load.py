@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..errors import UserError
 from .sections import (DataConfig, EvalConfig, Int, LogConfig, ModelConfig, ObjectiveConfig, RewardConfig,
-                       RolloutConfig, TaskConfig, TrainConfig, _Strict)
+                       RolloutConfig, TaskConfig, TrainConfig, _Strict, set_unread)
 from .yaml_io import read_yaml_file, yaml_dumps, yaml_loads
 
 
@@ -55,6 +55,14 @@ class Config(_Strict):
             if unread is not None:
                 fix = f"use data.{unread}" if unread in ("train_size", "heldout_size") else f"drop task.{unread}"
                 raise ValueError(f"task.{unread} is read only without data.train (the data file is the task); {fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_keys_need_ray(self) -> "Config":
+        for key in ("ray_address", "ray_learners"):  # the local orchestrator reads neither
+            if self.orchestrator == "local" and set_unread(self, key):
+                raise ValueError(f"{key}={getattr(self, key)} is read only with orchestrator=ray; set it too (with "
+                                 f"rollout.mode=async), or drop {key}")
         return self
 
     @model_validator(mode="after")

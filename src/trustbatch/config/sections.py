@@ -22,6 +22,13 @@ def _no_bool(v: Any) -> Any:
     return v
 
 
+def set_unread(model: BaseModel, key: str) -> bool:
+    """Whether ``key`` of ``model`` was given a value other than its default. A given key equal to its default is let
+    through wherever a rule refuses a key that nothing reads: every saved config.yaml (resume, a lab run's seed file,
+    print-config's output) holds all keys."""
+    return key in model.model_fields_set and getattr(model, key) != type(model).model_fields[key].default
+
+
 def _finite_values(v: Any, where: str = "") -> Any:
     # Free-form dicts (objective.options, task.params) bypass allow_inf_nan; check them by hand.
     if isinstance(v, float) and not math.isfinite(v):
@@ -306,11 +313,23 @@ class RolloutConfig(_Strict):
         if self.mode == "sync":
             for name in _ASYNC_ONLY:
                 value = getattr(self, name)
-                if name in self.model_fields_set and value != type(self).model_fields[name].default:
+                if set_unread(self, name):
                     raise ValueError(
                         f"rollout.{name}={value} is ignored in rollout.mode=sync (it configures the async pipeline); "
                         f"add rollout.mode=async, or drop it" + (" (rollout.staleness simulates a fixed lag in sync mode)"
                                                                if name == "max_staleness" else ""))
+        return self
+
+    @model_validator(mode="after")
+    def _keys_of_an_option_that_is_off(self) -> "RolloutConfig":
+        # read only with the option they configure: a value given without it would do nothing
+        if not self.dynamic_sampling and set_unread(self, "max_sampling_rounds"):
+            raise ValueError(f"rollout.max_sampling_rounds={self.max_sampling_rounds} is read only with "
+                             "rollout.dynamic_sampling=true (DAPO's refills); set it too, or drop "
+                             "rollout.max_sampling_rounds")
+        if self.foreign_fraction == 0 and set_unread(self, "foreign_model"):
+            raise ValueError("rollout.foreign_model is read only with rollout.foreign_fraction > 0 (the share of each "
+                             "group it samples); set rollout.foreign_fraction, or drop rollout.foreign_model")
         return self
     foreign_fraction: Float = Field(0.0, ge=0, lt=1, description="fraction of each group sampled by foreign_model: "
                                     "round(group_size · f) of its samples, which must be 1 .. group_size − 1")

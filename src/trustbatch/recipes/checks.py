@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import objectives
 from ..config import Config
+from ..config.sections import set_unread
 from ..errors import UserError
 from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
 from ..policy.reward_model import check_reward_model
@@ -38,6 +39,9 @@ def check_objective(cfg: Config) -> None:
     if spec.batch_stats and cfg.train.ess_scope not in spec.ess_scopes:
         raise UserError(f"objective {cfg.objective.name!r} supports train.ess_scope in {spec.ess_scopes}, "
                         f"not {cfg.train.ess_scope!r}")
+    if not spec.batch_stats and set_unread(cfg.train, "ess_scope"):
+        raise UserError(f"train.ess_scope={cfg.train.ess_scope} is read only by an objective that measures the ESS "
+                        f"(p3o), not {cfg.objective.name!r}; drop train.ess_scope")
     cause = spec.full_logprobs_cause(cfg.objective.options)
     ro = cfg.rollout
     engine = behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision))

@@ -14,7 +14,8 @@ import os
 import time
 from pathlib import Path
 
-from ..config import Config, DataConfig, TaskConfig
+from .. import objectives
+from ..config import Config, DataConfig, RolloutConfig, TaskConfig, TrainConfig
 from ..config.load import FREE_FORM
 from ..errors import UserError
 from ..records import git_commit, package_version
@@ -111,7 +112,9 @@ def as_read_now(saved: dict) -> dict:
     - ``objective.std`` population under ``advantage`` mean or rloo (no σ); ``data.*`` size and format keys without
       ``data.train`` (the task's own ran), and ``task.*`` with it (the file ran); ``rollout.quantization`` on the
       transformers engine (vLLM's alone); ``train.minibatches`` above a round's completions: that many (its other
-      steps had no rows).
+      steps had no rows); ``rollout.max_sampling_rounds`` without dynamic sampling, ``rollout.foreign_model``
+      without ``foreign_fraction``, ``ray_*`` with the local orchestrator, ``train.ess_scope`` under an objective
+      that measures no ESS.
     """
     task, ro, obj, data = (saved.get(k) if isinstance(saved.get(k), dict) else {} for k in
                            ("task", "rollout", "objective", "data"))
@@ -129,10 +132,25 @@ def as_read_now(saved: dict) -> dict:
     if data.get("train") and task:
         saved["task"] = TaskConfig().model_dump(mode="json")
     train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
+    _unread_to_default(saved, ro, obj, train)
     rows = int(ro.get("prompts_per_step", 64)) * int(ro.get("group_size", 8)) if ro else None
     if rows and isinstance(train.get("minibatches"), int) and train["minibatches"] > rows:
         train["minibatches"] = rows  # the steps such a run took with rows (the empty ones are no longer taken)
     return saved
+
+
+def _unread_to_default(saved: dict, ro: dict, obj: dict, train: dict) -> None:
+    # keys set where their option was off: no run read them, and this version refuses them (config.sections)
+    if ro and not ro.get("dynamic_sampling"):
+        ro["max_sampling_rounds"] = RolloutConfig.model_fields["max_sampling_rounds"].default
+    if ro and not ro.get("foreign_fraction"):
+        ro["foreign_model"] = RolloutConfig.model_fields["foreign_model"].default
+    if saved.get("orchestrator", "local") == "local":
+        for k in ("ray_address", "ray_learners"):
+            saved[k] = Config.model_fields[k].default
+    name = obj.get("name", "p3o")
+    if train and name in objectives.names() and not objectives.spec(name).batch_stats:
+        train["ess_scope"] = TrainConfig.model_fields["ess_scope"].default
 
 
 def check_resume_changes(saved: dict, new: dict, defaults: dict | None = None) -> list[str]:
