@@ -275,3 +275,33 @@ def test_the_checkpoint_just_written_survives_rotation_beside_a_later_rounds_fol
     written = ckpt_mod.save_checkpoint(tmp_path, 3, _OneFilePolicy(), {}, keep=1)
     assert written.is_dir() and (written / "trainer_state.pt").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_runs_started_in_the_same_second_without_run_dir_each_get_their_own_directory(tmp_path, cache, monkeypatch,
+                                                                                        capsys):
+    """The default run directory is runs/<second>-<objective>: a run started in the same second as another (a sweep
+    launching several at once) was refused ("in use by process ...") while the other held it, and with the other
+    stopped before its first checkpoint, set its files aside as its own interrupted start. The other start here holds
+    the names of the next 30 seconds (its lock and records); the reference is what it wrote, byte for byte."""
+    from datetime import datetime, timedelta
+
+    from trustbatch.recipes.rundir import RunLock
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime.now()
+    others = [tmp_path / "runs" / f"{now + timedelta(seconds=s):%Y%m%d-%H%M%S}-p3o" for s in range(30)]
+    locks = []
+    for d in others:
+        locks.append(RunLock(d).__enter__())
+        (d / "config.yaml").write_text("another run's\n")
+    before = {d: snapshot(d) for d in others}
+    try:
+        code, err = _cli(monkeypatch, capsys, "train", *QUICK, "train.steps=1")
+    finally:
+        for lock in locks:
+            lock.__exit__(None, None, None)
+    assert code == 0, err
+    ours = sorted(p for p in (tmp_path / "runs").iterdir() if p not in others)
+    assert len(ours) == 1 and ours[0].name.endswith("-p3o-2"), ours
+    assert (ours[0] / "summary.json").exists() and (ours[0] / "checkpoints").is_dir()
+    assert {d: snapshot(d) for d in others} == before

@@ -27,7 +27,9 @@ class Config(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-    run_dir: str | None = Field(None, description="the run directory (default: a new folder under runs/)")
+    run_dir: str | None = Field(None, description="the run directory (default: a new folder "
+                                                  "runs/DATE-TIME-OBJECTIVE, -2, -3, ... added when another run "
+                                                  "started in the same second took the name)")
     checkpoint_every: Int = Field(50, ge=1, description="rounds between checkpoints (a step-0 checkpoint follows the "
                                                         "base evaluation)")
     checkpoint_keep: Int = Field(2, ge=1, description="newest checkpoints kept (older ones are deleted after each "

@@ -75,6 +75,21 @@ class RunLock:
             self._fd = None
 
 
+def claim_new(run_dir: Path) -> Path:
+    """Make a new run's default directory (no ``run_dir`` given) for this process alone: ``run_dir`` itself, or
+    ``run_dir-2``, ``-3``, ... when another start took that name (runs launched in the same second share the
+    timestamp). The exclusive ``mkdir`` decides, so two starts never share one directory. Returns the folder made."""
+    path, n = Path(run_dir), 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+            path = Path(f"{run_dir}-{n}")
+
+
 def set_aside(run_dir: Path) -> Path:
     """Move everything in ``run_dir`` but its lock into a new subfolder ``interrupted-YYYYmmdd-HHMMSS`` (and earlier
     such subfolders stay where they are), so that a start interrupted before its first checkpoint can start over in

@@ -34,7 +34,7 @@ from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, p
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
-from .rundir import (RunLock, as_read_now, check_resume_changes, check_resume_paths, open_metrics_log,
+from .rundir import (RunLock, as_read_now, claim_new, check_resume_changes, check_resume_paths, open_metrics_log,
                      record_segment, run_dir_write_error, set_aside)
 
 
@@ -87,7 +87,8 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
     cfg, budget = with_answer_budget(cfg or load_config())
     notes = [budget] if budget else []
     run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
-    started = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
+    # a default name another start took is not this run's (train claims a new one)
+    started = cfg.run_dir is not None and ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists())
     if started and int(os.environ.get("RANK", "0")) == 0:  # the other ranks never write the directory
         with RunLock(run_dir):  # a run still training there is named (its pid), not sent to --resume
             if checkpoints(run_dir):
@@ -132,8 +133,10 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
+    created = world.is_main and resume is None and (cfg.run_dir is None or not run_dir.exists())
+    if created and cfg.run_dir is None:  # a default name: runs started in the same second must not share it
+        run_dir = claim_new(run_dir)
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
-    created = world.is_main and resume is None and not run_dir.exists()
     try:
         with interrupt_guard(), lock:
             return _train_locked(cfg, run_dir, changed, resume is not None, world, console, started)
