@@ -17,7 +17,7 @@ from trustbatch.recipes.hooks import TrainHooks
 
 
 @pytest.mark.parametrize("name,kind", [("gsm8k", "gsm8k"), ("math500", "math"), ("aime2024", "aime"),
-                                       ("amc2023", "amc"), ("countdown", None)])
+                                       ("amc2023", "amc"), ("countdown", "countdown")])
 def test_the_shared_benchmarks_are_recognised(shared_dir, name, kind):
     assert benchmark_kind(name, str(shared_dir / "data")) == kind
     assert benchmark_kind(str(shared_dir / "data" / name / "test.jsonl")) == kind
@@ -108,3 +108,22 @@ def test_truncation_past_20_percent_is_warned_once_in_one_line():
     lines = buf.getvalue().splitlines()
     assert len(lines) == 1 and "round 4" in lines[0] and "25%" in lines[0] and "rollout.max_new_tokens=16" in lines[0]
     assert "raise rollout.max_new_tokens (up to 54 keeps every prompt" in lines[0]  # 64 - the longest prompt, 10
+
+
+def test_countdown_gets_a_budget_its_gold_answers_fit(shared_dir):
+    """Countdown kept the default 8 tokens: its shortest bare answer is 9 tokens of stories260K's, and the
+    demonstration its prompt asks for (<answer> ... </answer>) 29-32, so every completion was cut and scored 0. The
+    reference: the data's own scorer on each row's gold demonstration, cut at the run's budget."""
+    from trustbatch.data.benchmarks import load_benchmark
+    from trustbatch.policy import load_policy
+    from trustbatch.recipes.train import resolved_config
+    from trustbatch.rewards import get
+
+    model, path = shared_dir / "models" / "stories260K-hf", shared_dir / "data" / "countdown" / "test.jsonl"
+    budget = resolved_config(None, [f"data={path}", f"model.path={model}"]).rollout.max_new_tokens
+    assert budget == 256  # 1024 (TinyZero's), at most half of stories260K's 512 positions
+    policy, bench = load_policy(str(model)), load_benchmark(str(path))
+    score = get(bench.reward)
+    cut = [score(policy.decode(policy.encode_completion(" " + e.answer)[:budget]), e.reference)
+           for e in bench.examples]
+    assert len(cut) == 256 and sum(cut) == 256

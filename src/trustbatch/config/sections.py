@@ -248,7 +248,8 @@ class RolloutConfig(_Strict):
     temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
     top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
-                                "/ AIME / AMC gets 512 / 1024 / 20480 / 20480, at most half the model's context")
+                                "/ AIME / AMC / Countdown gets 512 / 1024 / 20480 / 20480 / 1024, at most half the "
+                                "model's context")
     dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
     max_sampling_rounds: Int = Field(4, ge=1, description="dynamic sampling: sampling calls per batch, the first "
                                                           "included (N - 1 refills; verl's max_num_gen_batches)")

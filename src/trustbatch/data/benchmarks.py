@@ -54,8 +54,9 @@ log = logging.getLogger("trustbatch.data")
 
 # Completion budgets (tokens) that fit each benchmark's answers, from peers' training configs: verl's GRPO examples
 # for GSM8K (examples/grpo_trainer/run_qwen2-7b.sh, data.max_response_length=512) and for GSM8K + MATH
-# (run_qwen2-7b_math.sh, 1024), and verl's DAPO recipe, validated on AIME 2024 (max_response_length=1024 * 20)
-ANSWER_TOKENS = {"gsm8k": 512, "math": 1024, "aime": 20480, "amc": 20480}
+# (run_qwen2-7b_math.sh, 1024), verl's DAPO recipe, validated on AIME 2024 (max_response_length=1024 * 20), and
+# TinyZero's Countdown runs (data.max_response_length=1024: its prompt asks for working and <answer> tags)
+ANSWER_TOKENS = {"gsm8k": 512, "math": 1024, "aime": 20480, "amc": 20480, "countdown": 1024}
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
 def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
     """Which long-answer benchmark (a key of ``ANSWER_TOKENS``) a data file holds, or None.
 
-    GSM8K by its row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
+    GSM8K and Countdown by their row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
     first row of a JSON Lines file, and a Parquet or JSON file or a ``datasets`` directory as ``load_benchmark``
     reads it. A file that cannot be read or whose format is unknown gives None (loading it says why).
     """
@@ -184,8 +185,8 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
             format = detect_format(json.loads(first))
     except (UserError, OSError, ValueError, TypeError):
         return None
-    if format == "gsm8k":
-        return "gsm8k"
+    if format in ("gsm8k", "countdown"):
+        return format
     if format != "math":
         return None
     # the competition as a word of the name given, the file's name or its folder's (aime2024/, amc_23.jsonl), not of

@@ -1,7 +1,7 @@
 """Defaults that depend on the data: a completion budget that fits the benchmark's answers.
 
-``rollout.max_new_tokens`` defaults to 8 tokens, the default task's few-digit answers. GSM8K, MATH, AIME and AMC
-answers need hundreds to thousands of tokens: cut at 8 every completion is truncated and every reward is 0. When the
+``rollout.max_new_tokens`` defaults to 8 tokens, the default task's few-digit answers. GSM8K, MATH, AIME, AMC and
+Countdown answers need hundreds to thousands of tokens: cut at 8 every completion is truncated and every reward is 0. When the
 user did not set ``rollout.max_new_tokens``, a run on one of them gets ``data.benchmarks.ANSWER_TOKENS`` (the peers'
 budgets), at most half the model's context so that the prompt keeps the other half.
 """
@@ -35,7 +35,7 @@ def with_answer_budget(cfg: Config) -> tuple[Config, str | None]:
     """``cfg`` with ``rollout.max_new_tokens`` fitted to the training data's benchmark, and a line saying so; or
     ``(cfg, None)`` unchanged: the user set the key, the data is the reasoning-gym task, or no known benchmark.
 
-    The budget: ``ANSWER_TOKENS[kind]`` (gsm8k 512, math 1024, aime and amc 20480), at most half of
+    The budget: ``ANSWER_TOKENS[kind]`` (gsm8k 512, math and countdown 1024, aime and amc 20480), at most half of
     ``model_context(cfg)``.
     """
     if not cfg.data.train or "max_new_tokens" in cfg.rollout.model_fields_set:
