@@ -100,3 +100,35 @@ def test_after_a_chat_template_the_answer_starts_at_once(tmp_path, shared_dir, g
                                        tokenize=True, return_dict=False)
     ours = seen["prompt_ids"](prompt) + tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ours == list(rendered)[:len(ours)]
+
+
+def test_the_default_base_sfts_only_what_fits_its_context_and_refuses_before_any_step(tmp_path, gsm12, monkeypatch):
+    """The default base (no model.path) trained on every demonstration: GSM8K's 90-800 tokens against its 64
+    positions, 600 silent SFT steps past its range, and then the run refused every prompt. Now it keeps those that
+    fit, as fit_demos does for model.path, and with none refuses before any step, naming model.max_len. Reference:
+    the base tokenizer's own ids of each prompt and answer, and EOS."""
+    data, _ = gsm12
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    seen = {}
+
+    def record(policy, demos, **kw):
+        seen.update(demos=demos, tok=policy.tokenizer)
+        return 0.0
+
+    monkeypatch.setattr("trustbatch.policy.base.sft", record)
+    small = ["model.hidden=16", "model.layers=1", "model.heads=2", "model.sft_teacher_error=0"]
+    done = CliRunner().invoke(app, ["sft", f"data.train={data}", "data.heldout_size=2", *small,
+                                    "--out", str(tmp_path / "out")])
+    assert isinstance(done.exception, UserError) and not seen, done.output
+    assert str(done.exception).startswith("none of the 10 SFT demonstrations of the default base fits its context of "
+                                          "model.max_len=64 tokens") and "\n" not in str(done.exception)
+    done = CliRunner().invoke(app, ["sft", f"data.train={data}", "data.heldout_size=2", *small, "model.max_len=256",
+                                    "--out", str(tmp_path / "out")])
+    tok = seen["tok"]
+    from trustbatch.data.benchmarks import load_benchmark
+
+    every = [(e.prompt, " " + e.answer) for e in load_benchmark(str(data)).examples[2:]]
+    fits = [d for d in every if len(tok(d[0])["input_ids"]) + len(tok(d[1], add_special_tokens=False)["input_ids"])
+            + 1 <= 256]
+    assert 0 < len(fits) < len(every)
+    assert sorted(seen["demos"]) == sorted(fits)

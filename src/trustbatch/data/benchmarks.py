@@ -171,9 +171,9 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
 def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
     """Which long-answer benchmark (a key of ``ANSWER_TOKENS``) a data file holds, or None.
 
-    GSM8K and Countdown by their row format; MATH-format rows are AIME or AMC when the name or path says so, else MATH. Reads the
-    first row of a JSON Lines file, and a Parquet or JSON file or a ``datasets`` directory as ``load_benchmark``
-    reads it. A file that cannot be read or whose format is unknown gives None (loading it says why).
+    GSM8K and Countdown by their row format; MATH-format rows are AIME or AMC when the name or path says so, else
+    MATH. Reads the first row of a JSON Lines file, and a Parquet or JSON file or a ``datasets`` directory as
+    ``load_benchmark`` reads it. A file that cannot be read or whose format is unknown gives None (loading it says why).
     """
     try:
         path = resolve(name_or_path, data_dir)
@@ -410,7 +410,8 @@ def fit_prompts(lengths: Sequence[int], *, context: int | None, max_new_tokens: 
     if lengths and not keep:
         raise UserError(f"{where}: none of the {len(lengths)} prompts fits in {budget} tokens (the model's context "
                         f"of {context} minus max_new_tokens={max_new_tokens}; the shortest has {min(lengths)}); "
-                        "lower max_new_tokens or use a model with a longer context")
+                        "lower max_new_tokens or use a model with a longer context (model.max_len for the "
+                        "default base)")
     if not skipped:
         return keep, None
     return keep, (f"warning: {where}: skipped {skipped} of {len(lengths)} prompts longer than {budget} tokens (the "

@@ -118,6 +118,24 @@ def sft_demos(task: TaskSplit, model_cfg: dict, chat: bool = False) -> list[tupl
     return weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
 
 
+def _within_context(policy: Policy, demos: list[tuple[str, str]], max_len: int) -> list[tuple[str, str]]:
+    """The demonstrations whose prompt and completion ids (EOS included) fit the base's ``max_len`` positions, as
+    ``recipes.build.fit_demos`` keeps them for ``model.path``: past them the SFT trains positions no rollout reaches
+    (a data file's prompts longer than the context are then all refused by the run).
+
+    Raises:
+        UserError: none fits, before any SFT step (names ``model.max_len``).
+    """
+    lengths = [len(policy.encode_prompt(p)) + len(policy.encode_completion(c)) for p, c in demos]
+    keep = [d for d, n in zip(demos, lengths) if n <= max_len]
+    if demos and not keep:
+        raise UserError(f"none of the {len(demos)} SFT demonstrations of the default base fits its context of "
+                        f"model.max_len={max_len} tokens (the shortest prompt and answer have {min(lengths)}); raise "
+                        f"model.max_len (e.g. model.max_len={1 << (2 * min(lengths) - 1).bit_length()}), or give a "
+                        "model with model.path")
+    return keep
+
+
 def base_folder(task_name: str, task_cfg: dict, model_cfg: dict) -> Path:
     """Where the cache keeps the base of these task and model settings: ``cache_dir()/base/{task}-{key}``."""
     return cache_dir() / "base" / f"{task_name}-{base_key(task_cfg, model_cfg)}"
@@ -176,7 +194,7 @@ def build_base(
     )
     policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     sft(
-        policy, sft_demos(task, model_cfg), steps=model_cfg["sft_steps"],
+        policy, _within_context(policy, sft_demos(task, model_cfg), model_cfg["max_len"]), steps=model_cfg["sft_steps"],
         batch_size=model_cfg["sft_batch_size"], lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step,
     )
     final.parent.mkdir(parents=True, exist_ok=True)
