@@ -147,3 +147,27 @@ def test_foreign_run_and_replay_run(tmp_path, cache):
     assert [r["policy_version"] for r in recs] == [4, 8]
     assert all(r["foreign_fraction"] == 0.5 for r in recs)
     assert recs[1]["ess"] < 1.0  # the foreign half (the frozen initial policy) and replay are off-policy
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_half_precision_rollout_copy_is_transformers_own_model_of_that_dtype(precision):
+    """The copy's ``Module.to`` rounded RoPE's frequency table to bf16 too: at position ~2,000 a rotation angle was
+    off by about 1 rad (Qwen2.5-0.5B's rope_theta 1e6, head_dim 64), so the lab's bf16 shift measured a RoPE
+    artefact that grew with the position. Reference: transformers' own model of that dtype (``from_config(dtype=)``)
+    with the same weights, whose logits the copy's now equal bit for bit."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from trustbatch.rollout.shifts import behaviour_copy
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, rope_theta=1e6, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(cfg).eval()
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, precision)).eval()
+    ref.load_state_dict(policy.state_dict())
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        for start in (0, 2000, 3900):
+            pos = torch.arange(start, start + 8)[None]
+            ours = behaviour_copy(policy, precision)(ids, position_ids=pos).logits
+            assert torch.equal(ours, ref(ids, position_ids=pos).logits), start

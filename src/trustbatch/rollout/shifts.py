@@ -137,7 +137,8 @@ def behaviour_copy(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """A copy of ``model`` for rollouts in ``precision``.
 
     ``bfloat16`` / ``float16``: weights and compute in that dtype (logits are cast to float32 by the
-    engine before the log-softmax). ``int8``: dynamic quantization of every ``nn.Linear``
+    engine before the log-softmax), RoPE's frequency table kept in float32 as transformers' own model of that dtype
+    keeps it. ``int8``: dynamic quantization of every ``nn.Linear``
     (int8 weights, activations quantized per batch; ``torch.ao.quantization.quantize_dynamic``).
     ``fp8_e4m3`` / ``fp8_e4m3_rowwise``: every ``nn.Linear`` (the LM head included, as int8) becomes
     an ``Fp8Linear`` emulating FP8-E4M3 weights and activations with per-tensor / per-row absmax
@@ -157,4 +158,17 @@ def behaviour_copy(model: torch.nn.Module, precision: str) -> torch.nn.Module:
             return quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
     if precision in FP8_SCALINGS:
         return _fp8_copy(m.float(), FP8_SCALINGS[precision])
-    return m.to(getattr(torch, precision))
+    m = m.to(getattr(torch, precision))
+    _rope_frequencies_in_float32(m, model)
+    return m
+
+
+def _rope_frequencies_in_float32(copy_: torch.nn.Module, model: torch.nn.Module) -> None:
+    # Module.to casts RoPE's frequency table (inv_freq) too: rounded to bf16, a rotation angle is off by ~1 rad at
+    # position 1,000 (transformers' bf16 model, and vLLM, keep the table in float32 and round only cos/sin). The
+    # rotary modules compute in float32 whatever the table's dtype, so restoring it changes nothing else.
+    for mine, theirs in zip(copy_.modules(), model.modules()):
+        for name in mine._non_persistent_buffers_set:
+            ours = theirs._buffers.get(name)
+            if name.endswith("inv_freq") and ours is not None and ours.dtype == torch.float32:
+                mine._buffers[name] = ours.detach().clone()
