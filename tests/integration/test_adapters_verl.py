@@ -86,6 +86,9 @@ def test_registering_twice_or_over_verls_own_names_is_refused(registered):
     # verl passes its own constant (loss_scale_factor): both gave a bare TypeError in the loss, or one silently won
     with pytest.raises(UserError, match="loss_scale_factor"):
         register_with_verl(["p3o"], options={"p3o": {"seq_constant": 512}}, prefix="tbother_")
+    # the reference KL is verl's (kl_loss_type): the option was accepted and never read
+    with pytest.raises(UserError, match="kl_loss_type"):
+        register_with_verl(["p3o"], options={"p3o": {"ref_kl": "k2"}}, prefix="tbother_")
     assert core_algos.POLICY_LOSS_REGISTRY == before
 
 

@@ -210,6 +210,9 @@ def test_bad_settings_are_one_line_errors(model_dir, tmp_path):
         _trainer(model_dir, tmp_path, objective="grpo", objective_options={"eps_hihg": 0.3})
     with pytest.raises(UserError, match="kl='exact'.*does not supply"):
         _trainer(model_dir, tmp_path, objective="p3o", objective_options={"kl": "exact"})
+    # TRL's reference KL is beta with k3: the objective's ref_kl was accepted and replaced by k3 without a word
+    with pytest.raises(UserError, match=r"option 'ref_kl' is decided by TRL \(.*GRPOConfig.beta"):
+        _trainer(model_dir, tmp_path, objective="p3o", objective_options={"ref_kl": "k2"}, beta=0.1)
     with pytest.raises(UserError, match="top_entropy_quantile"):
         _trainer(model_dir, tmp_path, objective="p3o", top_entropy_quantile=0.5)
     # TRL's clip widths would be silently replaced by the objective's (0.2, 0.2)

@@ -56,6 +56,8 @@ trl = import_stack("trl", "trl")
 
 logger = logging.getLogger(__name__)
 ESS_SCOPES = ("batch", "micro_batch")
+# options TRL decides: its reference KL is beta times the k3 estimator (the objective's ref_kl would be overridden)
+TRL_FIXED = {"ref_kl": "the reference KL is GRPOConfig.beta with TRL's k3 estimator"}
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -152,7 +154,7 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
         if ess_scope not in ESS_SCOPES:
             raise UserError(f"ess_scope={ess_scope!r} is not one of {ESS_SCOPES}")
         self.tb_objective = objective
-        self.tb_options = check_objective(objective, objective_options, stack="TRL", fixed={})
+        self.tb_options = check_objective(objective, objective_options, stack="TRL", fixed=TRL_FIXED)
         self.tb_ess_scope = ess_scope
         cfg = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if cfg is not None and cfg.vllm_importance_sampling_correction:

@@ -56,7 +56,8 @@ _AGGREGATION = {
 
 # options verl's own config sets: given as objective options too, they would clash with (or silently override) it
 VERL_FIXED = {"aggregation": "set actor_rollout_ref.actor.loss_agg_mode",
-              "seq_constant": "set actor_rollout_ref.actor.loss_scale_factor"}
+              "seq_constant": "set actor_rollout_ref.actor.loss_scale_factor",
+              "ref_kl": "its reference KL is verl's own: set actor_rollout_ref.actor.kl_loss_type"}
 
 
 def _core_algos():
