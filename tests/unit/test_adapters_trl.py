@@ -249,3 +249,22 @@ def test_logged_entropy_leaves_out_tool_output_tokens(model_dir, tmp_path):
     inputs = {"completion_mask": torch.ones(2, 3), "tool_mask": torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])}
     trainer._log_tb_metrics("train", {"loss": 0.0}, inputs, entropies)
     assert trainer._metrics["train"]["entropy"][-1] == pytest.approx((1 + 4 + 3 + 5) / 4)
+
+
+def test_logged_kl_over_processes_is_tokens_weighted_as_trls(model_dir, tmp_path):
+    """TRL logs kl as its global_masked_mean (token sums and counts summed over processes); the adapter averaged
+    each process's mean, wrong where processes hold different token counts. Two processes are emulated by an
+    accelerator whose reduce adds another process's values: 3 tokens of KL 0.2 here, 1 token of KL 1.0 there, so
+    TRL's kl is (0.6 + 1.0) / 4 = 0.4, not the mean of means 0.6 (by hand)."""
+    trainer = _trainer(model_dir, tmp_path, objective="p3o", beta=0.1, use_bias_correction_kl=False)
+    there = {"mean": torch.tensor([1.0], dtype=torch.float64), "sum": torch.tensor([5.0, 1.0, 1.0])}
+
+    def reduce(t, reduction):
+        other = there[reduction].to(t.dtype)
+        return (t + other) / 2 if reduction == "mean" else t + other
+
+    trainer.accelerator.reduce = reduce
+    inputs = {"completion_mask": torch.tensor([[1.0, 1.0, 1.0]])}
+    trainer._log_tb_metrics("train", {"loss": 0.0, "kl_ref": 0.2}, inputs, torch.tensor([[1.0, 2.0, 3.0]]))
+    assert trainer._metrics["train"]["kl"][-1] == pytest.approx(0.4)
+    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx((6.0 + 5.0) / 4)

@@ -255,12 +255,15 @@ class TrustbatchGRPOTrainer(trl.GRPOTrainer):
         mask = inputs["completion_mask"].to(entropies.dtype)
         if "tool_mask" in inputs:  # as TRL's entropy and the loss: tool outputs are no completion tokens
             mask = mask * inputs["tool_mask"].to(entropies.dtype)
-        ent = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
-        vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=ent.device)
+        # entropy and kl as TRL's global_masked_mean: token sums and counts over processes (kl_ref is this
+        # micro-batch's token mean over the same mask)
+        kl = float(metrics["kl_ref"]) if self.beta and "kl_ref" in metrics else 0.0
+        sums = torch.stack([(entropies * mask).sum(), mask.sum(), kl * mask.sum()]).detach()
+        vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=sums.device)
         vals = self.accelerator.reduce(vals, reduction="mean")
-        ent = self.accelerator.reduce(ent, reduction="sum")
+        sums = self.accelerator.reduce(sums, reduction="sum")
         for k, v in zip(keys, vals.tolist()):
             self._metrics[mode][METRIC_PREFIX + k].append(v)
-        self._metrics[mode]["entropy"].append(float(ent[0] / ent[1].clamp_min(1.0)))
+        self._metrics[mode]["entropy"].append(float(sums[0] / sums[1].clamp_min(1.0)))
         if self.beta and "kl_ref" in metrics:
-            self._metrics[mode]["kl"].append(float(vals[keys.index("kl_ref")]))
+            self._metrics[mode]["kl"].append(float(sums[2] / sums[1].clamp_min(1.0)))
