@@ -127,3 +127,15 @@ def test_countdown_gets_a_budget_its_gold_answers_fit(shared_dir):
     cut = [score(policy.decode(policy.encode_completion(" " + e.answer)[:budget]), e.reference)
            for e in bench.examples]
     assert len(cut) == 256 and sum(cut) == 256
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(shared_dir, tmp_path):
+    """A UTF-8 byte-order mark before the first row (Windows editors) was refused as "line 1 is not valid JSON
+    (Unexpected UTF-8 BOM)", and the file was no benchmark (the 8-token budget). Reference: the same file without."""
+    from trustbatch.data.benchmarks import load_benchmark
+
+    plain = shared_dir / "data" / "gsm8k" / "test.jsonl"
+    marked = tmp_path / "test.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert benchmark_kind(str(marked)) == "gsm8k"
+    assert load_benchmark(str(marked)).examples == load_benchmark(str(plain)).examples

@@ -23,6 +23,7 @@ earlier row's is skipped, counted (``Benchmark.duplicates``) and reported by a w
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -182,7 +183,7 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
         elif format == "auto":
             with open(path, "rb") as f:
                 first = next((line for line in f if line.strip()), b"")
-            format = detect_format(json.loads(first))
+            format = detect_format(json.loads(first.removeprefix(codecs.BOM_UTF8)))
     except (UserError, OSError, ValueError, TypeError):
         return None
     if format in ("gsm8k", "countdown"):
@@ -219,7 +220,8 @@ def resolve(name_or_path: str, data_dir: str | None = None) -> Path:
 def _read_rows(path: Path) -> list[tuple[str, dict]]:
     """``(where, row)`` for each non-blank line, ``where`` being ``"'FILE' line N"``."""
     rows = []
-    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+    # a byte-order mark (Windows editors, Excel's "UTF-8" export) starts the first line; json.loads refuses it
+    for n, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
         where = f"{str(path)!r} line {n}"
         try:
             line = raw.decode("utf-8")
