@@ -305,3 +305,32 @@ def test_runs_started_in_the_same_second_without_run_dir_each_get_their_own_dire
     assert len(ours) == 1 and ours[0].name.endswith("-p3o-2"), ours
     assert (ours[0] / "summary.json").exists() and (ours[0] / "checkpoints").is_dir()
     assert {d: snapshot(d) for d in others} == before
+
+
+def test_a_start_refused_by_the_lock_removes_nothing_of_the_run_that_holds_it(tmp_path, cache, monkeypatch, capsys):
+    """Two starts on one run_dir: this one found no directory, the other made it and took the lock first. The
+    refusal ("in use by process ...") is a UserError, and the cleanup of a directory "this start made" removed the
+    live run's config.yaml and lock (it could then be neither resumed nor exported). Reference: the other run's
+    files, byte for byte."""
+    from trustbatch.recipes import rundir
+
+    run_dir = tmp_path / "run"
+    held = []
+    enter = rundir.RunLock.__enter__
+
+    def the_other_start_wins(self):
+        if not held:  # between this start's look at the directory and its lock
+            held.append(enter(rundir.RunLock(run_dir)))
+            (run_dir / "config.yaml").write_text("the other run's\n")
+        return enter(self)
+
+    monkeypatch.setattr(rundir.RunLock, "__enter__", the_other_start_wins)
+    before = None
+    try:
+        code, err = _cli(monkeypatch, capsys, "train", *QUICK, "train.steps=1", f"run_dir={run_dir}")
+        before = snapshot(run_dir)
+        assert (run_dir / ".lock").exists()
+    finally:
+        held and held[0].__exit__(None, None, None)
+    assert code == 2 and "is in use by process" in err, err
+    assert before == {"config.yaml": b"the other run's\n"}

@@ -75,17 +75,26 @@ class RunLock:
             self._fd = None
 
 
-def claim_new(run_dir: Path) -> Path:
-    """Make a new run's default directory (no ``run_dir`` given) for this process alone: ``run_dir`` itself, or
-    ``run_dir-2``, ``-3``, ... when another start took that name (runs launched in the same second share the
-    timestamp). The exclusive ``mkdir`` decides, so two starts never share one directory. Returns the folder made."""
+def make_new(run_dir: Path, default_name: bool) -> tuple[Path, bool]:
+    """A new run's directory and whether this call made it (an exclusive ``mkdir``: two starts never both think they
+    made one folder, so the one refused by the other's lock never removes it).
+
+    ``default_name`` (no ``run_dir`` given): the folder is this start's alone, ``run_dir`` itself or ``run_dir-2``,
+    ``-3``, ... when another start took the name (runs launched in the same second share the timestamp). A given
+    ``run_dir`` that exists is used as it is (the lock and the resume checks decide).
+
+    Raises:
+        OSError: the folder cannot be made (``train`` reports a path that cannot be written in one line).
+    """
     path, n = Path(run_dir), 1
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
             path.mkdir()
-            return path
+            return path, True
         except FileExistsError:
+            if not default_name:
+                return path, False
             n += 1
             path = Path(f"{run_dir}-{n}")
 

@@ -34,7 +34,7 @@ from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, p
                     restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
-from .rundir import (RunLock, as_read_now, claim_new, check_resume_changes, check_resume_paths, open_metrics_log,
+from .rundir import (RunLock, as_read_now, make_new, check_resume_changes, check_resume_paths, open_metrics_log,
                      record_segment, run_dir_write_error, set_aside)
 
 
@@ -133,19 +133,20 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")
-    created = world.is_main and resume is None and (cfg.run_dir is None or not run_dir.exists())
-    if created and cfg.run_dir is None:  # a default name: runs started in the same second must not share it
-        run_dir = claim_new(run_dir)
-    lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
     try:
-        with interrupt_guard(), lock:
-            return _train_locked(cfg, run_dir, changed, resume is not None, world, console, started)
-    except UserError:
-        # refused for its input (a data file, the model, the task) before any checkpoint: the directory this start
-        # made holds nothing to keep, and a next start would take it for an interrupted one
-        if created and not checkpoints(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+        created = False  # whether this start made the directory: only then may it remove it
+        if world.is_main and resume is None:
+            run_dir, created = make_new(run_dir, default_name=cfg.run_dir is None)
+        with interrupt_guard(), RunLock(run_dir) if world.is_main else contextlib.nullcontext():
+            try:
+                return _train_locked(cfg, run_dir, changed, resume is not None, world, console, started)
+            except UserError:
+                # refused for its input (a data file, the model, the task) before any checkpoint: the directory
+                # this start made holds nothing to keep, and a next start would take it for an interrupted one.
+                # Under the lock: a start the lock refused never reaches here (it removed the live run's files)
+                if created and not checkpoints(run_dir):
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
     except KeyboardInterrupt:
         if not checkpoints(run_dir):
             raise RunInterrupted("interrupted before the first checkpoint; nothing to resume; run again with the same "
