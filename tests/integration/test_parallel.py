@@ -67,8 +67,23 @@ def _step(objective: str, world: World | None, micro_batch_size: int):
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, (out["ratio_p50"], out["ratio_p99"])
 
 
+# objectives with a no-grad pass before the steps (the proximal snapshot, the reference's log-probs)
+PRE_PASS = {"1 row, p3o_two_anchor": ("p3o_two_anchor", {}), "1 row, p3o+ref_kl": ("p3o", {"ref_kl_coef": 0.1})}
+
+
+def _one_row_round(case: str, world: World | None):
+    """train_on of a 1-row batch (DAPO's dynamic sampling can shrink a round to fewer rows than ranks): rank 1's
+    share is empty. Returns the weights after it."""
+    objective, options = PRE_PASS[case]
+    model = _model()
+    learner = Learner(model, objective, options, lr=1e-2, grad_clip=1e9, micro_batch_size=2, world=world)
+    learner.train_on(_batch(B=1))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _ddp_steps(world: World, out_dir: Path) -> dict:
-    return {name: _step(name, world, micro_batch_size=2) for name in OBJECTIVES}
+    return ({name: _step(name, world, micro_batch_size=2) for name in OBJECTIVES}
+            | {case: _one_row_round(case, world) for case in PRE_PASS})
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +112,17 @@ def test_two_gloo_ranks_equal_one_process_on_the_whole_batch(two_ranks, objectiv
         assert q == pytest.approx(want_q, rel=1e-6)  # the quantiles of every rank's tokens, not a mean of shares
     # the gradient is not trivially equal: a 1/world-size slip would show
     assert max(g.abs().max() for g in want_grads.values()) > 1e-3
+
+
+@pytest.mark.parametrize("case", list(PRE_PASS))
+def test_a_rank_with_no_rows_trains_as_one_process_with_a_pre_pass(two_ranks, case):
+    """The proximal snapshot and the reference's log-probs concatenated no chunks on a rank whose share was empty
+    (torch.cat of an empty list: the run died at 3 ranks when DAPO kept 1 group of 2). Reference: one process."""
+    want = _one_row_round(case, None)
+    assert max(float((w - p).abs().max()) for w, p in zip(want.values(), _model().state_dict().values())) > 1e-4
+    for rank in range(2):
+        for n in want:
+            _close(two_ranks[rank][case][n], want[n], f"{case} weight {n} rank {rank}")
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

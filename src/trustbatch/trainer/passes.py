@@ -79,7 +79,10 @@ class ForwardPasses:
     def _no_grad_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         packed = batch.packed.to(self.device)
         with self.autocast(), eval_mode(model):
-            return torch.cat([self.forward_fn(model, packed.select(c))[0] for c in self._no_grad_chunks(batch, model)])
+            parts = [self.forward_fn(model, packed.select(c))[0] for c in self._no_grad_chunks(batch, model)]
+        if not parts:  # this rank's share of the batch is empty (DAPO's dynamic sampling shrinks a round)
+            return torch.zeros(0, packed.response_mask.shape[1], device=self.device)
+        return torch.cat(parts)
 
     def _take_reference(self, reference: torch.nn.Module | None, strategy: str, param_dtype) -> torch.nn.Module | None:
         """The reference ``reference_logprobs`` runs (``Learner``'s ``reference``, whose docstring says what it may
