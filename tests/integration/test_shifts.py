@@ -149,6 +149,25 @@ def test_foreign_run_and_replay_run(tmp_path, cache):
     assert recs[1]["ess"] < 1.0  # the foreign half (the frozen initial policy) and replay are off-policy
 
 
+def test_a_run_that_builds_its_foreign_model_trains_as_one_that_finds_it_cached(tmp_path, cache):
+    """The foreign model's base is built after the run seeded itself, and its build reseeded torch's generator: the
+    mini-batch permutations then came from the foreign model's seed, so the first run of a command trained another
+    model than the same command once the base was cached (round 1's kl_behavior 0.527 against 0.032, a reviewer's
+    run). Reference: the second run, whose foreign model comes from the cache."""
+    from runproc import TIMING
+
+    foreign = ["rollout.foreign_fraction=0.5", "rollout.foreign_model={hidden: 24, layers: 1, seed: 3}",
+               "train.minibatches=2", "train.lr=1e-2"]
+    runs = []
+    for name in ("builds", "cached"):
+        run = tmp_path / name
+        train(load_config(None, TINY + ["train.steps=2", f"run_dir={run}", "eval.every=100", *foreign]))
+        runs.append([{k: v for k, v in json.loads(l).items() if k not in TIMING}
+                     for l in (run / "metrics.jsonl").read_text().splitlines()])
+    assert len(list((tmp_path / "cache" / "base").iterdir())) == 2  # the policy's base and the foreign one
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_a_half_precision_rollout_copy_is_transformers_own_model_of_that_dtype(precision):
     """The copy's ``Module.to`` rounded RoPE's frequency table to bf16 too: at position ~2,000 a rotation angle was

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from ..data import TaskSplit, load_task
 from ..errors import UserError
 from ..records import umask_modes
@@ -188,15 +190,17 @@ def build_base(
     task = sft_split(task, task_cfg)
     texts = [e.prompt for e in task.train] + [" " + e.answer for e in task.train]
     tok = train_tokenizer(texts, vocab_size=model_cfg["vocab_size"])
-    model = build_small_llama(
-        len(tok), hidden=model_cfg["hidden"], layers=model_cfg["layers"], heads=model_cfg["heads"],
-        max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
-    )
-    policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    sft(
-        policy, _within_context(policy, sft_demos(task, model_cfg), model_cfg["max_len"]), steps=model_cfg["sft_steps"],
-        batch_size=model_cfg["sft_batch_size"], lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step,
-    )
+    # the build seeds torch's generators (its own seed): a run that builds a base after seeding itself (the foreign
+    # model's) must draw its own streams afterwards, as a run that found the base cached does
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        model = build_small_llama(
+            len(tok), hidden=model_cfg["hidden"], layers=model_cfg["layers"], heads=model_cfg["heads"],
+            max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
+        )
+        policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        demos = _within_context(policy, sft_demos(task, model_cfg), model_cfg["max_len"])
+        sft(policy, demos, steps=model_cfg["sft_steps"], batch_size=model_cfg["sft_batch_size"],
+            lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
