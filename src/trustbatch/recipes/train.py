@@ -124,15 +124,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     require_trackers(cfg.log.trackers)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    try:
-        world = World.from_env(cfg.train.device)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if world.is_main:  # the rank that opens them; a store is created once, not by every rank at once
-        check_trackers(cfg.log.trackers, cfg.log.mlflow_uri)
-    if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
-        raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
-                        "give every rank at least one prompt")
+    world = _world(cfg)
     try:
         created = False  # whether this start made the directory: only then may it remove it
         if world.is_main and resume is None:
@@ -161,6 +153,24 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
                         f"--resume {run_dir})") from None
     finally:
         world.close()
+
+
+def _world(cfg: Config) -> World:
+    """This process's ``World`` (torchrun's ranks, or one), once the trackers it opens answer.
+
+    Raises:
+        UserError: a device that is not there, a tracker store that does not answer, fewer prompts than ranks.
+    """
+    try:
+        world = World.from_env(cfg.train.device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if world.is_main:  # the rank that opens them; a store is created once, not by every rank at once
+        check_trackers(cfg.log.trackers, cfg.log.mlflow_uri)
+    if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
+        raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
+                        "give every rank at least one prompt")
+    return world
 
 
 def train_command(config: str | None = None, overrides: list[str] | None = None, resume: str | None = None) -> dict:
