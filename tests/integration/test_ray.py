@@ -309,6 +309,23 @@ def test_a_local_ray_run_writes_no_token_in_home_and_leaves_no_process(tmp_path,
 
 
 @pytest.mark.ray
+def test_a_local_cluster_in_a_container_with_a_cpu_quota_gets_the_cpus_the_run_needs(cache, monkeypatch):
+    """Ray sizes a local cluster from the container's CPU quota (cgroups), not the cores: with a quota below them
+    and a run needing no more than the cores, the cluster got the quota's CPUs and the run was refused ("the Ray
+    cluster has 1 CPUs but ... actors need one each"). The quota is Ray's own get_num_cpus, made to say 1."""
+    ray = pytest.importorskip("ray", reason=SKIP_REASON)
+    from trustbatch.orchestration.ray_cluster import close_actors, connect
+
+    monkeypatch.setattr(ray._private.utils, "get_num_cpus", lambda *a, **k: 1)
+    cpus = os.cpu_count()
+    started = connect(None, cpus)
+    try:
+        assert started and ray.cluster_resources()["CPU"] >= cpus
+    finally:
+        close_actors(ray, [], started_ray=started)
+
+
+@pytest.mark.ray
 def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path, cache):
     pytest.importorskip("ray", reason=SKIP_REASON)
     with socket.socket() as s:  # a port nothing listens on

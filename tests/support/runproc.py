@@ -164,7 +164,7 @@ def survivors(pids: list[int], within: float = 5.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def outlived(pids: list[int], within: float = 10.0) -> list[int]:
+def outlived(pids: list[int], within: float = 30.0) -> list[int]:
     """``survivors`` after ``within`` s, each then killed with SIGKILL, so that a failing test leaves nothing training."""
     from trustbatch.processes import kill
 

@@ -165,7 +165,8 @@ def connect(address: str | None, cpus: int) -> bool:
     cluster started on this machine with ``ray start``), else start a local cluster. Returns whether this
     call initialised Ray (the caller then ends it with ``close_actors(..., started_ray=True)``).
 
-    A local cluster started here gets ``cpus`` logical CPUs when the machine has fewer cores: Ray places
+    A local cluster started here gets ``cpus`` logical CPUs when the machine (or its container's CPU quota, which
+    Ray would count) has fewer: Ray places
     an actor only on a free logical CPU, and a run's actors (rollout workers and learner ranks, one CPU
     each) would otherwise wait forever on a small machine; they share its cores instead. A cluster
     that is joined keeps its own CPUs.
@@ -182,7 +183,9 @@ def connect(address: str | None, cpus: int) -> bool:
         _process_token()
     # no dashboard: it is a web server (and an extra) a training run does not need
     kw: dict = dict(address=address, include_dashboard=False)
-    if cpus > (os.cpu_count() or 1):
+    if local:  # Ray itself counts a container's CPU quota (cgroups), which may be fewer than the cores
+        kw["num_cpus"] = max(cpus, os.cpu_count() or 1)
+    elif cpus > (os.cpu_count() or 1):
         kw["num_cpus"] = cpus
     reaper = Reaper() if local and os.path.isdir("/proc") else None
     before = _children()
