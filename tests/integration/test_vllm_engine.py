@@ -48,6 +48,25 @@ def test_head_dim_8_is_refused_in_one_line(shared_dir):
 
 
 @pytest.mark.vllm
+def test_a_gpt2_model_samples_its_own_log_probs(base_policy, tmp_path):
+    """GPT-2's config.json names its sizes n_embd / n_head / n_positions: the head-size check read hidden_size from
+    the raw JSON and ended in a KeyError traceback, where vLLM runs the model. Reference: transformers' float32
+    forward of the same GPT-2, at T = 0.8."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = base_policy.tokenizer
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_head=2, n_layer=2, n_positions=256,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy = load_policy(tmp_path)
+    ro = make_engine("vllm", policy, tmp_path).generate(prompts_of(policy), 2,
+                                                         SamplingParams(temperature=0.8, max_new_tokens=8))
+    assert len(ro) == 6 and max_abs_diff(policy.model, ro, 0.8, 1.0) <= TOL
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("quantization,precision,match", [
     ("fp8", "bfloat16", "use fp8_per_channel"),
     ("int8_per_channel_weight_only", "bfloat16", "does not quantize this model"),  # MoE only: a silent no-op
@@ -142,11 +161,11 @@ def test_lower_precision_runs_and_differs_from_float32(base_policy, base_dir, pr
         assert new < bound < old
 
 
-def _eval_cli(*args, tmp_path):
+def _eval_cli(*args, tmp_path, **env_vars):
     import os
     import subprocess
 
-    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, TRUSTBATCH_CACHE=str(tmp_path / "cache"), **env_vars)
     return subprocess.run([sys.executable, "-m", "trustbatch", "eval", *args], capture_output=True, text=True,
                           env=env, timeout=600)
 
@@ -165,17 +184,29 @@ def test_eval_engine_vllm_refuses_in_one_line(tmp_path, shared_dir):
 
 
 @pytest.mark.vllm
-def test_eval_engine_vllm_scores_a_benchmark_file(tmp_path, base_dir):
-    """The same evaluate_benchmarks path: a JSONL benchmark, pass@k in [0, 1], the engine recorded."""
+@pytest.mark.parametrize("named", ["directory", "hub id"])
+def test_eval_engine_vllm_scores_a_benchmark_file(tmp_path, base_dir, named):
+    """The same evaluate_benchmarks path: a JSONL benchmark, pass@k in [0, 1], the engine recorded. A Hub id read
+    from the offline hub cache, as the transformers engine reads it (vLLM was handed the id and refused it as "no
+    config.json")."""
     import json
+    import shutil
 
     need_vllm()
     bench = tmp_path / "sums.jsonl"
     bench.write_text("".join(json.dumps({"problem": f"Compute {a} + {b} - 0 = ?", "answer": str(a + b)}) + "\n"
                              for a in range(4) for b in range(2)))
     out = tmp_path / "eval.json"
-    p = _eval_cli("--model", str(base_dir), "-b", str(bench), "-n", "4", "-k", "1,4", "--max-new-tokens", "8",
-                  "--workers", "0", "--engine", "vllm", "--out", str(out), tmp_path=tmp_path)
+    model, env = str(base_dir), {}
+    if named == "hub id":
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        repo = tmp_path / "hub" / "models--tbtest--base"
+        shutil.copytree(base_dir, repo / "snapshots" / commit)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        model, env = "tbtest/base", {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    p = _eval_cli("--model", model, "-b", str(bench), "-n", "4", "-k", "1,4", "--max-new-tokens", "8",
+                  "--workers", "0", "--engine", "vllm", "--out", str(out), tmp_path=tmp_path, **env)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     row = res["benchmarks"]["sums"]

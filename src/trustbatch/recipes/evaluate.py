@@ -238,10 +238,12 @@ def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):
 def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens):
     """The engine ``spec`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
     longest prompt's completion."""
+    from ..policy.hub import model_dir
     from ..rollout.spec import make_engine
 
     longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
-    return make_engine(spec, policy, model_dir=str(model), device=dev,
+    # vLLM loads a directory: a hub id's snapshot in the hub cache, as load_policy read it
+    return make_engine(spec, policy, model_dir=str(model_dir(model, key="--model")), device=dev,
                        max_model_len=max(ctx or 0, longest + max_new_tokens))
 
 

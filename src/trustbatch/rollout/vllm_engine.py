@@ -33,6 +33,25 @@ def _model_config(model_dir: Path) -> dict:
     return cfg.get("text_config", cfg)
 
 
+def _sizes(model_dir: Path) -> tuple[int | None, int]:
+    """(positions, attention head size) as transformers reads the config: its attribute maps name GPT-2's n_positions,
+    n_embd and n_head (the raw config.json has no hidden_size there).
+
+    Raises:
+        ValueError: transformers cannot read the config (one line).
+    """
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"transformers cannot read {str(model_dir / 'config.json')!r} "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    hf = getattr(hf, "text_config", None) or hf
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return getattr(hf, "max_position_embeddings", None), head
+
+
 def _checkpoint_names(model_dir: Path) -> set[str]:
     """Tensor names in the directory's safetensors files (empty for other formats)."""
     from safetensors import safe_open
@@ -107,11 +126,10 @@ class VLLMEngine:
             raise ValueError(f"{str(model_dir)!r} has no config.json; the vllm engine needs a local Hugging Face "
                              "model directory (save the policy with save_pretrained)")
         cfg = _model_config(model_dir)
-        context = cfg.get("max_position_embeddings")
+        context, head = _sizes(model_dir)
         if current_platform.is_cpu():
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-            head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             sizes = CPUAttentionBackend.get_supported_head_sizes()
             if head not in sizes:
                 raise ValueError(f"vLLM's CPU attention has no kernel for head_dim={head} of {model_dir} "
