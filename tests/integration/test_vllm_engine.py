@@ -170,6 +170,28 @@ def _eval_cli(*args, tmp_path, **env_vars):
                           env=env, timeout=600)
 
 
+@pytest.mark.vllm
+def test_a_temperature_vllm_would_raise_is_refused(tmp_path, base_dir):
+    """vLLM samples a temperature in (0, 0.01) at 0.01 (its SamplingParams raises it, with a log line): the run
+    said T = 0.005 and recorded log-probs at 0.01. Reference: vLLM's own SamplingParams."""
+    need_vllm()
+    from vllm import SamplingParams as VllmSampling
+
+    from trustbatch.config import load_config
+    from trustbatch.errors import UserError
+    from trustbatch.recipes.build import preflight
+
+    assert VllmSampling(temperature=0.005).temperature == 0.01 and VllmSampling(temperature=0.01).temperature == 0.01
+    with pytest.raises(UserError, match=r"rollout.temperature=0.005 is below the vllm engine's lowest temperature "
+                                        r"0.01") as e:
+        preflight(load_config(None, ["rollout.engine=vllm", "rollout.temperature=0.005"]))
+    assert "\n" not in str(e.value)
+    preflight(load_config(None, ["rollout.engine=vllm", "rollout.temperature=0.01"]))
+    p = _eval_cli("--model", str(base_dir), "-b", "countdown", "--temperature", "0.005", "--engine", "vllm",
+                  tmp_path=tmp_path)
+    assert p.returncode == 2 and "--temperature=0.005 is below" in p.stderr.strip().splitlines()[-1], p.stderr
+
+
 def test_eval_engine_vllm_refuses_in_one_line(tmp_path, shared_dir):
     """Without vLLM: the extra to install; with it: stories260K's head size. Exit 2 either way."""
     import importlib.util

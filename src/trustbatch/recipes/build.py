@@ -27,6 +27,7 @@ from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, r
 from ..rewards.scorers import MODEL_PREFIX
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
+from ..rollout.spec import check_temperature
 from ..trainer.loop import Parts
 from .base import load_default_base
 from ..parallel import World
@@ -104,7 +105,7 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         UserError: invalid objective options or ESS scope; an optional engine or orchestrator that is not
-            installed; an engine setting the engine does not run; a reward model that is none, or where the run
+            installed; an engine setting the engine does not run, or a temperature below its lowest; a reward model that is none, or where the run
             cannot hold it; a ``model.reference`` the run would ignore or cannot load; a reference KL with Ray
             learner actors (``checks.check_learner``); an overlong zone longer than the completion budget
             (``checks.check_shaping``).
@@ -113,6 +114,7 @@ def preflight(cfg: Config) -> None:
     check_shaping(cfg)
     check_learner(cfg)
     check_engine(engine_spec(cfg))
+    check_temperature(engine_spec(cfg), cfg.rollout.temperature, "rollout.temperature")
     check_orchestrator(cfg)
     check_reward(cfg)
 

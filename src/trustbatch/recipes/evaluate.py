@@ -140,7 +140,7 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
     """Every option checked before anything loads (``evaluate``'s Raises); the torch device ``device`` names."""
     from ..parallel import DEVICE_SPEC, resolve_device
     from ..rewards import get
-    from ..rollout.spec import check_engine, engine_names
+    from ..rollout.spec import check_engine, check_temperature, engine_names
 
     _check_ks(n, ks, ",".join(map(str, ks)))
     bad = [f"{name} must be {rule} (got {value})" for name, value, rule, ok in (
@@ -161,6 +161,7 @@ def _checked_device(n, ks, temperature, max_new_tokens, limit, timeout, workers,
         for key, option in _OPTION_NAMES:
             message = message.replace(key, option)
         raise UserError(message) from None
+    check_temperature(spec, temperature, "--temperature")
     if reward is not None:
         get(reward)  # an unknown reward fails before the model loads
     if not re.fullmatch(DEVICE_SPEC, device):

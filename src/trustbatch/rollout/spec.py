@@ -63,24 +63,27 @@ class _Registered:
     shares_module: bool  # can sample from the learner's own float32 module (no copy, no weight transfer)
     behaviour: str  # one of BEHAVIOUR_DISTRIBUTIONS, at every precision not in by_precision
     by_precision: dict  # precision -> one of BEHAVIOUR_DISTRIBUTIONS, where it differs
+    min_temperature: float  # the lowest sampling temperature it samples at as given (0: any > 0)
 
 
 _ENGINES: dict[str, _Registered] = {}
 
 
 def register_engine(name: str, *, check: Callable[[EngineSpec], None] = lambda spec: None,
-                    shares_module: bool = False, behaviour: str = "none", by_precision: dict | None = None):
+                    shares_module: bool = False, behaviour: str = "none", by_precision: dict | None = None,
+                    min_temperature: float = 0.0):
     """Register ``build(spec, policy, *, model, model_dir, version, share, autocast, max_model_len, device)``
     as engine ``name``; ``check(spec)`` refuses, before any model loads, a spec it cannot run (``UserError``);
     ``behaviour`` declares what it returns of the sampled distribution (``BEHAVIOUR_DISTRIBUTIONS``), and
-    ``by_precision`` what it returns instead at some ``EngineSpec.precision`` values."""
+    ``by_precision`` what it returns instead at some ``EngineSpec.precision`` values; ``min_temperature`` the
+    lowest temperature it samples at as given (``check_temperature``)."""
     by_precision = dict(by_precision or {})
     for b in (behaviour, *by_precision.values()):
         if b not in BEHAVIOUR_DISTRIBUTIONS:
             raise ValueError(f"behaviour={b!r} is not one of {BEHAVIOUR_DISTRIBUTIONS}")
 
     def deco(build):
-        _ENGINES[name] = _Registered(build, check, shares_module, behaviour, by_precision)
+        _ENGINES[name] = _Registered(build, check, shares_module, behaviour, by_precision, min_temperature)
         return build
 
     return deco
@@ -106,6 +109,19 @@ def check_engine(spec: EngineSpec) -> None:
         UserError: one line naming the cause and the fix.
     """
     _entry(spec).check(spec)
+
+
+def check_temperature(spec: EngineSpec, temperature: float, key: str) -> None:
+    """Refuse a sampling temperature below what the engine samples at as given (``register_engine``'s
+    ``min_temperature``): it would sample, and record its log-probs, at another temperature than the run says.
+
+    Raises:
+        UserError: one line naming ``key`` (the setting: ``rollout.temperature``, ``--temperature``) and the bound.
+    """
+    low = _entry(spec).min_temperature
+    if temperature < low:
+        raise UserError(f"{key}={temperature:g} is below the {spec.name} engine's lowest temperature {low:g} (it "
+                        f"would sample and record log-probs at {low:g}); set {key} >= {low:g}")
 
 
 def behaviour_distribution(spec: EngineSpec) -> str:
@@ -199,7 +215,8 @@ def _check_vllm(spec: EngineSpec) -> None:
 
 # vLLM returns top-k log-probs per step (SamplingParams.logprobs); the learner cannot rebuild its model's
 # distribution (another implementation, its own kernels and quantization), so it takes the top-k lower bound
-@register_engine("vllm", check=_check_vllm, behaviour="top_k")
+# vLLM's SamplingParams raises a temperature in (0, 0.01) to its _MAX_TEMP 0.01 (__post_init__), with a log line
+@register_engine("vllm", check=_check_vllm, behaviour="top_k", min_temperature=0.01)
 def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
     if model_dir is None:
         import atexit
