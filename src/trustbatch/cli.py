@@ -146,6 +146,7 @@ def eval_(
     device: str = typer.Option("auto", "--device", help="the transformers engine's device: auto (CUDA when available), cpu, cuda or cuda:N"),
     decode: str = typer.Option("dynamic", "--decode", help="the transformers engine's loop, as rollout.decode: dynamic, static or static_compiled"),
     noise: str = typer.Option("generator", "--noise", help="its random streams, as rollout.noise: generator or philox"),
+    precision: str = typer.Option("float32", "--precision", help="the transformers engine's compute, as train.precision: float32, or bf16-mixed (bf16 autocast, as a bf16-mixed run's held-out evaluation samples)"),
     chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="prompts of more tokens (chat template included) are skipped or truncated, as data.max_prompt_tokens"),
@@ -157,7 +158,6 @@ def eval_(
 
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     from .recipes.evaluate import evaluate, parse_ks, save_results
     from .recipes.outputs import output_file
@@ -170,9 +170,19 @@ def eval_(
     res = evaluate(model, benchmark, n=n, ks=ks, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, decode=decode, noise=noise,
-                   chat_template=chat_template, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens,
+                   precision=precision, chat_template=chat_template, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens,
                    long_prompts=long_prompts, progress=progress,
                    warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
+    console.print(_passk_table(res, ks, n, temperature))
+    dest = save_results(res, dest)
+    errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
+    console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
+
+
+def _passk_table(res: dict, ks: list[int], n: int, temperature: float):
+    """``evaluate``'s results as a rich table: a row per benchmark and the average, pass@k ± its standard error."""
+    from rich.table import Table
+
     table = Table(title=f"pass@k (unbiased, ± standard error over prompts), n={n}, T={temperature}")
     table.add_column("benchmark")
     table.add_column("prompts", justify="right")
@@ -181,10 +191,7 @@ def eval_(
     rows = [(name, r) for name, r in res["benchmarks"].items()] + [("average", res["average"])]
     for name, r in rows:
         table.add_row(name, str(r.get("prompts", "")), *[f"{r[f'pass@{kk}']:.3f} ± {r[f'pass@{kk}_se']:.3f}" for kk in ks])
-    console.print(table)
-    dest = save_results(res, dest)
-    errs = sum(r["reward_errors"] + r["reward_timeouts"] for r in res["benchmarks"].values())
-    console.print(f"results: {dest}" + (f"  ([yellow]{errs} scorer errors or timeouts, scored 0[/yellow])" if errs else ""))
+    return table
 
 
 @app.command()

@@ -199,6 +199,36 @@ def test_the_cards_command_samples_with_the_runs_random_streams(tmp_path, shared
     assert again["pass@4"] == pytest.approx(last["heldout_pass@4"], abs=1e-12)
 
 
+def test_the_cards_command_samples_and_scores_as_a_bf16_mixed_run(tmp_path, shared_dir, hf_cache,
+                                                                  support_on_pythonpath):
+    """A bf16-mixed run's held-out evaluation samples under the learner's bf16 autocast, and scores within its
+    reward.timeout_s: the card's command sampled in float32 (a reviewer's run: pass@1 0.275 where the run logged
+    0.294) and scored within eval's default 10 s. Reference: the run's own metrics line, from the command as the card
+    prints it (nothing appended)."""
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    run, out = tmp_path / "run", tmp_path / "export"
+    train(load_config(None, RUN + [f"data={tmp_path / 'rows.jsonl'}", f"model.path={shared_dir / 'models' / 'stories260K-hf'}",
+                                   f"run_dir={run}", "train.precision=bf16-mixed", "reward.timeout_s=7",
+                                   "rollout.max_new_tokens=24", "eval.samples_per_prompt=8", "data.heldout_size=16",
+                                   "train.steps=1", "eval.every=1", "checkpoint_every=1"]), console=QUIET)
+    cmd = export_run(run, out)["eval_command"]
+    assert cmd[cmd.index("--precision") + 1] == "bf16-mixed" and cmd[cmd.index("--timeout") + 1] == "7"
+    assert cmd[cmd.index("--workers") + 1] == "0"  # the run scored in its own process, with no time limit
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    runs = {}
+    for name, args in (("card", cmd[1:]), ("float32", [a for a in cmd[1:] if a not in ("--precision", "bf16-mixed")])):
+        dest = tmp_path / f"{name}.json"
+        p = subprocess.run([sys.executable, "-m", "trustbatch", *args, "--out", str(dest)],
+                           capture_output=True, text=True, timeout=600, env=os.environ)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[name] = json.loads(dest.read_text())["benchmarks"]["rows"]
+    assert runs["card"]["pass@1"] == pytest.approx(last["heldout_accuracy"], abs=1e-12)
+    assert runs["card"]["pass@8"] == pytest.approx(last["heldout_pass@8"], abs=1e-12)
+    # the control: sampled in float32 the same command reads other numbers, so the check above can fail
+    assert (runs["float32"]["pass@1"], runs["float32"]["response_tokens"]) != \
+        (runs["card"]["pass@1"], runs["card"]["response_tokens"])
+
+
 @pytest.mark.parametrize("mode", ["skip", "truncate"])
 def test_the_cards_command_reproduces_a_run_that_limited_its_prompts(tmp_path, shared_dir, hf_cache, mode,
                                                                     support_on_pythonpath):
@@ -327,3 +357,15 @@ def test_a_chat_model_trains_on_its_template_with_the_system_prompt(tmp_path, sh
     cmd = eval_command(cfg, tmp_path / "export", 2)
     assert cmd[cmd.index("--system-prompt") + 1] == "Count the apples."
     assert "after the system message 'Count the apples.'" in model_card(cfg, tmp_path, tmp_path, 2, {}, cmd, chat=True)
+
+
+def test_the_card_names_a_reward_model_term_without_its_local_path(tmp_path):
+    """reward.functions' reward-model term is named rm:/path/to/dir: the card kept the whole absolute path (its
+    other paths are given by their last component). Reference: the path as written, which must not appear."""
+    from trustbatch.recipes.export import model_card
+
+    where = "/home/someone/private/models/my-rm"
+    cfg = load_config(None, ["data.train=/home/someone/data/rows.jsonl",
+                             f"reward.functions=[{{name: 'rm:{where}', weight: 0.5}}, {{name: math}}]"])
+    card = model_card(cfg, tmp_path, tmp_path, 2, {}, None)
+    assert "/home/someone" not in card and "name: rm:my-rm" in card and "name: math" in card

@@ -42,7 +42,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              data_dir: str | None = None, reward: str | None = None, fmt: str = "auto",
              prompt_field: str | None = None, answer_field: str | None = None, workers: int = 2,
              timeout: float = 10.0, seed: int = 0, engine: str = "transformers", device: str = "auto",
-             decode: str = "dynamic", noise: str = "generator", chat_template: str = "auto", system_prompt: str | None = None,
+             decode: str = "dynamic", noise: str = "generator", precision: str = "float32", chat_template: str = "auto",
+             system_prompt: str | None = None,
              max_prompt_tokens: int | None = None, long_prompts: str = "skip", progress=None,
              warn: Callable[[str], None] | None = None) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
@@ -54,7 +55,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     overrides each benchmark's reward; ``workers`` reward processes (0: in-process, no time limit) score each
     completion within ``timeout`` seconds. ``engine``: transformers (on ``device``: auto, cpu, cuda or cuda:N) or
     vllm; ``decode`` and ``noise``: the transformers engine's decoding loop and random streams, as ``rollout.decode``
-    and ``rollout.noise`` (``static_compiled`` with ``philox`` is the fast loop on a GPU). ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
+    and ``rollout.noise`` (``static_compiled`` with ``philox`` is the fast loop on a GPU); ``precision``: float32, or
+    bf16-mixed (the transformers engine under bf16 autocast, as a bf16-mixed run's held-out evaluation samples). ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
     (``Policy.set_prompt_format``); ``max_prompt_tokens`` and ``long_prompts`` limit them as ``data.max_prompt_tokens``
     and ``data.long_prompts`` do in training (skip, or keep the last tokens), so a run's held-out evaluation is
     sampled again on the same prompts (the model card's command). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
@@ -62,7 +64,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
     of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
 
-    Returns ``{"model", "engine", "decode", "noise", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
+    Returns ``{"model", "engine", "decode", "noise", "precision", "n", "k", "temperature", "max_new_tokens", "seed", "limit", "benchmarks",
     "average"}``; per benchmark and on average ``pass@k`` and its standard error ``pass@k_se`` over prompts (the
     unbiased estimator of Chen et al. 2021, arXiv 2107.03374, Eq. 1; see ``eval.benchmarks``). A standard error
     from one prompt is NaN (``save_results`` writes it as null). Each benchmark also counts ``prompts_skipped``
@@ -71,7 +73,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     Raises:
         UserError: a k outside 1..n, a non-positive temperature or timeout, ``max_new_tokens``, ``limit`` or
             ``max_prompt_tokens`` < 1, ``long_prompts`` other than skip or truncate (truncate needs a limit),
-            ``workers`` < 0, an unknown engine, reward, device, decode or noise (or either set for vLLM), a benchmark that cannot be found or read, a
+            ``workers`` < 0, an unknown engine, reward, device, decode, noise or precision (or any set for vLLM), a benchmark that cannot be found or read, a
             benchmark none of whose prompts fits the model's context with ``max_new_tokens``, a chat template
             asked of a tokenizer without one, or vLLM missing or refusing the model.
     """
@@ -86,6 +88,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     ks = sorted(set(ks))
     spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
     _check_prompt_limit(max_prompt_tokens, long_prompts)
+    autocast = _autocast(precision, spec)
     dev = _checked_device(n, ks, temperature, max_new_tokens or 1, limit, timeout, workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
@@ -98,7 +101,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     max_new_tokens = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
-    eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens)
+    eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocast)
     with progress if progress is not None else contextlib.nullcontext():
         res = evaluate_benchmarks(policy, eng, benches,
                                   lambda r: RewardPool(reward or r, workers=workers, timeout_s=timeout),
@@ -106,8 +109,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
                                   warn=warn)
     for name, k in skipped.items():
         res["benchmarks"][name]["prompts_skipped"] = k
-    return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "n": n, "k": ks, "temperature": temperature,
-            "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, "max_prompt_tokens": max_prompt_tokens,
+    return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "precision": precision, "n": n,
+            "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, "max_prompt_tokens": max_prompt_tokens,
             "long_prompts": long_prompts, **res}
 
 
@@ -236,7 +239,27 @@ def _fit_to_context(benches, policy, ctx, max_new_tokens, warn):
     return fitted, skipped
 
 
-def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens):
+def _autocast(precision: str, spec):
+    """The engine's autocast dtype for ``--precision``: None, or bfloat16 for bf16-mixed (``backends.learner_autocast``).
+
+    Raises:
+        UserError: an unknown precision, or bf16-mixed on an engine that is not the learner's transformers one.
+    """
+    import torch
+
+    from ..rollout.spec import shares_module
+
+    if precision not in ("float32", "bf16-mixed"):
+        raise UserError(f"--precision {precision!r} must be float32 or bf16-mixed")
+    if precision == "float32":
+        return None
+    if not shares_module(spec):
+        raise UserError(f"--precision bf16-mixed is the transformers engine's autocast (as training's); "
+                        f"--engine {spec.name} computes in its own precision: drop --precision")
+    return torch.bfloat16
+
+
+def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocast=None):
     """The engine ``spec`` names: transformers on ``dev``, or vLLM loading ``model`` with a context that holds the
     longest prompt's completion."""
     from ..policy.hub import model_dir
@@ -244,7 +267,7 @@ def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens):
 
     longest = max(len(policy.encode_prompt(e.prompt)) for b in benches for e in b.examples)
     # vLLM loads a directory: a hub id's snapshot in the hub cache, as load_policy read it
-    return make_engine(spec, policy, model_dir=str(model_dir(model, key="--model")), device=dev,
+    return make_engine(spec, policy, model_dir=str(model_dir(model, key="--model")), device=dev, autocast=autocast,
                        max_model_len=max(ctx or 0, longest + max_new_tokens))
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..config import Config, load_config, read_yaml_file, yaml_dumps
 from ..errors import UserError
 from ..records import git_commit, package_version, read_metrics
+from ..rewards.scorers import MODEL_PREFIX
 from ..seeding import row_seed
 from ..trainer.checkpoint import BEST, checkpoints, step_of
 from .hooks import EVAL_STREAM
@@ -160,6 +161,10 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
     for flag, key in (("--decode", "decode"), ("--noise", "noise")):
         if getattr(ro, key) != defaults[key].default:
             cmd += [flag, getattr(ro, key)]
+    if cfg.train.precision == "bf16-mixed":  # it samples under the learner's autocast (build: learner_autocast)
+        cmd += ["--precision", "bf16-mixed"]
+    # scored as the run scored: its time limit, or none in the trainer's process (workers 0)
+    cmd += ["--timeout", f"{cfg.reward.timeout_s:g}"] + (["--workers", "0"] if cfg.reward.workers == 0 else [])
     return cmd
 
 
@@ -219,6 +224,8 @@ def _no_local_paths(value):
         return {k: _no_local_paths(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_no_local_paths(v) for v in value]
+    if isinstance(value, str) and value.startswith(MODEL_PREFIX):  # a reward model term of reward.functions
+        return MODEL_PREFIX + _no_local_paths(value.removeprefix(MODEL_PREFIX))
     if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")):
         return Path(value).name or value
     return value

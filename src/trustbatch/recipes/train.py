@@ -368,7 +368,8 @@ def _summary(cfg: Config, task, run_dir: Path, last: dict, wall_s: float, world_
     """Write ``summary.json`` and print the closing line. ``wall_s``: seconds of all the run's segments (each resume
     adds its own to the time up to the checkpoint it resumed from, ``TrainHooks.wall_s``)."""
     records = read_metrics(run_dir / "metrics.jsonl")
-    plot_run(records, run_dir / "plot.png", title=f"{cfg.objective.name} on {task.name}")
+    plot_run(records, run_dir / "plot.png", title=f"{cfg.objective.name} on {task.name}",
+             eval_temperature=cfg.eval.temperature)
     evals = [r for r in records if "heldout_accuracy" in r]
     trained = [r for r in records if r.get("step", 0) > 0 and "skipped_step" not in r]
     last = last or (trained[-1] if trained else {})

@@ -142,8 +142,8 @@ class MetricsLog:
                     self.held.save()
 
 
-def plot_run(records: list[dict], path: Path, title: str = "") -> None:
-    """PNG with reward, held-out accuracy and ESS against the rollout round."""
+def plot_run(records: list[dict], path: Path, title: str = "", eval_temperature: float = 1.0) -> None:
+    """PNG with reward, held-out accuracy (sampled at ``eval_temperature``) and ESS against the rollout round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,7 +155,7 @@ def plot_run(records: list[dict], path: Path, title: str = "") -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, key, label in zip(axes, ["reward_mean", "heldout_accuracy", "ess"],
-                              ["train reward (mean)", "held-out accuracy (pass@1, T=1)", "batch ESS"]):
+                              ["train reward (mean)", f"held-out accuracy (pass@1, T={eval_temperature:g})", "batch ESS"]):
         x, y = series(key)
         ax.plot(x, y, marker="o" if key == "heldout_accuracy" else None, lw=1.2)
         if key == "heldout_accuracy":
