@@ -334,3 +334,19 @@ def test_a_start_refused_by_the_lock_removes_nothing_of_the_run_that_holds_it(tm
         held and held[0].__exit__(None, None, None)
     assert code == 2 and "is in use by process" in err, err
     assert before == {"config.yaml": b"the other run's\n"}
+
+
+def test_a_run_dir_of_the_users_own_files_is_refused_and_nothing_in_it_moves(tmp_path, cache, monkeypatch, capsys):
+    """A folder where the user keeps a config.yaml (and notes, data) was taken for a start interrupted before its
+    first checkpoint: every file was moved into interrupted-*/, the note said so, and the run then failed on the data
+    file it had moved. Every start takes the directory's .lock first; without one the files are the user's.
+    Reference: the folder's files, byte for byte."""
+    exp = tmp_path / "exp"
+    (exp / "data").mkdir(parents=True)
+    (exp / "config.yaml").write_text("train:\n  steps: 1\n")
+    (exp / "NOTES.md").write_text("my notes\n")
+    (exp / "data" / "rows.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    before = snapshot(exp)
+    code, err = _cli(monkeypatch, capsys, "train", "--config", str(exp / "config.yaml"), *QUICK, f"run_dir={exp}")
+    assert code == 2 and "no trustbatch run wrote there" in err and "nothing in it was moved" in err, err
+    assert snapshot(exp) == before and not (exp / ".lock").exists()

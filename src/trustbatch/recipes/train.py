@@ -90,6 +90,10 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
     # a default name another start took is not this run's (train claims a new one)
     started = cfg.run_dir is not None and ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists())
     if started and int(os.environ.get("RANK", "0")) == 0:  # the other ranks never write the directory
+        if not (run_dir / ".lock").exists():  # every start takes its lock first: these files are the user's
+            raise UserError(f"run_dir {str(run_dir)!r} holds a config.yaml or metrics.jsonl that no trustbatch run "
+                            "wrote there (it has no .lock); give a new or empty directory as run_dir (nothing in it "
+                            "was moved)")
         with RunLock(run_dir):  # a run still training there is named (its pid), not sent to --resume
             if checkpoints(run_dir):
                 raise UserError(f"run directory {str(run_dir)!r} already holds a run; use --resume {run_dir} or "
