@@ -28,6 +28,9 @@ def test_parse_ks_sorts_and_checks_against_n():
     ({"temperature": 0.0}, r"^--temperature must be a finite number > 0 \(pass@k is over samples\) \(got 0.0\)$"),
     ({"temperature": float("inf")}, r"^--temperature must be a finite number > 0 .*\(got inf\)$"),  # a traceback
     ({"workers": -1}, r"^--workers must be >= 0 \(got -1\)$"),  # only the option that is wrong is named
+    ({"max_new_tokens": 0}, r"^--max-new-tokens must be >= 1 \(got 0\)$"),  # 0 sampled the default 256
+    ({"precision": "bf16"}, "--precision 'bf16' must be float32 or bf16-mixed"),
+    ({"engine": "vllm", "precision": "bf16-mixed"}, "--precision bf16-mixed is the transformers engine's autocast"),
     ({"limit": 0, "timeout": -1.0}, r"^--limit must be >= 1 \(got 0\); --timeout must be > 0 \(got -1.0\)$"),
     ({"engine": "sglang"}, "--engine 'sglang' must be transformers or vllm"),
     ({"device": "gpu"}, "--device 'gpu' must be auto, cpu, cuda or cuda:N"),

@@ -357,3 +357,19 @@ def test_an_adapter_whose_tensors_its_config_does_not_name_is_refused(shared_dir
     with pytest.raises(UserError, match="the adapter's tensors do not match its adapter_config.json") as e:
         load_policy(tmp_path / "a")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("torn", [b'{"base_model_name_or_path": "x", "r": ', b"[1, 2]", b"\xff\xfe{}"])
+def test_a_torn_adapter_config_is_one_line(shared_dir, tmp_path, torn):
+    """eval -m and export of a LoRA checkpoint whose adapter_config.json a copy tore ended in a JSONDecodeError
+    traceback (a full checkpoint's torn config.json is one line)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = shared_dir / "models" / "stories260K-hf"
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    (tmp_path / "a" / "adapter_config.json").write_bytes(torn)
+    with pytest.raises(UserError, match=r"adapter_config.json' is not .*copy the checkpoint again") as e:
+        load_policy(tmp_path / "a")
+    assert "\n" not in str(e.value)

@@ -216,8 +216,19 @@ def save_adapter(policy: Policy, path: Path, state_dict: dict[str, torch.Tensor]
 
 
 def adapter_base(path: Path) -> str | None:
-    """The base model named by the adapter checkpoint at ``path`` (``base_model_name_or_path``)."""
-    return json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    """The base model named by the adapter checkpoint at ``path`` (``base_model_name_or_path``).
+
+    Raises:
+        UserError: its adapter_config.json is no JSON object (torn by a copy, or not UTF-8).
+    """
+    f = Path(path) / ADAPTER_CONFIG
+    try:
+        cfg = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"{str(f)!r} is not valid JSON ({str(e).splitlines()[0]}); copy the checkpoint again") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{str(f)!r} is not a JSON object; copy the checkpoint again")
+    return cfg.get("base_model_name_or_path")
 
 
 def read_adapter(path: Path) -> dict[str, torch.Tensor]:

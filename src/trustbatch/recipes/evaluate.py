@@ -89,7 +89,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
     _check_prompt_limit(max_prompt_tokens, long_prompts)
     autocast = _autocast(precision, spec)
-    dev = _checked_device(n, ks, temperature, max_new_tokens or 1, limit, timeout, workers, spec, reward, device)
+    dev = _checked_device(n, ks, temperature, 1 if max_new_tokens is None else max_new_tokens, limit, timeout, workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
     for b in benches if reward is not None else []:
@@ -98,7 +98,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
-    max_new_tokens = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
+    max_new_tokens = max_new_tokens if max_new_tokens is not None else min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
     eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocast)
