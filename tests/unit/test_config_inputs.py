@@ -243,3 +243,21 @@ def test_a_key_whose_option_is_off_is_refused_and_an_old_run_with_it_still_resum
     section, _, name = key.split("=")[0].rpartition(".")
     (saved[section] if section else saved)[name] = yaml.safe_load(key.split("=", 1)[1])
     assert load_config(None, base=as_read_now(saved)) == load_config(None, alone[1:])
+
+
+@pytest.mark.parametrize("text", ["Solve it. End with #### N", "runs/exp #2", "a # b # c", "#1 rule"])
+def test_an_override_keeps_its_hash_and_what_follows(text):
+    """YAML read ' #' on as a comment: data.system_prompt='End with #### N' arrived as 'End with' (rc 0), a
+    run_dir 'runs/exp #2' as 'runs/exp'. A command-line value holds no comment: the reference is the text as typed."""
+    cfg = load_config(None, [f"data.system_prompt={text}", f"run_dir={text}"])
+    assert (cfg.data.system_prompt, cfg.run_dir) == (text, text)
+    # YAML still reads every other value: a mapping holding a '#', numbers, quotes
+    cfg = load_config(None, ["task.params={tag: 'a #1', size: 3}", "train.lr=1e-3", "data.system_prompt='q # x'"])
+    assert (cfg.task.params["tag"], cfg.task.params["size"], cfg.train.lr) == ("a #1", 3, 1e-3)
+    assert cfg.data.system_prompt == "q # x"
+
+
+def test_text_yaml_reads_as_another_type_says_to_quote_it():
+    with pytest.raises(UserError, match=r"""\(got \{'Answer': 'briefly'\}\); quote a text value for YAML: """
+                                        r""""data.system_prompt='...'"$"""):
+        load_config(None, ["data.system_prompt=Answer: briefly"])

@@ -173,6 +173,8 @@ def _shape_hint(kind: str, loc: str) -> str:
     """
     if kind in ("list_type", "tuple_type"):
         return f"; write a YAML list: '{loc}=[a, b]'"
+    if kind == "string_type":  # YAML read text as another type (`Answer: briefly` a mapping, `12:30` a number)
+        return f"; quote a text value for YAML: \"{loc}='...'\""
     if kind not in ("dict_type", "model_type"):
         return ""
     section = ".".join(p for p in loc.split(".") if not p.isdigit())
@@ -209,15 +211,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in ov:
             raise UserError(f"override {ov!r} must look like key=value, e.g. train.steps=50")
         k, _, v = ov.partition("=")
-        try:
-            val = yaml_loads(v, words=True) if v != "" else None
-        except yaml.YAMLError:
-            val = v
-        _set_dotted(data, k.strip(), val)
+        _set_dotted(data, k.strip(), _override_value(v))
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise UserError(_format_error(e)) from None
+
+
+_HASH = "\ue000"  # a private-use character: a '#' of the value stands in for it while YAML reads the value
+
+
+def _override_value(text: str):
+    """An override's value as YAML reads it (``[1, 2]``, ``{kl: exact}``, ``1e-3``), the whole text kept: YAML would
+    read `` #`` on as a comment, and a command-line value holds none (``data.system_prompt=End with #### N`` lost its
+    end). Text that is no YAML stays as typed; an empty value is null."""
+    if text == "":
+        return None
+    try:
+        value = yaml_loads(text.replace("#", _HASH), words=True)
+    except yaml.YAMLError:
+        return text
+    return _restore_hash(value)
+
+
+def _restore_hash(value):
+    if isinstance(value, str) and _HASH in value:
+        return value.replace(_HASH, "#")
+    if isinstance(value, list):
+        return [_restore_hash(v) for v in value]
+    if isinstance(value, dict):
+        return {_restore_hash(k): _restore_hash(v) for k, v in value.items()}
+    return value
 
 
 # keys whose value is one whole dict (or, for rollout.foreign_model, a name or a dict), never a section's keys
