@@ -98,18 +98,22 @@ def truncate_records(path: Path, step: int, key: str = "step") -> None:
 
 
 def iter_metrics(path: Path):
-    """The JSONL records of ``path`` one at a time, skipping lines that do not parse (a torn last write)."""
-    with open(path) as f:
+    """The JSONL records of ``path`` one at a time, skipping lines that do not parse (a torn last write; bytes that
+    are no UTF-8 are replaced, and the line then fails to parse or keeps its other fields)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
         yield from parse_records(f)
 
 
 def parse_records(lines):
-    """The JSON records of an iterable of JSONL lines one at a time, skipping lines that do not parse."""
+    """The JSON records of an iterable of JSONL lines one at a time, skipping lines that do not parse and records
+    that are no JSON object or whose ``step`` is no integer (nothing trustbatch wrote)."""
     for line in lines:
         try:
-            yield json.loads(line)
+            rec = json.loads(line)
         except json.JSONDecodeError:
-            pass
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step", 0), int):
+            yield rec
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -102,6 +102,36 @@ def test_the_figure_has_a_panel_per_logged_metric(two_runs, tmp_path):
     assert "kl_behavior_bound" in plot_runs(runs, tmp_path / "g.png")
 
 
+@pytest.mark.parametrize("damage", ["torn summary", "list summary", "list metrics line", "text step",
+                                    "latin1 metrics line"])
+def test_a_damaged_run_file_reads_as_a_resume_reads_it(tmp_path, damage):
+    """trustbatch report ended in a traceback (exit 1) on a torn summary.json (a partial copy), a metrics line that
+    is no object or has a text step, or bytes that are no UTF-8. Reference: the same run without the damage: an
+    unreadable summary is an unfinished run (as --resume reads it), a line trustbatch did not write is skipped."""
+    def run(name, broken):
+        d = tmp_path / name
+        d.mkdir()
+        lines = [json.dumps({"step": 0, "heldout_accuracy": 0.25}).encode(), json.dumps({"step": 1}).encode()]
+        extra = {"list metrics line": b"[1, 2]", "text step": json.dumps({"step": "2"}).encode(),
+                 "latin1 metrics line": '{"step": 3, "note": "caf\u00e9"}'.encode("latin-1")}
+        if damage == "latin1 metrics line":  # read with the byte replaced, its other fields kept
+            extra["clean"] = json.dumps({"step": 3, "note": "caf\ufffd"}).encode()
+        kept = extra["latin1 metrics line" if broken else "clean"] if "clean" in extra else (
+            extra.get(damage) if broken else None)
+        (d / "metrics.jsonl").write_bytes(b"\n".join(lines + ([kept] if kept else [])) + b"\n")
+        (d / "config.yaml").write_text(yaml.safe_dump({"train": {"lr": 0.1}}))
+        summary = {"torn summary": b'{"wall_s": 4', "list summary": b"[]"}.get(damage) if broken else None
+        if summary is not None:
+            (d / "summary.json").write_bytes(summary)
+        return d
+
+    clean, broken = run("clean", False), run("broken", True)
+    want = _table(write_comparison([clean], tmp_path / "a").read_text(), "## Held-out accuracy")[0][1:]
+    got = _table(write_comparison([broken], tmp_path / "b").read_text(), "## Held-out accuracy")[0][1:]
+    assert got == want
+    assert [r["step"] for r in load_run(broken, "b").records][:2] == [0, 1]
+
+
 def test_identical_configs_say_so(two_runs, tmp_path):
     page = write_comparison([two_runs[0]], tmp_path / "one").read_text()
     assert "The resolved configurations are identical (run_dir aside)." in page

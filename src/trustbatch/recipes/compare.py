@@ -72,10 +72,20 @@ def load_run(path: Path, label: str) -> Run:
     cfg = read_yaml_file(path / "config.yaml", what="the run's config")
     if not isinstance(cfg, dict):
         raise UserError(f"{str(path / 'config.yaml')!r} is not a mapping of sections; restore it from the run")
-    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else None
+    summary = _summary(path / "summary.json")
     seg = path / "segments.jsonl"
     segments = sum(1 for line in seg.read_text().splitlines() if line.strip()) if seg.is_file() else 1
     return Run(path, label, read_metrics(path / "metrics.jsonl"), _flatten(cfg), summary, max(segments, 1))
+
+
+def _summary(path: Path) -> dict | None:
+    """A run's summary.json, or None where it is missing or unreadable (a torn copy): the run reads as unfinished,
+    as a resume reads it (``train._summary_steps``)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def labels(paths: list[Path]) -> list[str]:
