@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 
 def row_seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers (e.g. group seed and sample index), stable across processes.
@@ -19,3 +21,11 @@ def row_seed(*parts: int) -> int:
     """
     h = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") >> 1
+
+
+def forked_rngs():
+    """``torch.random.fork_rng`` over the CPU generator and every CUDA device's: a block that seeds its own stream
+    (``torch.manual_seed`` seeds the CUDA generators too) leaves the caller's streams as they were. ``fork_rng(
+    devices=[])`` restored the CPU generator alone, so on a GPU the block's seed stayed in the CUDA generators.
+    Forking CUDA devices is untested here (no GPU in the sessions that wrote it)."""
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())))

@@ -1,8 +1,10 @@
 """One ``trustbatch train train.device=cuda`` round end to end: the tiny job, float32 and bf16-mixed.
 
 The engine samples from the module the learner trains, so the first round is on policy: its ESS is 1 within
-float32 round-off (the learner's log-probs are float32 in both precisions; bf16 autocast runs the same bf16
-matmuls in the engine and the learner, whose different shapes round differently: ESS = 1 − O(1e-4) at most).
+float32 round-off (the learner's log-probs are float32 in both precisions). bf16-mixed: the engine samples under the
+learner's bf16 autocast, and the H200 measured 1 − ESS = 2e-10 on a bf16-mixed round (docs/performance.md, 2026-11-26);
+the tolerance 1e-7 sits between that and what this test exists to catch, an engine sampling outside the autocast
+(1 − ESS = 1.1e-6 for this command on the CPU; the earlier tolerance, 1e-3, passed it).
 """
 
 import json
@@ -14,7 +16,7 @@ import pytest
 from tiny import TINY
 
 
-@pytest.mark.parametrize("precision,ess_tol", [("float32", 1e-6), ("bf16-mixed", 1e-3)])
+@pytest.mark.parametrize("precision,ess_tol", [("float32", 1e-6), ("bf16-mixed", 1e-7)])
 def test_one_cuda_round(tmp_path, precision, ess_tol, monkeypatch):
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"

@@ -386,3 +386,23 @@ def test_refusals(model):
 
     with pytest.raises(ValueError, match="prompt 0 has no token"):
         pack([[], [5, 7]], [[3], [4]], pad_id=0)
+
+
+def test_every_chunk_shape_gets_its_compiled_graph(model, monkeypatch):
+    """Each (rows, cache bucket, sampled or greedy) is a graph of the one compiled step, shared by every engine of
+    the process; past dynamo's default recompile_limit of 8, a new shape ran uncompiled (no CUDA graph) for the rest
+    of the run. backend="eager" stands in for inductor: the same guards and recompiles, no code generation.
+    Reference: dynamo's own counters, one new graph per new shape."""
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=kw.get("dynamic")))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    counters.clear()
+    train, held_out = (TransformersEngine(model, 2, 0, decode="static_compiled") for _ in range(2))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=3)
+    for rows in range(1, 11):  # ten shapes, two engines
+        (train if rows % 2 else held_out).generate([[1, 5, 6]] * rows, 1, sp, seeds=list(range(rows)))
+    assert counters["stats"]["unique_graphs"] == 10 and counters["frames"]["ok"] == counters["frames"]["total"]
+    torch._dynamo.reset()

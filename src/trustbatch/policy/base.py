@@ -22,10 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from ..data import TaskSplit, load_task
 from ..errors import UserError
+from ..seeding import forked_rngs
 from ..records import umask_modes
 from .model import Policy, build_small_llama, load_policy
 from .sft import sft
@@ -192,7 +191,7 @@ def build_base(
     tok = train_tokenizer(texts, vocab_size=model_cfg["vocab_size"])
     # the build seeds torch's generators (its own seed): a run that builds a base after seeding itself (the foreign
     # model's) must draw its own streams afterwards, as a run that found the base cached does
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+    with forked_rngs():
         model = build_small_llama(
             len(tok), hidden=model_cfg["hidden"], layers=model_cfg["layers"], heads=model_cfg["heads"],
             max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,

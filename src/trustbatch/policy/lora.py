@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from ..errors import UserError
+from ..seeding import forked_rngs
 from ..parallel import full_tensor
 
 # ``Policy`` in the annotations is ``policy.model.Policy``, not imported here: model.py imports this module lazily
@@ -87,7 +88,7 @@ def apply_lora(policy: Policy, *, r: int, alpha: float, dropout: float, target_m
                              target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
     # manual_seed seeds every CUDA generator too: fork them all, or a GPU run's dropout stream would restart at
     # model.seed on every rank (the fork on CUDA is not run here: no GPU)
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))), warnings.catch_warnings():
+    with forked_rngs(), warnings.catch_warnings():
         torch.manual_seed(seed)
         warnings.simplefilter("ignore", FutureWarning)  # peft calls transformers' renamed is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # a tied target is refused below

@@ -13,7 +13,7 @@ from ..eval import evaluate_heldout
 from ..eval.sampling import sample_row
 from ..parallel import World, full_model_state
 from ..records import read_metrics
-from ..seeding import row_seed
+from ..seeding import forked_rngs, row_seed
 from ..trainer.checkpoint import save_checkpoint
 from ..trainer.progress import Progress
 from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records
@@ -86,7 +86,7 @@ class TrainHooks:
         """Held-out evaluation on a random stream of its own, seeded from (train.seed, round): how often
         it runs (``eval.every``, a resumable key) never moves the training's random streams."""
         c = self.cfg
-        with torch.random.fork_rng(devices=[]):
+        with forked_rngs():
             torch.manual_seed(row_seed(c.train.seed, round_, EVAL_STREAM))
             # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
             # times out must not cost a whole evaluation before round 1 stops the run

@@ -82,6 +82,9 @@ def static_decode_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (dynamo's recompile_limit, at least)
+
+
 def _step(model, name: str, cache, ids, pos, mask, noise, procs, record: bool):
     """One decoding step at fixed shapes: the model on ``ids`` [N, 1] at ``pos`` [N, 1] (mask [N, L], ``cache``
     written in place), then ``generate``'s float32 last-position logits, the processors and Gumbel-max with the
@@ -131,6 +134,10 @@ class StaticDecoder:
         if not self.compiled:
             return _step
         if device.type not in self._compiled:
+            # one graph per (rows, cache bucket, sampled or greedy), for every engine of the process (they compile the
+            # same function, whose graphs dynamo counts together): past its default of 8 a new shape ran uncompiled
+            # (no CUDA graph) for the rest of the run
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._compiled[device.type] = torch.compile(_step, dynamic=False, options=compile_options(device))
         return self._compiled[device.type]
 
