@@ -29,6 +29,18 @@ _TRAIN_HELP = (
 _OVERRIDES_TAKE_UNKNOWN = {"ignore_unknown_options": True}
 
 
+def _one_config(files: list[str] | None) -> str | None:
+    """The one ``--config`` file. A second one replaced the first, whose keys were then silently lost.
+
+    Raises:
+        UserError: ``--config`` given more than once.
+    """
+    if files and len(files) > 1:
+        raise UserError(f"--config is given {len(files)} times ({', '.join(files)}); give one file, and its changes "
+                        "as key=value overrides")
+    return files[0] if files else None
+
+
 def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
     """Refuse an override that is an option the command lacks, naming the option or config key it most likely meant.
 
@@ -53,13 +65,14 @@ def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
 @app.command(help=_TRAIN_HELP, context_settings=_OVERRIDES_TAKE_UNKNOWN)
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. objective.name=grpo)"),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="YAML config file (one)"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in RUN_DIR from its last checkpoint"),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved configuration (YAML) and "
                                       "exit, without starting a run or touching its directory"),
 ):
     """``_TRAIN_HELP``; ``--print-config`` prints the configuration a run would use and exits."""
     _no_options(overrides, ("--config", "--resume", "--print-config"))
+    config = _one_config(config)
     if print_config:
         from .config import dump_config
         from .recipes.train import resolved_config
@@ -74,11 +87,12 @@ def train(
 @app.command(context_settings=_OVERRIDES_TAKE_UNKNOWN)
 def sft(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="YAML config file (one)"),
     out: Optional[str] = typer.Option(None, "--out", help="also save the SFT policy here (HF format)"),
 ):
     """Supervised warm-up on the task's demonstrations: builds (and caches) the default base, or SFTs model.path."""
     _no_options(overrides, ("--config", "--out"))
+    config = _one_config(config)
     from rich.console import Console
 
     from .config import load_config

@@ -68,3 +68,19 @@ def test_reasoning_gym_scorer():
     s = rewards.get("rg:chain_sum")
     ref = json.dumps({"answer": "-4", "metadata": {}})
     assert s(" -4", ref) == 1.0 and s(" 4", ref) == 0.0
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_second_config_file_is_refused_not_layered_in_silence(tmp_path, command):
+    """`--config a.yaml --config b.yaml` kept b.yaml alone: a.yaml's train.steps=3 was lost without a word."""
+    from typer.testing import CliRunner
+
+    from trustbatch.cli import app
+
+    (tmp_path / "a.yaml").write_text("train:\n  steps: 3\n")
+    (tmp_path / "b.yaml").write_text("train:\n  lr: 0.01\n")
+    done = CliRunner().invoke(app, [command, "-c", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml"),
+                                    *(["--print-config"] if command == "train" else [])])
+    assert isinstance(done.exception, UserError) and str(done.exception).startswith("--config is given 2 times")
+    one = CliRunner().invoke(app, ["train", "-c", str(tmp_path / "a.yaml"), "--print-config"])
+    assert one.exit_code == 0 and "steps: 3" in one.output
