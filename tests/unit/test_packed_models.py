@@ -77,3 +77,25 @@ def test_every_packed_layout_equals_each_row_alone(name, share):
         got = packed_response_logprobs(model, packed, share_prompts=share, min_saving=0.0)[0]
     err = float((got[m].double() - want[m]).abs().max())
     assert err <= TOLERANCE.get(name, 1e-10), err
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma2"])
+def test_a_head_the_chunked_path_cannot_split_runs_on_the_predicting_columns_only(name):
+    """Packed, such a model's head ran on every token (prompts included): [R, W, V] logits where the padded path
+    keeps C + 1 columns. Reference: the head's input width, against the completion columns counted by hand, and the
+    log-probs of each row alone."""
+    model = _model(name)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, V, (30,), generator=g).tolist() for _ in range(4)]
+    comps = [torch.randint(1, V, (n,), generator=g).tolist() for n in (2, 1, 2, 2)]
+    packed = pack(prompts, comps, pad_id=0)
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, out: widths.append(a[0].shape[:2]))
+    try:
+        logp, _ = packed_response_logprobs(model, packed, share_prompts=False)
+    finally:
+        hook.remove()
+    assert widths and all(rows * cols <= 4 * 3 for rows, cols in widths), widths  # ≤ 4 rows × 3 columns, not 4 × 32
+    want = _alone(model, prompts, comps, packed.response_mask.shape[1])
+    m = packed.response_mask.bool()
+    assert float((logp.double() - want)[m].abs().max()) <= 1e-10
