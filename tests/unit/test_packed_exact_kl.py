@@ -115,3 +115,18 @@ def test_packed_teacher_forced_equals_padded_at_every_valid_position():
     packed_teacher_forced(packed, [(None, Teacher(model))])
     hook.remove()
     assert len(seen) == 1 and seen[0] < packed.input_ids.numel()
+
+
+def test_a_teacher_whose_head_cannot_be_split_teaches_packed_as_padded():
+    """A foreign behaviour model of another architecture (GPT-2: its head is no plain split of the learner's kind)
+    keeps its logits at the predicting positions only; they equal the padded teacher's at every valid position."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=_llama().config.vocab_size, n_embd=16, n_layer=1, n_head=2,
+                                      n_positions=128)).double().eval()
+    packed = pack(*_rows(seed=7), pad_id=0)
+    m = packed.response_mask
+    padded = teacher_forced(packed, [(None, Teacher(gpt2, 0.8))]).log_probs(slice(None), torch.float64)
+    got = packed_teacher_forced(packed, [(None, Teacher(gpt2, 0.8))], min_saving=0.0)
+    _close(got.log_probs(slice(None), torch.float64)[m], padded[m], "a GPT-2 teacher's log-probs", TOL)
