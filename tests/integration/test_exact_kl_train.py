@@ -120,6 +120,18 @@ def test_recorded_distribution_over_the_budget_is_refused_in_one_line():
         else:
             with pytest.raises(UserError, match="held twice at its peak"):
                 check_recorded_behaviour(small, vocab=151_936)
+    # packed, or with foreign rows, the learner copies it once more (a reviewer's peaks for a 1,187 MiB record:
+    # 2,025 MiB padded, 3,259 packed, 2,975 with a quarter foreign rows): 144 tokens x 3 = 250 MiB fit, 152 do not
+    for extra in (["train.padding_free=true"], ["rollout.foreign_fraction=0.5"]):
+        for prompts, fits in ((18, True), (19, False)):
+            small = load_config(None, ["objective.options={kl: exact}", "rollout.precision=fp8_e4m3",
+                                       f"rollout.prompts_per_step={prompts}", "rollout.group_size=8",
+                                       "rollout.max_new_tokens=1", *extra])
+            if fits:
+                check_recorded_behaviour(small, vocab=151_936)
+            else:
+                with pytest.raises(UserError, match="held three times at its peak"):
+                    check_recorded_behaviour(small, vocab=151_936)
 
 
 def test_cli_refuses_a_recorded_distribution_over_the_budget(tmp_path):

@@ -8,7 +8,7 @@ from .. import objectives
 from ..config import Config
 from ..config.sections import set_unread
 from ..errors import UserError
-from ..policy.budget import LOGITS_BYTES, recorded_bytes, recorded_fits
+from ..policy.budget import LOGITS_BYTES, held_copies, recorded_bytes, recorded_fits
 from ..policy.reward_model import check_reward_model
 from ..rewards.scorers import MODEL_PREFIX, is_model
 from ..rollout.spec import KL_DISTRIBUTIONS, EngineSpec, behaviour_distribution
@@ -90,7 +90,7 @@ def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS
     """Fail at start when the exact KL needs the behaviour distribution recorded at sampling (an engine that declares
     ``recorded`` at ``rollout.precision``: teacher forcing would rebuild another distribution) and one round's
     record, N = prompts_per_step · group_size rows × max_new_tokens steps × ``vocab`` float32, held twice at its
-    peak, passes ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
+    peak (three times packed or with foreign rows: ``policy.budget.held_copies``), passes ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
     once the policy is loaded (``recipes.build.build_parts``), before any rollout.
 
     Raises:
@@ -102,11 +102,13 @@ def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS
     if cause is None or behaviour_distribution(EngineSpec(name=ro.engine, precision=ro.precision)) != "recorded":
         return
     rows, steps = ro.prompts_per_step * ro.group_size, ro.max_new_tokens
-    if not recorded_fits(rows, steps, vocab, budget_bytes):
+    copies = held_copies(cfg.train.padding_free, ro.foreign_fraction > 0)
+    held = "twice" if copies == 2 else "three times"
+    if not recorded_fits(rows, steps, vocab, budget_bytes, copies):
         raise UserError(f"objective.options {cause} with rollout.precision={ro.precision} needs the behaviour "
                         f"distribution recorded at sampling (teacher forcing does not rebuild it at that precision), "
                         f"which at V={vocab} takes {rows} rows x {steps} steps x V x 4 bytes = "
-                        f"{recorded_bytes(rows, steps, vocab) / 2**20:.0f} MiB per round, held twice at its peak: "
+                        f"{recorded_bytes(rows, steps, vocab) / 2**20:.0f} MiB per round, held {held} at its peak: "
                         f"over the {budget_bytes / 2**20:.0f} MiB budget; use rollout.precision=float32 or kl='k3'")
 
 
