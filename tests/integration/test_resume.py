@@ -22,6 +22,8 @@ from trustbatch.config import load_config
 from trustbatch.errors import UserError
 from trustbatch.recipes import train
 
+from trustbatch.trainer.checkpoint import checkpoints
+
 from runproc import (cache, n_records, one_line, records, resume_args, run, snapshot, start, tmp_checkpoints,  # noqa: F401
                      assert_same_weights, train_args, wait_until)
 from tiny import TINY
@@ -181,12 +183,16 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cach
     run_dir = tmp_path / "run"
     train(load_config(None, QUICK + ["train.steps=3", f"run_dir={run_dir}"]))
     newest = run_dir / "checkpoints" / "step_000003" / damaged
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn by a crash or a full disk
+    torn = newest.read_bytes()[: newest.stat().st_size // 2]
+    newest.write_bytes(torn)  # torn by a crash or a full disk
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(resume=str(run_dir), overrides=["train.steps=4"])
     assert any("step_000003" in str(w.message) and "previous" in str(w.message) for w in caught)
     assert records(run_dir, "segments.jsonl")[-1]["start_round"] == 2
+    # the torn checkpoint is kept aside, out of the rotation (which kept a torn one and deleted an intact one)
+    assert (run_dir / "checkpoints" / "unloadable-step_000003" / damaged).read_bytes() == torn
+    assert [p.name for p in checkpoints(run_dir)] == ["step_000003", "step_000004"]
     # round 2's checkpoint of a 3-round run is round 2's of a 4-round run: the rest is the uninterrupted run
     assert_same_weights(four_rounds / "checkpoints" / "step_000004", run_dir / "checkpoints" / "step_000004")
     assert records(run_dir) == records(four_rounds)

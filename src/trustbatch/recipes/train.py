@@ -249,12 +249,32 @@ def _summary_steps(run_dir: Path) -> int | None:
     return int(steps) if isinstance(steps, (int, float)) else None
 
 
+def _set_aside_unloadable(run_dir: Path, resumed: Path) -> list[Path]:
+    """Rename the checkpoints newer than ``resumed`` (each failed to load: ``load_latest`` fell back past it) to
+    ``checkpoints/unloadable-step_XXXXXX``; returns the new paths. Kept, for a look, but out of ``checkpoints``: the
+    rotation counted them, kept a torn one and deleted the intact one this resume started from."""
+    moved = []
+    for ckpt in checkpoints(run_dir):
+        if ckpt.name > resumed.name:
+            dest, n = ckpt.with_name(f"unloadable-{ckpt.name}"), 1
+            while dest.exists():
+                n += 1
+                dest = ckpt.with_name(f"unloadable-{ckpt.name}-{n}")
+            os.replace(ckpt, dest)
+            moved.append(dest)
+    return moved
+
+
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console,
                   started: float) -> dict:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_temporaries(run_dir)
     found = load_latest(run_dir, checkpoint_loader(cfg)) if resuming else None
+    if found is not None and world.is_main:
+        for ckpt in _set_aside_unloadable(run_dir, found[0]):
+            console.print(f"[yellow]warning: {ckpt.parent.name}/{ckpt.name} did not load: kept as {ckpt.name}, out of "
+                          "the rotation[/yellow]", highlight=False)
     if resuming:
         _check_resumable(cfg, run_dir, found)
     if world.is_main:
