@@ -21,7 +21,6 @@ from trustbatch.cli import main
 from trustbatch.config import load_config
 from trustbatch.errors import UserError
 from trustbatch.recipes import train
-
 from trustbatch.trainer.checkpoint import checkpoints
 
 from runproc import (cache, n_records, one_line, records, resume_args, run, snapshot, start, tmp_checkpoints,  # noqa: F401
