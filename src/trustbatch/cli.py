@@ -131,7 +131,7 @@ def sft(
         demos = fit_demos(policy, sft_demos(task, model_cfg, chat=policy.uses_chat_template), console)
         loss = run_sft(policy, demos, steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
-        console.print(f"SFT done, last loss {loss:.4f}")
+        console.print(f"SFT done, last loss {loss:.4f}" if cfg.model.sft_steps else "no SFT step (model.sft_steps=0)")
     if out is not None:
         with staged_folder(out) as tmp:
             policy.save(tmp)

@@ -471,3 +471,22 @@ def test_a_run_directory_given_as_a_model_names_its_newest_checkpoint(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "trustbatch run directory" in msg
     assert repr(str(run / "checkpoints" / "step_000002")) in msg and f"trustbatch export {run} --out DIR" in msg
+
+
+def test_a_file_where_a_directory_belongs_is_named_as_a_file(tmp_path):
+    """model.path, --resume and run_dir naming a file: "does not exist", "no such directory" and "cannot write ...
+    (File exists); free disk space, fix the permissions" sent the user looking for another cause."""
+    from trustbatch.recipes import train
+    from trustbatch.recipes.train import saved_config
+
+    f = tmp_path / "a.yaml"
+    f.write_text("train: {steps: 1}\n")
+    with pytest.raises(UserError, match=r"^model path '.*a.yaml' is a file, not a directory; give a local"):
+        load_policy(f)
+    with pytest.raises(UserError, match=r"^cannot resume '.*a.yaml': it is a file, not a directory"):
+        saved_config(f)
+    with pytest.raises(UserError, match=r"^run_dir '.*a.yaml' is a file; give a directory$"):
+        train(load_config(None, ["train.steps=1", f"run_dir={f}"]))
+    assert f.read_text() == "train: {steps: 1}\n"
+    with pytest.raises(UserError, match=r"^hub benchmark 'hf::' must look like hf:PATH:SPLIT"):
+        load_benchmark("hf::")

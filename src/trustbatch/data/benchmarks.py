@@ -244,7 +244,7 @@ def _read_rows(path: Path) -> list[tuple[str, dict]]:
 
 def _hub_rows(spec: str) -> list[dict]:
     parts = spec.split(":")
-    if len(parts) not in (2, 3):
+    if len(parts) not in (2, 3) or not all(parts):
         raise UserError(f"hub benchmark {'hf:' + spec!r} must look like hf:PATH:SPLIT or hf:PATH:CONFIG:SPLIT")
     datasets = import_datasets("hf: benchmarks")
     path, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts

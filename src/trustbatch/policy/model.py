@@ -151,7 +151,8 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, revision: 
     p = model_dir(path, revision, key)
     where = repr(str(p))
     if not p.is_dir():
-        raise UserError(f"model path {where} does not exist; give a local Hugging Face model directory ({key}=DIR)")
+        what = "is a file, not a directory" if p.exists() else "does not exist"
+        raise UserError(f"model path {where} {what}; give a local Hugging Face model directory ({key}=DIR)")
     if not (p / "config.json").exists() and (p / "adapter_config.json").exists():
         from .lora import load_merged  # a LoRA checkpoint: its base with the adapter merged
 

@@ -52,8 +52,8 @@ def saved_config(run_dir: Path) -> dict:
         UserError: no such directory, no ``config.yaml``, or one that is not valid YAML or not a mapping.
     """
     if not run_dir.is_dir():
-        raise UserError(f"cannot resume {str(run_dir)!r}: no such directory; give the run_dir of a trustbatch "
-                        "train run")
+        what = "it is a file, not a directory" if run_dir.exists() else "no such directory"
+        raise UserError(f"cannot resume {str(run_dir)!r}: {what}; give the run_dir of a trustbatch train run")
     if not (run_dir / "config.yaml").exists():
         raise UserError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a trustbatch run directory)")
     try:
@@ -152,6 +152,8 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     except OSError as e:  # the run directory cannot be written: one line, not a traceback
         if not run_dir_write_error(e, run_dir):
             raise
+        if run_dir.is_file():
+            raise UserError(f"run_dir {str(run_dir)!r} is a file; give a directory") from None
         raise UserError(f"cannot write {e.filename or run_dir} ({os.strerror(e.errno)}); free disk space, fix the "
                         f"permissions or give another run_dir (a run with a checkpoint continues with "
                         f"--resume {run_dir})") from None
