@@ -216,3 +216,55 @@ def test_a_hung_rollout_worker_is_killed_after_the_timeout_restarted_and_nothing
     time.sleep(1)
     assert not _alive(hung), "the hung worker was not killed"
     assert not [p for p in seen - before if _alive(p)], "processes outlived the run"
+
+
+def _send_forever(conn, n_bytes: int) -> None:
+    from trustbatch.orchestration.process_rollout import _Sender
+
+    _Sender(conn).put(("batch", 0, 1, b"x" * n_bytes))  # a real batch is larger than the pipe's 64 KiB
+    time.sleep(60)  # killed meanwhile, its message half sent
+
+
+def _hold_the_lock(lock, holder) -> None:
+    with lock:
+        holder.value = 0
+        time.sleep(60)  # killed while it loads a round's weights
+
+
+def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_the_learner():
+    """Both hung the learner for good, so the health check never ran and the worker was never restarted: a worker
+    killed while its batch drained into the shared queue left half a message and the queue's write lock (the
+    learner blocked inside Queue.get; 429 kB batches, a reviewer's run), and one killed while it loaded weights
+    under weights_lock left the lock held (the learner blocked in push). Real processes, killed with SIGKILL."""
+    import multiprocessing
+
+    from trustbatch.orchestration.process_rollout import ProcessTransport
+
+    ctx = multiprocessing.get_context("spawn")
+    transport = object.__new__(ProcessTransport)  # its pipes and lock alone: no model, no worker spec
+    reader, writer = ctx.Pipe(duplex=False)
+    sender = ctx.Process(target=_send_forever, args=(writer, 8 << 20))
+    sender.start()
+    writer.close()
+    transport.readers, transport._draining = [reader], []
+    assert reader.poll(60)  # it began sending
+    os.kill(sender.pid, signal.SIGKILL)
+    sender.join()
+    t0 = time.time()
+    assert transport.poll(1.0) is None and transport.readers == [None]  # its end, not a wait for the rest
+    assert time.time() - t0 < 10
+
+    class _Held:
+        weights_lock, holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
+
+    holder = ctx.Process(target=_hold_the_lock, args=(_Held.weights_lock, _Held.holder))
+    holder.start()
+    while _Held.holder.value != 0:
+        time.sleep(0.01)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    transport.shared, transport.procs = _Held, [holder]
+    t0 = time.time()
+    with transport._weights_locked():
+        assert _Held.holder.value == -1
+    assert time.time() - t0 < 10 and _Held.weights_lock.acquire(timeout=1)

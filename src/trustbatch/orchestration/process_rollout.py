@@ -9,15 +9,23 @@ one that finishes while the learner trains starts the next allowed batch at once
 
 The rules (batch order, capacity bound, drop rule, restarts, metrics) are ``BoundedSource``'s. Process workers
 ignore Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close`` stops and reaps them.
+
+A worker killed at any moment (the OOM killer) must not hang the learner: each sends its messages on a pipe of its
+own, whose write end only it holds, so its death reads as the end of that pipe (a shared queue left half a message
+and its write lock behind: the learner blocked reading it); and the learner takes the weights lock with a timeout,
+releasing it for a worker that died holding it (``_Shared.holder``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import signal
+import threading
 import time
+from multiprocessing.connection import wait as wait_for
 
 import torch
 import torch.multiprocessing as mp
@@ -38,14 +46,41 @@ class _Shared:
         self.slot_version = ctx.Array("q", [version] * slots, lock=False)
         self.floor = ctx.Value("q", 0, lock=False)  # the oldest round held (staleness.behaviour_round)
         self.weights_lock = ctx.Lock()
+        self.holder = ctx.Value("q", -1, lock=False)  # the worker that holds weights_lock, or -1
         self.requested = ctx.Value("q", 0, lock=False)  # the batch index the learner asks for now
         self.k = ctx.Value("q", k, lock=False)  # the current staleness bound, in versions
         self.next_index = ctx.Value("q", 0, lock=False)
         self.claim_lock = ctx.Lock()
         self.claimed = ctx.Array("q", [-1] * n_workers, lock=False)
         self.started = ctx.Array("d", [0.0] * n_workers, lock=False)  # when each began its batch; 0: not making one
-        self.out = ctx.Queue()
         self.stop = ctx.Event()
+
+
+class _Sender:
+    """A worker's messages to the learner, each pickled whole (plain pickle copies the tensors into the message:
+    torch's queue pickler would pass them as file descriptors, lost if the worker is killed before they are read),
+    written by a thread so that the worker goes on while a large batch drains into the pipe. ``close`` sends what
+    is queued."""
+
+    def __init__(self, conn):
+        self.conn, self.pending = conn, queue.Queue()
+        self.thread = threading.Thread(target=self._send, daemon=True, name="trustbatch-sender")
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.pending.put(pickle.dumps(message))
+
+    def _send(self) -> None:
+        while (data := self.pending.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the learner closed its end: it is stopping
+                return
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        self.conn.close()
 
 
 def _slot_for(j: int, shared: _Shared, ahead: int | None) -> int:
@@ -62,15 +97,24 @@ def _slot_for(j: int, shared: _Shared, ahead: int | None) -> int:
 
 
 def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, ahead: int | None, first: int,
-                 parent: int) -> None:
+                 parent: int, conn) -> None:
     from ..processes import die_with_parent
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and stops us
+    out = _Sender(conn)
+    try:
+        _make_batches(wid, spec, shared, steps_per_round, ahead, first, out)
+    finally:
+        out.close()
+
+
+def _make_batches(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, ahead: int | None, first: int,
+                  out: _Sender) -> None:
     try:
         worker = RolloutWorker(spec)
     except BaseException as e:  # report why, then exit: the learner raises it
-        shared.out.put(("error", wid, -1, describe_error(e)))
+        out.put(("error", wid, -1, describe_error(e)))
         return
     j, loaded = first, None  # the version this worker's engine holds; None: the model directory's (load once)
     try:
@@ -85,22 +129,24 @@ def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: i
             if shared.stop.is_set():
                 break
             with shared.weights_lock:
-                slot = _slot_for(j, shared, ahead)
-                if slot >= 0 and shared.slot_version[slot] != loaded:
-                    loaded = shared.slot_version[slot]
-                    worker.load_weights(shared.weights[slot].items(), loaded)
+                shared.holder.value = wid
+                try:
+                    slot = _slot_for(j, shared, ahead)
+                    if slot >= 0 and shared.slot_version[slot] != loaded:
+                        loaded = shared.slot_version[slot]
+                        worker.load_weights(shared.weights[slot].items(), loaded)
+                finally:
+                    shared.holder.value = -1
             if slot < 0:
                 j = -1
                 continue
             shared.started[wid] = time.time()
             batch, metrics = worker.make_batch(j)
-            # plain pickle copies the tensors into the message: torch's queue pickler would pass them as
-            # file descriptors fetched from this process later, lost if it is killed in between
-            shared.out.put(("batch", wid, j, pickle.dumps((batch, metrics))))
+            out.put(("batch", wid, j, (batch, metrics)))
             shared.started[wid] = 0.0
             j = -1
     except BaseException as e:
-        shared.out.put(("error", wid, j, describe_error(e)))
+        out.put(("error", wid, j, describe_error(e)))
     finally:
         worker.close()
 
@@ -126,6 +172,8 @@ class ProcessTransport(Stateless):
         self.spec, self.n, self.m, self.ahead = spec, workers, steps_per_round, ahead
         self.shared = _Shared(self.ctx, model, version, workers, 0, 1 if ahead is None else ahead + 1)
         self.procs: list = [None] * workers
+        self.readers: list = [None] * workers  # each worker's pipe (read end); a restarted one's old pipe drains
+        self._draining: list = []
         self.first = [-1] * workers  # the batch a restarted worker makes first, until it claims it itself
         self.requested = 0
         self.starts = 0  # worker processes started so far, restarts included (``for_start``)
@@ -133,11 +181,31 @@ class ProcessTransport(Stateless):
 
     def _start(self, wid: int, first: int = -1) -> None:
         spec, self.starts = for_start(self.spec, self.starts), self.starts + 1
+        reader, writer = self.ctx.Pipe(duplex=False)
         p = self.ctx.Process(target=_worker_main, args=(wid, spec, self.shared, self.m, self.ahead, first,
-                                                        os.getpid()),
+                                                        os.getpid(), writer),
                              daemon=False, name=f"trustbatch-rollout-{wid}")  # it owns a reward pool
         p.start()
-        self.procs[wid] = p
+        writer.close()  # the worker's alone: its death ends the pipe
+        if self.readers[wid] is not None:
+            self._draining.append(self.readers[wid])  # what the old process sent whole is still read
+        self.procs[wid], self.readers[wid] = p, reader
+
+    @contextlib.contextmanager
+    def _weights_locked(self):
+        """``weights_lock``, taken with a timeout: a worker killed while it held the lock (loading a round's
+        weights) would block the learner for good; the lock is released on its behalf, and the health check
+        restarts it."""
+        sh = self.shared
+        while not sh.weights_lock.acquire(timeout=1.0):
+            wid = sh.holder.value
+            if wid >= 0 and self.procs[wid] is not None and not self.procs[wid].is_alive():
+                sh.holder.value = -1
+                sh.weights_lock.release()
+        try:
+            yield
+        finally:
+            sh.weights_lock.release()
 
     def _put(self, round_: int, version: int, weights) -> None:
         """Round ``round_``'s weights into its slot (under ``weights_lock``)."""
@@ -149,7 +217,7 @@ class ProcessTransport(Stateless):
 
     def start(self, first_index: int) -> None:
         sh = self.shared
-        with sh.weights_lock:  # every slot holds the first weights; the first round is the newest
+        with self._weights_locked():  # every slot holds the first weights; the first round is the newest
             sh.slot_round[first_index % len(sh.weights)] = first_index
             floor = first_index
             for r in range(first_index - 1, first_index - len(sh.weights), -1):
@@ -165,7 +233,7 @@ class ProcessTransport(Stateless):
 
     def request(self, b: int, k: int) -> None:
         sh = self.shared
-        with sh.weights_lock:
+        with self._weights_locked():
             slot, prev = b % len(sh.weights), (b - 1) % len(sh.weights)
             if sh.slot_round[slot] != b:  # no push since round b − 1 (a batch skipped or dropped): its weights
                 if slot != prev:
@@ -175,11 +243,19 @@ class ProcessTransport(Stateless):
         self.requested = sh.requested.value = b  # after the weights: a worker may start batch b + ahead now
 
     def poll(self, timeout_s: float) -> Message | None:
-        try:
-            kind, wid, j, payload = self.shared.out.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        return kind, wid, j, pickle.loads(payload) if kind == "batch" else payload
+        conns = [c for c in (*self._draining, *self.readers) if c is not None]
+        for conn in wait_for(conns, timeout_s):
+            try:
+                return pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # its process ended (mid-message, if it was killed): the health check
+                self._forget(conn)       # restarts it; what it sent whole was read before
+        return None
+
+    def _forget(self, conn) -> None:
+        conn.close()
+        if conn in self._draining:
+            self._draining.remove(conn)
+        self.readers = [None if c is conn else c for c in self.readers]
 
     def held(self, wid: int) -> int:
         claimed = self.shared.claimed[wid]
@@ -206,12 +282,12 @@ class ProcessTransport(Stateless):
     def push(self, model: torch.nn.Module, version: int) -> None:
         """Copy the state into the next round's slot (under the lock workers load under). Its previous round
         samples no batch still to make: the batches up to the one just trained on are all made."""
-        with self.shared.weights_lock:
+        with self._weights_locked():
             self._put(self.requested + 1, version, named_weights(model))
 
     def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
         sh, out = self.shared, {}
-        with sh.weights_lock:
+        with self._weights_locked():
             for r in rounds:
                 slot = r % len(sh.weights)
                 if sh.slot_round[slot] == r:
@@ -223,6 +299,10 @@ class ProcessTransport(Stateless):
 
     def close(self) -> None:
         self.shared.stop.set()
+        for conn in [*self._draining, *self.readers]:  # first: a worker sending a batch made ahead then ends
+            if conn is not None:
+                conn.close()
+        self._draining, self.readers = [], [None] * self.n
         for p in self.procs:
             if p is not None:
                 p.join(5)
