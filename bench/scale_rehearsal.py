@@ -8,8 +8,8 @@ The model is random-initialised from a local ``Qwen2Config`` shaped like Qwen2.5
 tokenizer trained here (the model's vocabulary exceeds the tokenizer's, as Qwen's does), saved once as an HF
 directory and loaded by ``model.path`` like any user's model. Each arm is one fresh ``trustbatch train`` process
 (2 prompts × 4 samples per round, ``--new-tokens`` new tokens, a reward with spread: the share of digits in the
-completion), whose peak RSS it reports with the seconds per phase (rollout, learner step) and tokens/s from the
-run's own metrics. Arms:
+completion), whose peak RSS it reports with the rollout's seconds and the whole round's (``step_s``: rollout, learner and
+weight sync) and tokens/s from the run's own metrics. Arms:
 
 - ``defaults``: nothing but the model and the round's shape set: float32, no checkpointing, the default micro-batch
   (512 rows) and LM-head chunk (``auto``: 441 tokens at this V), the default evaluation and checkpoints

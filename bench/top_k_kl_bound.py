@@ -45,6 +45,8 @@ def main() -> None:
     torch.set_num_threads(1)
     shared = Path(os.environ.get("TRUSTBATCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
     model_dir = shared / "models" / "stories260K-hf"
+    if not model_dir.is_dir():
+        sys.exit(f"top_k_kl_bound: no {model_dir}; set TRUSTBATCH_SHARED to the folder that holds models/stories260K-hf")
     tok = AutoTokenizer.from_pretrained(model_dir)
     behaviour = LlamaForCausalLM.from_pretrained(model_dir).double().eval()
     policy = copy.deepcopy(behaviour)

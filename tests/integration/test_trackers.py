@@ -270,6 +270,14 @@ def test_mlflow_default_store_is_beside_the_run_directory_not_in_the_working_dir
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     run_dir = runs / "one"
+    # the check at start opens the store the run will open (it opened MLflow's default, ./mlflow.db, and left it)
+    from trustbatch.trainer.trackers import check_trackers
+
+    (tmp_path / "elsewhere" / "mlflow.db").mkdir(parents=True)  # a store that cannot be opened: a folder
+    with pytest.raises(UserError, match=r"tracking store 'sqlite:///.*elsewhere/mlflow.db'.* cannot be used"):
+        check_trackers(["mlflow"], None, tmp_path / "elsewhere" / "run")
+    check_trackers(["mlflow"], None, run_dir)
+    assert list(cwd.iterdir()) == [] and (runs / "mlflow.db").is_file()
     run_dir.mkdir(parents=True)
     (run_dir / "plot.png").write_bytes(b"a plot")
     log = MetricsLog(run_dir, open_trackers(["mlflow"], run_dir, {"a": 1}, resuming=False))

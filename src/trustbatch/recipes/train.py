@@ -128,7 +128,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     require_trackers(cfg.log.trackers)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    world = _world(cfg)
+    world = _world(cfg, run_dir)
     try:
         created = False  # whether this start made the directory: only then may it remove it
         if world.is_main and resume is None:
@@ -161,7 +161,7 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
         world.close()
 
 
-def _world(cfg: Config) -> World:
+def _world(cfg: Config, run_dir: Path) -> World:
     """This process's ``World`` (torchrun's ranks, or one), once the trackers it opens answer.
 
     Raises:
@@ -172,7 +172,7 @@ def _world(cfg: Config) -> World:
     except ValueError as e:
         raise UserError(str(e)) from None
     if world.is_main:  # the rank that opens them; a store is created once, not by every rank at once
-        check_trackers(cfg.log.trackers, cfg.log.mlflow_uri)
+        check_trackers(cfg.log.trackers, cfg.log.mlflow_uri, run_dir)
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")

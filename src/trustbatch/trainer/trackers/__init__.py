@@ -77,7 +77,7 @@ def require_trackers(names: list[str]) -> None:
                             f"pip install 'trustbatch[{name}]', or remove {name} from log.trackers")
 
 
-def check_trackers(names: list[str], mlflow_uri: str | None = None) -> None:
+def check_trackers(names: list[str], mlflow_uri: str | None = None, run_dir: Path | None = None) -> None:
     """Check before any model loads what would stop the named trackers at start: their packages
     (``require_trackers``), MLflow's tracking store (opened, as a run opens it) and W&B's login when it runs online.
 
@@ -89,7 +89,7 @@ def check_trackers(names: list[str], mlflow_uri: str | None = None) -> None:
     if "mlflow" in names:
         from .mlflow import check_store
 
-        check_store(mlflow_uri)
+        check_store(mlflow_uri, run_dir)
     if "wandb" in names:
         from .wandb import check_login
 

@@ -22,9 +22,11 @@ BATCH = 100  # MLflow's most parameters in one log_batch call
 MAX_METRICS = 1000  # MLflow's most metrics in one log_batch call (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 
 
-def check_store(uri: str | None) -> None:
-    """Open the tracking store ``uri`` (None: ``MLFLOW_TRACKING_URI``, else MLflow's default) as ``start`` will,
-    before any model loads: a SQL store is created there (its tables too), so an unwritable one fails here.
+def check_store(uri: str | None, run_dir: Path | None = None) -> None:
+    """Open the tracking store ``uri`` (None: ``MLFLOW_TRACKING_URI``, else ``default_store(run_dir)`` beside the run
+    directory, its folder made) as ``start`` will, before any model loads: a SQL store is created there (its tables
+    too), so an unwritable one fails here. (It opened MLflow's own default instead, ./mlflow.db: a file in the
+    working directory, and the run's store unchecked.)
 
     Raises:
         UserError: MLflow refuses the URI (an unknown scheme) or cannot open the store (a path that cannot be
@@ -35,11 +37,16 @@ def check_store(uri: str | None) -> None:
 
     from ...errors import UserError
 
+    store = uri or os.environ.get("MLFLOW_TRACKING_URI")
     try:
-        MlflowClient(tracking_uri=uri)  # resolves the store now (MLflow checks the URI on construction)
+        if store is None and run_dir is not None:
+            Path(run_dir).resolve().parent.mkdir(parents=True, exist_ok=True)
+            store = default_store(Path(run_dir))[0]
+        MlflowClient(tracking_uri=store)  # resolves the store now (MLflow checks the URI on construction)
     except Exception as e:  # noqa: BLE001 - MLflow raises its own types, SQLAlchemy's and OSError alike
-        where = f"log.mlflow_uri={uri!r}" if uri else (f"the MLflow tracking store {mlflow.get_tracking_uri()!r} "
-                                                       "(MLFLOW_TRACKING_URI, else MLflow's default)")
+        named = store or mlflow.get_tracking_uri()
+        where = f"log.mlflow_uri={uri!r}" if uri else (f"the MLflow tracking store {named!r} (MLFLOW_TRACKING_URI, "
+                                                       "else mlflow.db beside the run directory)")
         cause = " ".join(str(e).split())
         cause = cause if len(cause) <= 200 else cause[:199] + "…"
         raise UserError(f"{where} cannot be used ({type(e).__name__}: {cause}); give a store MLflow can write, e.g. "
