@@ -27,5 +27,7 @@ def forked_rngs():
     """``torch.random.fork_rng`` over the CPU generator and every CUDA device's: a block that seeds its own stream
     (``torch.manual_seed`` seeds the CUDA generators too) leaves the caller's streams as they were. ``fork_rng(
     devices=[])`` restored the CPU generator alone, so on a GPU the block's seed stayed in the CUDA generators.
-    Forking CUDA devices is untested here (no GPU in the sessions that wrote it)."""
-    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())))
+    Only once CUDA is initialized (a CPU run on a GPU machine starts no CUDA context here; a seed set before CUDA
+    starts is applied when it does, and the run's own seeding comes later). Forking CUDA devices is untested here
+    (no GPU in the sessions that wrote it)."""
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else [])

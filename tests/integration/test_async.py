@@ -268,3 +268,15 @@ def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_t
     with transport._weights_locked():
         assert _Held.holder.value == -1
     assert time.time() - t0 < 10 and _Held.weights_lock.acquire(timeout=1)
+    _Held.weights_lock.release()
+    # killed while the learner waited for its batch: the health check restarts it, and its replacement (the same
+    # worker id, alive) would wait for the lock for good; the restart releases it
+    holder = ctx.Process(target=_hold_the_lock, args=(_Held.weights_lock, _Held.holder))
+    holder.start()
+    while _Held.holder.value != 0:
+        time.sleep(0.01)
+    os.kill(holder.pid, signal.SIGKILL)
+    _Held.claimed, _Held.started = [3], [1.0]
+    transport.procs, transport.first, transport._start = [holder], [-1], lambda wid, first: None
+    transport.restart(0, 3)
+    assert _Held.holder.value == -1 and _Held.weights_lock.acquire(timeout=1)

@@ -234,3 +234,16 @@ def test_eval_engine_vllm_scores_a_benchmark_file(tmp_path, base_dir, named):
     row = res["benchmarks"]["sums"]
     assert res["engine"] == "vllm" and row["prompts"] == 8 and len(row["correct"]) == 8
     assert 0 <= row["pass@1"] <= row["pass@4"] <= 1 and 1 <= row["response_tokens"] <= 8
+
+
+def test_the_sizes_of_gpt2_and_an_attention_free_model_are_read(tmp_path):
+    """The head size read from transformers' config: GPT-2 names it n_embd / n_head, and Mamba has no attention
+    heads (reading them ended vLLM's start on a GPU, where the CPU kernels' head-size check does not even apply)."""
+    from transformers import GPT2Config, MambaConfig
+
+    from trustbatch.rollout.vllm_engine import _sizes
+
+    GPT2Config(n_embd=64, n_head=2, n_positions=256).save_pretrained(tmp_path / "gpt2")
+    MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1).save_pretrained(tmp_path / "mamba")
+    assert _sizes(tmp_path / "gpt2") == (256, 32)
+    assert _sizes(tmp_path / "mamba")[1] is None

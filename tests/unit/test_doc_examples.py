@@ -22,6 +22,7 @@ import typer
 
 from trustbatch.cli import app
 from trustbatch.errors import UserError
+from trustbatch.cli import _one_config
 from trustbatch.recipes.train import resolved_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def check(argv: list[str], inline: bool = False, elided: bool = False) -> None:
         raise AssertionError(f"{' '.join(path + argv)}: {type(e).__name__}: {e}") from None
     if path[1:] == ["train"] and not params.get("resume"):
         try:
-            resolved_config(params.get("config"), params.get("overrides"))
+            resolved_config(_one_config(params.get("config")), params.get("overrides"))
         except UserError as e:
             raise AssertionError(f"{' '.join(path + argv)}: {e}") from None
 

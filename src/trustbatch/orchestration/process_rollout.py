@@ -272,6 +272,10 @@ class ProcessTransport(Stateless):
         if p.is_alive():
             p.kill()
         p.join(5)
+        sh = self.shared
+        if sh.holder.value == wid and not p.is_alive():  # it died loading weights: its replacement needs the lock
+            sh.holder.value = -1
+            sh.weights_lock.release()
         # the new process claims ``first`` once it has started; until then it holds nothing
         self.shared.claimed[wid] = -1
         self.shared.started[wid] = 0.0

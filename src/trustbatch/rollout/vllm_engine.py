@@ -33,8 +33,8 @@ def _model_config(model_dir: Path) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def _sizes(model_dir: Path) -> tuple[int | None, int]:
-    """(positions, attention head size) as transformers reads the config: its attribute maps name GPT-2's n_positions,
+def _sizes(model_dir: Path) -> tuple[int | None, int | None]:
+    """(positions, attention head size; None without attention) as transformers reads the config: its attribute maps name GPT-2's n_positions,
     n_embd and n_head (the raw config.json has no hidden_size there).
 
     Raises:
@@ -48,7 +48,8 @@ def _sizes(model_dir: Path) -> tuple[int | None, int]:
         raise ValueError(f"transformers cannot read {str(model_dir / 'config.json')!r} "
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     hf = getattr(hf, "text_config", None) or hf
-    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    heads = getattr(hf, "num_attention_heads", None)  # none in an attention-free model (Mamba)
+    head = getattr(hf, "head_dim", None) or (hf.hidden_size // heads if heads else None)
     return getattr(hf, "max_position_embeddings", None), head
 
 
@@ -131,7 +132,7 @@ class VLLMEngine:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
             sizes = CPUAttentionBackend.get_supported_head_sizes()
-            if head not in sizes:
+            if head is not None and head not in sizes:
                 raise ValueError(f"vLLM's CPU attention has no kernel for head_dim={head} of {model_dir} "
                                  f"(supported: {sizes}); use rollout.engine=transformers or another model")
         if quantization is not None and current_platform.is_cpu():
