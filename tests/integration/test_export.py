@@ -199,6 +199,7 @@ def test_the_cards_command_samples_with_the_runs_random_streams(tmp_path, shared
     assert again["pass@4"] == pytest.approx(last["heldout_pass@4"], abs=1e-12)
 
 
+@pytest.mark.slow  # a bf16-mixed run and two evaluations in their own processes (~30 s): make test under 10 minutes
 def test_the_cards_command_samples_and_scores_as_a_bf16_mixed_run(tmp_path, shared_dir, hf_cache,
                                                                   support_on_pythonpath):
     """A bf16-mixed run's held-out evaluation samples under the learner's bf16 autocast, and scores within its
