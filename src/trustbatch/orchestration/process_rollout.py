@@ -199,12 +199,18 @@ class ProcessTransport(Stateless):
         sh = self.shared
         while not sh.weights_lock.acquire(timeout=1.0):
             wid = sh.holder.value
-            if wid >= 0 and self.procs[wid] is not None and not self.procs[wid].is_alive():
-                sh.holder.value = -1
-                sh.weights_lock.release()
+            if wid >= 0 and self.procs[wid] is not None:
+                self._release_for_dead(wid, self.procs[wid])
         try:
             yield
         finally:
+            sh.weights_lock.release()
+
+    def _release_for_dead(self, wid: int, proc) -> None:
+        """Release ``weights_lock`` on behalf of worker ``wid`` when it holds it and its process ``proc`` is dead."""
+        sh = self.shared
+        if sh.holder.value == wid and not proc.is_alive():
+            sh.holder.value = -1
             sh.weights_lock.release()
 
     def _put(self, round_: int, version: int, weights) -> None:
@@ -272,10 +278,7 @@ class ProcessTransport(Stateless):
         if p.is_alive():
             p.kill()
         p.join(5)
-        sh = self.shared
-        if sh.holder.value == wid and not p.is_alive():  # it died loading weights: its replacement needs the lock
-            sh.holder.value = -1
-            sh.weights_lock.release()
+        self._release_for_dead(wid, p)  # it died loading weights: its replacement needs the lock
         # the new process claims ``first`` once it has started; until then it holds nothing
         self.shared.claimed[wid] = -1
         self.shared.started[wid] = 0.0

@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..seeding import forked_rngs
 from ..records import umask_modes
 from .model import Policy, build_small_llama, load_policy
-from .sft import sft
+from .sft import demos_within_context, sft
 from .shipped import install_shipped, shipped_base, shipped_manifests
 from .tokenizer import train_tokenizer
 
@@ -119,16 +119,15 @@ def sft_demos(task: TaskSplit, model_cfg: dict, chat: bool = False) -> list[tupl
     return weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
 
 
-def _within_context(policy: Policy, demos: list[tuple[str, str]], max_len: int) -> list[tuple[str, str]]:
-    """The demonstrations whose prompt and completion ids (EOS included) fit the base's ``max_len`` positions, as
+def _within_context(policy: Policy, demos: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The demonstrations that fit the base's ``model.max_len`` positions (``sft.demos_within_context``), as
     ``recipes.build.fit_demos`` keeps them for ``model.path``: past them the SFT trains positions no rollout reaches
     (a data file's prompts longer than the context are then all refused by the run).
 
     Raises:
         UserError: none fits, before any SFT step (names ``model.max_len``).
     """
-    lengths = [len(policy.encode_prompt(p)) + len(policy.encode_completion(c)) for p, c in demos]
-    keep = [d for d, n in zip(demos, lengths) if n <= max_len]
+    keep, lengths, max_len = demos_within_context(policy, demos)
     if demos and not keep:
         raise UserError(f"none of the {len(demos)} SFT demonstrations of the default base fits its context of "
                         f"model.max_len={max_len} tokens (the shortest prompt and answer have {min(lengths)}); raise "
@@ -197,7 +196,7 @@ def build_base(
             max_len=model_cfg["max_len"], seed=model_cfg["seed"], tokenizer=tok,
         )
         policy = Policy(model=model, tokenizer=tok, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-        demos = _within_context(policy, sft_demos(task, model_cfg), model_cfg["max_len"])
+        demos = _within_context(policy, sft_demos(task, model_cfg))
         sft(policy, demos, steps=model_cfg["sft_steps"], batch_size=model_cfg["sft_batch_size"],
             lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step)
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,17 @@ from .forward import pack, response_logprobs
 from .model import Policy
 
 
+def demos_within_context(policy: Policy, demos: list[tuple[str, str]]):
+    """``(kept, lengths, context)``: the demonstrations whose prompt and completion ids (EOS included) fit the
+    model's context (``config.max_position_embeddings``), and every demonstration's length in tokens; ``(demos, [],
+    None)`` when the config names no context."""
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if context is None:
+        return demos, [], None
+    lengths = [len(policy.encode_prompt(p)) + len(policy.encode_completion(c)) for p, c in demos]
+    return [d for d, n in zip(demos, lengths) if n <= context], lengths, context
+
+
 def sft(
     policy: Policy,
     demos: list[tuple[str, str]],

@@ -82,7 +82,12 @@ def workers_send(spec: EngineSpec) -> bool:
 
 def learner_autocast(cfg: Config) -> torch.dtype | None:
     """The learner's autocast dtype, which engines sampling from its own module share (bf16-mixed), else None."""
-    return torch.bfloat16 if cfg.train.precision == "bf16-mixed" else None
+    return precision_autocast(cfg.train.precision)
+
+
+def precision_autocast(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a ``train.precision`` value: bfloat16 for bf16-mixed, None for float32."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
 
 
 def engine_autocast(inp: Inputs) -> torch.dtype | None:

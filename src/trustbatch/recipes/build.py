@@ -24,6 +24,7 @@ from ..policy.base import default_base
 from ..policy.hub import model_dir
 from ..policy.budget import vocab_size
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
+from ..policy.sft import demos_within_context
 from ..rewards.scorers import MODEL_PREFIX
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
@@ -173,11 +174,9 @@ def fit_demos(policy, demos: list[tuple[str, str]], console=None) -> list[tuple[
     Raises:
         UserError: none fits.
     """
-    context = getattr(policy.model.config, "max_position_embeddings", None)
+    keep, lengths, context = demos_within_context(policy, demos)
     if context is None:
         return demos
-    lengths = [len(policy.encode_prompt(p)) + len(policy.encode_completion(c)) for p, c in demos]
-    keep = [d for d, n in zip(demos, lengths) if n <= context]
     if not keep:
         raise UserError(f"none of the {len(demos)} SFT demonstrations fits the model's context of {context} tokens "
                         f"(the shortest prompt and answer have {min(lengths)}); give shorter rows, or set "

@@ -90,7 +90,8 @@ def check_recorded_behaviour(cfg: Config, vocab: int, budget_bytes: int = LOGITS
     """Fail at start when the exact KL needs the behaviour distribution recorded at sampling (an engine that declares
     ``recorded`` at ``rollout.precision``: teacher forcing would rebuild another distribution) and one round's
     record, N = prompts_per_step · group_size rows × max_new_tokens steps × ``vocab`` float32, held twice at its
-    peak (three times packed or with foreign rows: ``policy.budget.held_copies``), passes ``budget_bytes`` (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
+    peak (three times packed or with foreign rows: ``policy.budget.held_copies``), passes ``budget_bytes``
+    (``policy.budget.recorded_fits``; default ``LOGITS_BYTES``, 256 MiB). Needs V, so it runs
     once the policy is loaded (``recipes.build.build_parts``), before any rollout.
 
     Raises:

@@ -89,7 +89,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     spec = EngineSpec(name=engine, seed=seed, decode=decode, noise=noise)
     _check_prompt_limit(max_prompt_tokens, long_prompts)
     autocast = _autocast(precision, spec)
-    dev = _checked_device(n, ks, temperature, 1 if max_new_tokens is None else max_new_tokens, limit, timeout, workers, spec, reward, device)
+    dev = _checked_device(n, ks, temperature, 1 if max_new_tokens is None else max_new_tokens, limit, timeout,
+                          workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
     for b in benches if reward is not None else []:
@@ -98,7 +99,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
-    max_new_tokens = max_new_tokens if max_new_tokens is not None else min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
+    if max_new_tokens is None:
+        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
     benches, skipped = _fit_to_context(benches, policy, ctx, max_new_tokens, warn)
     torch.manual_seed(seed)
     eng = _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocast)
@@ -110,8 +112,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     for name, k in skipped.items():
         res["benchmarks"][name]["prompts_skipped"] = k
     return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "precision": precision, "n": n,
-            "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit, "max_prompt_tokens": max_prompt_tokens,
-            "long_prompts": long_prompts, **res}
+            "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit,
+            "max_prompt_tokens": max_prompt_tokens, "long_prompts": long_prompts, **res}
 
 
 def _distinct_names(benches: list, given: list[str]) -> list:
@@ -245,18 +247,15 @@ def _autocast(precision: str, spec):
     Raises:
         UserError: an unknown precision, or bf16-mixed on an engine that is not the learner's transformers one.
     """
-    import torch
-
     from ..rollout.spec import shares_module
+    from .backends import precision_autocast
 
     if precision not in ("float32", "bf16-mixed"):
         raise UserError(f"--precision {precision!r} must be float32 or bf16-mixed")
-    if precision == "float32":
-        return None
-    if not shares_module(spec):
+    if precision != "float32" and not shares_module(spec):
         raise UserError(f"--precision bf16-mixed is the transformers engine's autocast (as training's); "
                         f"--engine {spec.name} computes in its own precision: drop --precision")
-    return torch.bfloat16
+    return precision_autocast(precision)
 
 
 def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocast=None):

@@ -19,6 +19,7 @@ from ..config import Config, DataConfig, RolloutConfig, TaskConfig, TrainConfig
 from ..config.load import FREE_FORM
 from ..errors import UserError
 from ..records import git_commit, package_version
+from ..trainer.checkpoint import checkpoints
 from ..trainer.runlog import MetricsLog
 
 # Keys a resume may change: how long to run and how often to report, not what the run computes.
@@ -103,15 +104,33 @@ def set_aside(run_dir: Path) -> Path:
     """Move everything in ``run_dir`` but its lock into a new subfolder ``interrupted-YYYYmmdd-HHMMSS`` (and earlier
     such subfolders stay where they are), so that a start interrupted before its first checkpoint can start over in
     the same directory without losing its records. Returns the subfolder. The caller holds the ``RunLock``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest, n = run_dir / f"interrupted-{stamp}", 1
-    while dest.exists():
-        n += 1
-        dest = run_dir / f"interrupted-{stamp}-{n}"
+    dest = _unused(run_dir / f"interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
     dest.mkdir()
     for p in sorted(run_dir.iterdir()):
         if p.name != ".lock" and not p.name.startswith("interrupted-"):
             os.replace(p, dest / p.name)
+    return dest
+
+
+def set_aside_unloadable(run_dir: Path, resumed: Path) -> list[tuple[Path, Path]]:
+    """Rename the checkpoints newer than ``resumed`` (each failed to load: ``load_latest`` fell back past it) to
+    ``checkpoints/unloadable-step_XXXXXX``; returns the ``(old, new)`` paths. Kept, for a look, but out of
+    ``checkpoints``: the rotation counted them, kept a torn one and deleted the intact one a resume started from."""
+    moved = []
+    for ckpt in checkpoints(run_dir):
+        if ckpt.name > resumed.name:
+            dest = _unused(ckpt.with_name(f"unloadable-{ckpt.name}"))
+            os.replace(ckpt, dest)
+            moved.append((ckpt, dest))
+    return moved
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``-3``, ... : the first that does not exist."""
+    dest, n = path, 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}-{n}")
     return dest
 
 

@@ -35,7 +35,7 @@ from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, p
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
 from .rundir import (RunLock, as_read_now, make_new, check_resume_changes, check_resume_paths, open_metrics_log,
-                     record_segment, run_dir_write_error, set_aside)
+                     record_segment, run_dir_write_error, set_aside, set_aside_unloadable)
 
 
 IN_PROCESS_MARKER = "scoring_in_process.json"  # in the run directory: see _in_process_scoring
@@ -251,22 +251,6 @@ def _summary_steps(run_dir: Path) -> int | None:
     return int(steps) if isinstance(steps, (int, float)) else None
 
 
-def _set_aside_unloadable(run_dir: Path, resumed: Path) -> list[Path]:
-    """Rename the checkpoints newer than ``resumed`` (each failed to load: ``load_latest`` fell back past it) to
-    ``checkpoints/unloadable-step_XXXXXX``; returns the new paths. Kept, for a look, but out of ``checkpoints``: the
-    rotation counted them, kept a torn one and deleted the intact one this resume started from."""
-    moved = []
-    for ckpt in checkpoints(run_dir):
-        if ckpt.name > resumed.name:
-            dest, n = ckpt.with_name(f"unloadable-{ckpt.name}"), 1
-            while dest.exists():
-                n += 1
-                dest = ckpt.with_name(f"unloadable-{ckpt.name}-{n}")
-            os.replace(ckpt, dest)
-            moved.append(dest)
-    return moved
-
-
 def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool, world: World, console,
                   started: float) -> dict:
     if world.is_main:
@@ -274,8 +258,8 @@ def _train_locked(cfg: Config, run_dir: Path, changed: list[str], resuming: bool
         clean_temporaries(run_dir)
     found = load_latest(run_dir, checkpoint_loader(cfg)) if resuming else None
     if found is not None and world.is_main:
-        for ckpt in _set_aside_unloadable(run_dir, found[0]):
-            console.print(f"[yellow]warning: {ckpt.parent.name}/{ckpt.name} did not load: kept as {ckpt.name}, out of "
+        for ckpt, kept in set_aside_unloadable(run_dir, found[0]):
+            console.print(f"[yellow]warning: {ckpt.parent.name}/{ckpt.name} did not load: kept as {kept.name}, out of "
                           "the rotation[/yellow]", highlight=False)
     if resuming:
         _check_resumable(cfg, run_dir, found)
