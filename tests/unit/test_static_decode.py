@@ -397,12 +397,14 @@ def test_every_chunk_shape_gets_its_compiled_graph(model, monkeypatch):
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=kw.get("dynamic")))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    torch._dynamo.reset()
-    counters.clear()
-    train, held_out = (TransformersEngine(model, 2, 0, decode="static_compiled") for _ in range(2))
-    sp = SamplingParams(temperature=1.0, max_new_tokens=3)
-    for rows in range(1, 11):  # ten shapes, two engines
-        (train if rows % 2 else held_out).generate([[1, 5, 6]] * rows, 1, sp, seeds=list(range(rows)))
-    assert counters["stats"]["unique_graphs"] == 10 and counters["frames"]["ok"] == counters["frames"]["total"]
+    # dynamo's own patch, restored on exit (monkeypatch's undo deleted the config entry: later compiles failed with
+    # "recompile_limit does not exist")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        torch._dynamo.reset()
+        counters.clear()
+        train, held_out = (TransformersEngine(model, 2, 0, decode="static_compiled") for _ in range(2))
+        sp = SamplingParams(temperature=1.0, max_new_tokens=3)
+        for rows in range(1, 11):  # ten shapes, two engines
+            (train if rows % 2 else held_out).generate([[1, 5, 6]] * rows, 1, sp, seeds=list(range(rows)))
+        assert counters["stats"]["unique_graphs"] == 10 and counters["frames"]["ok"] == counters["frames"]["total"]
     torch._dynamo.reset()
