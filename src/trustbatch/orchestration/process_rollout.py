@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
 from ..pipeline.staleness import behaviour_round, may_start
-from ..pipeline.weight_sync import Stateless, named_weights
+from ..pipeline.weight_sync import Stateless, host_weights
 from .rollout_worker import RolloutWorker, WorkerSpec, for_start, save_worker_model
 
 
@@ -40,7 +40,7 @@ class _Shared:
     """The state learner and workers share: weight slots by round, the capacity gate, the batch counter."""
 
     def __init__(self, ctx, model: torch.nn.Module, version: int, n_workers: int, k: int, slots: int):
-        self.weights = [{name: t.detach().clone().share_memory_() for name, t in named_weights(model)}
+        self.weights = [{name: t.clone().share_memory_() for name, t in host_weights(model)}
                         for _ in range(slots)]
         self.slot_round = ctx.Array("q", [-1] * slots, lock=False)  # the round whose weights each slot holds
         self.slot_version = ctx.Array("q", [version] * slots, lock=False)
@@ -290,7 +290,7 @@ class ProcessTransport(Stateless):
         """Copy the state into the next round's slot (under the lock workers load under). Its previous round
         samples no batch still to make: the batches up to the one just trained on are all made."""
         with self._weights_locked():
-            self._put(self.requested + 1, version, named_weights(model))
+            self._put(self.requested + 1, version, host_weights(model))
 
     def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
         sh, out = self.shared, {}

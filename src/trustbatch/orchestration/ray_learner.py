@@ -34,7 +34,7 @@ import torch
 
 from ..errors import UserError
 from ..pipeline.batch import TrainBatch
-from ..pipeline.weight_sync import named_weights
+from ..pipeline.weight_sync import host_weights, named_weights
 from .ray_cluster import close_actors, connect, import_ray
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -87,7 +87,7 @@ class LearnerRank:
         cover every rank."""
         self.steps = []
         metrics = self.learner.train_on(batch)
-        weights = list(named_weights(self.learner.model)) if with_weights else None
+        weights = list(host_weights(self.learner.model)) if with_weights else None
         return (metrics, self.learner.version, self.steps, self.learner.step_records), weights
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -152,7 +152,7 @@ class RayLearnerGroup:
             self.actors = [remote.remote(1) for _ in range(ranks)]
             nodes = self._get([a.node.remote() for a in self.actors])
             port = self._get([self.actors[0].free_port.remote()])[0]
-            weights = ray.put(list(named_weights(model)))
+            weights = ray.put(list(host_weights(model)))
             calls = []
             for r, actor in enumerate(self.actors):
                 env = {"MASTER_ADDR": nodes[0][0], "MASTER_PORT": str(port), "RANK": str(r),

@@ -37,7 +37,7 @@ import torch
 from ..errors import UserError
 from ..pipeline.async_source import BoundedSource, Message, describe_error, order_ahead
 from ..pipeline.staleness import behaviour_round, may_start
-from ..pipeline.weight_sync import Stateless, named_weights
+from ..pipeline.weight_sync import Stateless, host_weights
 from .ray_cluster import close_actors, connect, import_ray
 from .rollout_worker import RolloutWorker, WorkerSpec, for_start, save_worker_model
 
@@ -90,7 +90,7 @@ class RayTransport(Stateless):
             self.ready: list = [None] * workers  # each actor's construction, then the time it was seen done
             self.submitted = [0.0] * workers
             self.version = version
-            self.weights_ref = ray.put(list(named_weights(model)))
+            self.weights_ref = ray.put(list(host_weights(model)))
         except BaseException:
             self.close()
             raise
@@ -217,7 +217,7 @@ class RayTransport(Stateless):
         ``weights_from``); actors behind ``version`` fetch them before their next batch."""
         ref = self.weights_from(version) if self.weights_from is not None else None
         # the old reference is freed when unused
-        self.weights_ref = ref if ref is not None else self.ray.put(list(named_weights(model)))
+        self.weights_ref = ref if ref is not None else self.ray.put(list(host_weights(model)))
         self.version = version
 
     def snapshots(self, rounds: range) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:

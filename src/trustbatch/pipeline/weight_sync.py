@@ -40,6 +40,18 @@ def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, full_tensor(t.detach())
 
 
+def host_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_weights`` of ``model`` on the CPU, for a transport to another process (a rollout worker process or a
+    Ray actor), whose engine is built on the CPU from a saved copy of the policy: a CUDA tensor would make every
+    worker open a CUDA context on the learner's GPU (or fail to unpickle where it has none). A CPU tensor is yielded
+    as it is (no copy); the transport copies it into its own memory.
+
+    Untested on CUDA here: ``tests/gpu/test_train_cuda.py`` runs an async round with a CUDA learner.
+    """
+    for name, t in named_weights(model):
+        yield name, t.cpu()
+
+
 class WeightSync(Protocol):
     def push(self, model: torch.nn.Module, version: int) -> None:
         """Make the behaviour policy follow ``model``, now at policy ``version``."""
