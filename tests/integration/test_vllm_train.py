@@ -169,3 +169,19 @@ def test_async_vllm_workers_send_their_top_k_and_the_learner_trains_on_the_bound
     assert batch.behaviour == {0: TopK(k)} and batch.policy_version.unique().tolist() == [0]
     want, _, _ = _top_k_bound_by_hand(model, batch, k, T)
     assert want > 1e-3 and recs[0]["kl_behavior_bound"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_two_ranks_with_vllm_are_refused_in_one_line(tmp_path):
+    """Under torchrun, every rank would start its own vLLM engine on the same machine, which is untested: the engine
+    registry declares vLLM not data-parallel, and the command says so before any model loads."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRUSTBATCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trustbatch",
+           "train", *VLLM_TINY, "train.steps=1", f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "rollout.engine=vllm does not run under 2 data-parallel ranks" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing was built

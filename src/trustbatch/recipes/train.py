@@ -25,13 +25,14 @@ from ..interrupts import interrupt_guard
 from ..parallel import World
 from ..records import atomic_write, read_metrics, truncate_records
 from ..rewards.pool import read_in_process_marker
+from ..rollout.spec import check_ranks
 from ..trainer.checkpoint import checkpoints, clean_temporaries, load_latest
 from ..trainer.loop import run_loop
 from ..trainer.progress import Progress
 from ..trainer.runlog import plot_run
 from ..trainer.trackers import check_trackers, require_trackers
-from .build import (build_parts, checkpoint_loader, foreign_engine, preflight, prepare_run, reference_policy,
-                    restore_checkpoint_policy, scoring_check)
+from .build import (build_parts, checkpoint_loader, engine_spec, foreign_engine, preflight, prepare_run,
+                    reference_policy, restore_checkpoint_policy, scoring_check)
 from .defaults import with_answer_budget
 from .hooks import TrainHooks
 from .rundir import (RunLock, as_read_now, make_new, check_resume_changes, check_resume_paths, open_metrics_log,
@@ -165,7 +166,8 @@ def _world(cfg: Config, run_dir: Path) -> World:
     """This process's ``World`` (torchrun's ranks, or one), once the trackers it opens answer.
 
     Raises:
-        UserError: a device that is not there, a tracker store that does not answer, fewer prompts than ranks.
+        UserError: a device that is not there, a tracker store that does not answer, fewer prompts than ranks, an
+            engine that does not run under several ranks.
     """
     try:
         world = World.from_env(cfg.train.device)
@@ -173,6 +175,7 @@ def _world(cfg: Config, run_dir: Path) -> World:
         raise UserError(str(e)) from None
     if world.is_main:  # the rank that opens them; a store is created once, not by every rank at once
         check_trackers(cfg.log.trackers, cfg.log.mlflow_uri, run_dir)
+    check_ranks(engine_spec(cfg), world.size)
     if world.size > 1 and cfg.rollout.prompts_per_step < world.size:
         raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the {world.size} ranks; "
                         "give every rank at least one prompt")

@@ -64,6 +64,7 @@ class _Registered:
     behaviour: str  # one of BEHAVIOUR_DISTRIBUTIONS, at every precision not in by_precision
     by_precision: dict  # precision -> one of BEHAVIOUR_DISTRIBUTIONS, where it differs
     min_temperature: float  # the lowest sampling temperature it samples at as given (0: any > 0)
+    data_parallel: bool  # runs under several data-parallel ranks (torchrun), one engine per rank
 
 
 _ENGINES: dict[str, _Registered] = {}
@@ -71,19 +72,21 @@ _ENGINES: dict[str, _Registered] = {}
 
 def register_engine(name: str, *, check: Callable[[EngineSpec], None] = lambda spec: None,
                     shares_module: bool = False, behaviour: str = "none", by_precision: dict | None = None,
-                    min_temperature: float = 0.0):
+                    min_temperature: float = 0.0, data_parallel: bool = True):
     """Register ``build(spec, policy, *, model, model_dir, version, share, autocast, max_model_len, device)``
     as engine ``name``; ``check(spec)`` refuses, before any model loads, a spec it cannot run (``UserError``);
     ``behaviour`` declares what it returns of the sampled distribution (``BEHAVIOUR_DISTRIBUTIONS``), and
     ``by_precision`` what it returns instead at some ``EngineSpec.precision`` values; ``min_temperature`` the
-    lowest temperature it samples at as given (``check_temperature``)."""
+    lowest temperature it samples at as given (``check_temperature``); ``data_parallel`` whether it runs under
+    several data-parallel ranks (``check_ranks``)."""
     by_precision = dict(by_precision or {})
     for b in (behaviour, *by_precision.values()):
         if b not in BEHAVIOUR_DISTRIBUTIONS:
             raise ValueError(f"behaviour={b!r} is not one of {BEHAVIOUR_DISTRIBUTIONS}")
 
     def deco(build):
-        _ENGINES[name] = _Registered(build, check, shares_module, behaviour, by_precision, min_temperature)
+        _ENGINES[name] = _Registered(build, check, shares_module, behaviour, by_precision, min_temperature,
+                                     data_parallel)
         return build
 
     return deco
@@ -122,6 +125,18 @@ def check_temperature(spec: EngineSpec, temperature: float, key: str) -> None:
     if temperature < low:
         raise UserError(f"{key}={temperature:g} is below the {spec.name} engine's lowest temperature {low:g} (it "
                         f"would sample and record log-probs at {low:g}); set {key} >= {low:g}")
+
+
+def check_ranks(spec: EngineSpec, ranks: int) -> None:
+    """Refuse ``ranks`` > 1 data-parallel ranks for an engine that does not declare it runs under them
+    (``register_engine``'s ``data_parallel``).
+
+    Raises:
+        UserError: one line naming the engine, the ranks and the fix.
+    """
+    if ranks > 1 and not _entry(spec).data_parallel:
+        raise UserError(f"rollout.engine={spec.name} does not run under {ranks} data-parallel ranks yet (one engine "
+                        f"per rank is untested); run one process, or use rollout.engine=transformers under torchrun")
 
 
 def behaviour_distribution(spec: EngineSpec) -> str:
@@ -216,7 +231,7 @@ def _check_vllm(spec: EngineSpec) -> None:
 # vLLM returns top-k log-probs per step (SamplingParams.logprobs); the learner cannot rebuild its model's
 # distribution (another implementation, its own kernels and quantization), so it takes the top-k lower bound
 # vLLM's SamplingParams raises a temperature in (0, 0.01) to its _MAX_TEMP 0.01 (__post_init__), with a log line
-@register_engine("vllm", check=_check_vllm, behaviour="top_k", min_temperature=0.01)
+@register_engine("vllm", check=_check_vllm, behaviour="top_k", min_temperature=0.01, data_parallel=False)
 def _vllm(spec: EngineSpec, policy, *, model, model_dir, version, share, autocast, max_model_len, device):
     if model_dir is None:
         import atexit
