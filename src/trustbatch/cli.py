@@ -148,7 +148,7 @@ def eval_(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="new tokens per completion (default: 512, or half the model's context when that is less)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="first N prompts of each benchmark"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where benchmark names resolve (default $TRUSTBATCH_DATA)"),
-    reward: Optional[str] = typer.Option(None, "--reward", help="override the benchmark's reward (math, gsm8k, countdown, rg:TASK, module:function)"),
+    reward: Optional[str] = typer.Option(None, "--reward", help="override the benchmark's reward (math, gsm8k, countdown, countdown_exact, rg:TASK, module:function)"),
     fmt: str = typer.Option("auto", "--format", help="auto, gsm8k, math, countdown or jsonl"),
     prompt_field: Optional[str] = typer.Option(None, "--prompt-field"),
     answer_field: Optional[str] = typer.Option(None, "--answer-field"),

@@ -191,6 +191,67 @@ def test_math_reward_without_a_box_reads_the_answer_as_math_verify_does(shared_d
     assert math("I will put the final answer within \\boxed{}. So the answer is 5.", "5") == 1.0
 
 
+def test_unicode_minus_roots_and_fractions_are_not_read_as_another_number():
+    """math-verify reads nothing in ``x = −3``, ``√2`` or ``π/4`` (its own ``parse`` gives [], asserted below), so
+    the reward's last-number fallback decides: it took ``3``, ``2`` and ``4`` and rewarded a wrong answer. By hand:
+    −3 is minus three; √2 and π/4 are not 2 or 4. GSM8K's ``#### −5`` is minus five (verl's strict regex reads no
+    answer there at all)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    math, gsm8k = get("math"), get("gsm8k")
+    for text in ("So x = −3.", "The answer is √2", "The angle is π/4"):
+        assert parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()]) == []
+    assert math("So x = −3.", "3") == 0.0 and math("So x = −3.", "-3") == 1.0
+    assert math("The answer is √2", "2") == 0.0
+    assert math("The angle is π/4", "4") == 0.0
+    assert math("The answer is 2^3", "3") == 0.0
+    assert math("I count 12 apples.", "12") == 1.0  # a number followed by a word is still the answer
+    assert gsm8k("She lost 5 dollars.\n#### −5", "5") == 0.0
+    assert gsm8k("#### −5", "-5") == 1.0 and gsm8k("#### \uff0d5", "-5") == 1.0
+    assert gsm8k("so it is √9", "9") == 0.0
+
+
+def test_a_small_float_gold_is_written_as_the_decimal_it_is(tmp_path):
+    """A JSON number 0.00001 as ``str`` is ``1e-05``, which math-verify reads as ``1·e − 5`` (Euler's e): a correct
+    ``0.00001`` scored 0 and ``e-5`` scored 1. Through the loader (plain prompt/answer rows and MATH-format rows);
+    the reference is math-verify on the gold written by hand."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    from trustbatch.rewards.math_answer import gold_text
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
+    assert gold_text(1.5e20) == "150000000000000000000" and gold_text(0.25) == "0.25" and gold_text(27.0) == "27"
+    math = get("math")
+    for name, row, by_hand, bad in [("plain.jsonl", {"prompt": "p", "answer": 0.00001}, "0.00001", "e-5"),
+                                    ("math.jsonl", {"problem": "q", "answer": 2.5e-06}, "0.0000025", "2.5e-6")]:
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+        [ex] = load_benchmark(str(tmp_path / name)).examples
+        for said in (by_hand, bad):
+            ref = verify(parse(f"${by_hand}$", extraction_config=cfg), parse(f"$\\boxed{{{said}}}$", extraction_config=cfg))
+            assert math(f"The answer is $\\boxed{{{said}}}$.", ex.reference) == float(ref) == float(said == by_hand)
+
+
+def test_countdown_exact_is_the_every_number_once_rule(shared_dir):
+    """``countdown`` (at most once, issue 5's rule) rewards ``<answer> 43 </answer>`` for the numbers 90, 43, 90 and
+    the target 43; TinyZero's and d1's rule (every number exactly once, ``countdown_exact``) does not. Counted by
+    hand over the shared file: the rows whose target is one of their numbers."""
+    exact, loose = get("countdown_exact"), get("countdown")
+    rows = _rows(shared_dir, "countdown")
+    echoed = 0
+    for r in rows:
+        nums, target = [int(x) for x in r["input"].split(",")], int(r["output"])
+        ref = json.dumps({"numbers": nums, "target": target})
+        if target in nums:
+            echoed += 1
+            assert loose(f"<answer> {target} </answer>", ref) == 1.0
+            assert exact(f"<answer> {target} </answer>", ref) == 0.0
+        mine = _brute_force(nums, target)
+        if mine is not None:  # an expression with every number once scores 1 under both
+            assert exact(f"<answer>{mine}</answer>", ref) == loose(f"<answer>{mine}</answer>", ref) == 1.0
+    assert echoed == sum(int(r["output"]) in [int(x) for x in r["input"].split(",")] for r in rows) > 0
+    assert exact("<answer>3 + 5</answer>", json.dumps({"numbers": [3, 5, 7], "target": 8})) == 0.0
+
+
 def test_pool_cuts_hang_counts_errors_and_goes_on():
     items = ["ok", "hang", "ok", "die", "raise", "nan", "ok", "no"]
     refs = ["ok"] * len(items)

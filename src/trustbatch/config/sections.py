@@ -156,7 +156,7 @@ class RewardFunctionConfig(_Strict):
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
-    name: str | None = Field(None, description="math | gsm8k | countdown | rg:TASK | module:function; default: the data's "
+    name: str | None = Field(None, description="math | gsm8k | countdown | countdown_exact | rg:TASK | module:function; default: the data's "
                                                "(a reward model: reward.model)")
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "

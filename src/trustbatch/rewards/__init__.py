@@ -3,7 +3,8 @@
 Names (``get``):
 - ``math``: final answer (last ``\\boxed{}``, else math-verify's reading of the completion) verified by math-verify;
 - ``gsm8k``: the number after ``####``;
-- ``countdown``: an expression over the given numbers that equals the target;
+- ``countdown``: an expression over the given numbers (each at most once) that equals the target;
+- ``countdown_exact``: the same with every number exactly once (TinyZero's and d1's rule);
 - ``rg:TASK``: a reasoning-gym task's own ``score_answer``;
 - ``rg-final:TASK``: worked steps ending in ``answer X``: ``score_answer`` of X (``data.tasks.chain_sum_steps``);
 - ``module:function``: a user function with the scorer signature, or TRL's batch form

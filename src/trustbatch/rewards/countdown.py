@@ -2,8 +2,9 @@
 
 Reference: JSON ``{"numbers": [30, 100, 93], "target": 23}``. The completion's expression is the
 content of its last ``<answer>…</answer>`` (else its last line); a trailing ``= 23`` is allowed.
-It may use + − × ÷ and parentheses, and each given number at most once (the issue's rule; the
-TinyZero data asks for exactly once, which ``require_all=True`` checks).
+It may use ``+ - * /`` (ASCII) and parentheses, and each given number at most once (the rule issue 5 set;
+``countdown``). TinyZero's validator and d1's reward, and the shared data's README, ask for every number exactly
+once: ``countdown_exact`` (``require_all=True``), whose scores are comparable with theirs.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def countdown_reward(completion: str, reference: str, *, require_all: bool = Fal
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
         return 0.0
     return 1.0 if abs(value - target) < 1e-6 else 0.0
+
+
+def countdown_exact_reward(completion: str, reference: str) -> float:
+    """``countdown_reward`` with every given number used exactly once (TinyZero's ``validate_equation``, d1's
+    Countdown reward): a bare copy of a given number that equals the target scores 0."""
+    return countdown_reward(completion, reference, require_all=True)
 
 
 def solve(numbers: list[int], target: int) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from .math_answer import last_number
+from .math_answer import last_number, minus_as_ascii
 
 # a sign may come before the dollar sign ("#### -$5") as well as after it ("#### $-5")
 _AFTER_HASHES = re.compile(r"####\s*(-?)\s*\$?\s*(-?[\d,]*\.?\d+)")
@@ -20,8 +20,10 @@ def _signed(sign: str, number: str) -> str:
 def gsm8k_answer(text: str) -> str | None:
     """The answer of a GSM8K-format text: the number after the last ``####``, else the last number.
 
-    ``1,000`` becomes ``1000``; a ``$`` is skipped, before or after a ``-``. None if the text holds no number.
+    ``1,000`` becomes ``1000``; a ``$`` is skipped, before or after a ``-``; a Unicode minus (``−5``) is a ``-``.
+    None if the text holds no number.
     """
+    text = minus_as_ascii(text)
     found = _AFTER_HASHES.findall(text)
     if found:
         return _signed(*found[-1])
@@ -34,6 +36,7 @@ def after_last_hashes(text: str) -> str | None:
     None when the text has no ``####`` or its last one is followed by no number (an empty ``#### ``),
     where ``gsm8k_answer`` would fall back to an earlier number.
     """
+    text = minus_as_ascii(text)
     at = text.rfind("####")
     found = _AFTER_HASHES.match(text, at) if at >= 0 else None
     return _signed(found.group(1), found.group(2)) if found else None

@@ -12,8 +12,14 @@ plain expression), as TRL's and verl's math-verify rewards do: the last digits o
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# the minus signs of Unicode text (U+2212, and the small and fullwidth hyphen-minus), read as ASCII's
+_MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+# a number bound to a root, fraction or power (``√2``, ``π/4``, ``2^3``) is not an answer on its own
+_BOUND_BEFORE = "√∛∜/^"
+_BOUND_AFTER = "/^√∛∜π"
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
@@ -46,12 +52,24 @@ def extract_boxed(text: str) -> str | None:
     return None  # unbalanced: the completion was cut
 
 
+def minus_as_ascii(text: str) -> str:
+    """``text`` with Unicode minus signs (``−3``) written as ASCII's ``-``."""
+    return text.translate(_MINUS)
+
+
 def last_number(text: str) -> str | None:
-    """The last number in ``text`` with thousands separators removed (``1,000`` → ``1000``); None if none."""
-    found = _NUMBER.findall(text)
+    """The last number in ``text`` with thousands separators removed (``1,000`` → ``1000``) and a Unicode minus
+    read as ``-`` (``−3`` → ``-3``); None if none, or if that number is part of a root, fraction or power
+    (``√2``, ``π/4``, ``2^3``): the fallback would otherwise reward ``√2`` for the answer 2."""
+    text = minus_as_ascii(text)
+    found = list(_NUMBER.finditer(text))
     if not found:
         return None
-    return found[-1].replace(",", "").rstrip(".")
+    last = found[-1]
+    before, after = text[:last.start()].rstrip()[-1:], text[last.end():].lstrip()[:1]
+    if (before and before in _BOUND_BEFORE) or (after and after in _BOUND_AFTER):
+        return None
+    return last.group().replace(",", "").rstrip(".")
 
 
 def _unbold(ans: str) -> str:
@@ -76,9 +94,12 @@ def extract_answer(completion: str) -> str | None:
 
 
 def gold_text(answer) -> str:
-    """A gold answer as text; JSON numbers such as AMC's ``27.0`` become ``27``."""
+    """A gold answer as text; JSON numbers such as AMC's ``27.0`` become ``27``, and a small or large float is
+    written positionally (``1e-05`` → ``0.00001``: math-verify reads ``1e-05`` as ``1·e − 5``, Euler's e)."""
     if isinstance(answer, float) and answer.is_integer():
         return str(int(answer))
+    if isinstance(answer, float) and "e" in repr(answer):
+        return format(Decimal(repr(answer)), "f")
     return str(answer).strip()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UserError
-from .countdown import countdown_reward
+from .countdown import countdown_exact_reward, countdown_reward
 from .gsm8k import gsm8k_reward
 from .math_answer import math_reward
 
@@ -66,7 +66,8 @@ def one_line(text: str, limit: int = 300) -> str:
     return flat if len(flat) <= limit else "…" + flat[-(limit - 1):]
 
 
-BUILTIN: dict[str, Scorer] = {"math": math_reward, "gsm8k": gsm8k_reward, "countdown": countdown_reward}
+BUILTIN: dict[str, Scorer] = {"math": math_reward, "gsm8k": gsm8k_reward, "countdown": countdown_reward,
+                               "countdown_exact": countdown_exact_reward}
 MODEL_PREFIX = "rm:"  # a reward model's term in reward.functions' sum: rm:DIR (``functions.WeightedRewards``)
 
 
