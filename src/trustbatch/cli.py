@@ -5,6 +5,7 @@ Bad input (a config key, a value, a path, a name) ends with one line on stderr a
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import typer
@@ -12,7 +13,51 @@ import typer
 from .errors import UserError, exit_on_error
 from .processes import die_with_torchrun_agent, exit_without_finalizing, under_torchrun
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# the click typer parses with: its own copy from typer 0.22 on, the click package before
+_CLICK = getattr(typer.core, "_click", None) or typer.core.click
+# click's "no arguments: print the help" travels as a usage error (click >= 8.2); it stays click's
+_HELP_ERRORS = tuple(getattr(_CLICK.exceptions, n) for n in ("NoArgsIsHelpError",) if hasattr(_CLICK.exceptions, n))
+
+
+def _command_path(group, ctx, args: list[str]) -> str:
+    """The command that ``args`` name under ``group`` (``trustbatch lab run``): what a parser error (which carries
+    no context) points to for its ``--help``."""
+    path, cmd = [ctx.command_path], group
+    for a in args:
+        sub = cmd.get_command(ctx, a) if hasattr(cmd, "list_commands") else None  # a group
+        if sub is None:
+            break
+        path.append(a)
+        cmd = sub
+    return " ".join(path)
+
+
+@contextlib.contextmanager
+def _usage_as_user_error(where):
+    try:
+        yield
+    except _CLICK.exceptions.UsageError as e:
+        if isinstance(e, _HELP_ERRORS):
+            raise
+        raise UserError(f"{e.format_message()} (see {e.ctx.command_path if e.ctx else where()} --help)") from None
+
+
+class _OneLineUsage(typer.core.TyperGroup):
+    """Click's own usage errors (an unknown command or option, a missing or mistyped value) end as one line and exit
+    code 2, as every other bad input does (``errors.exit_on_error``), not as typer's boxed panel. The root group's
+    ``invoke`` runs every subcommand's parsing (the lab's group included), so the root alone needs it."""
+
+    def make_context(self, info_name, args, *rest, **kwargs):
+        with _usage_as_user_error(lambda: info_name or "trustbatch"):
+            return super().make_context(info_name, args, *rest, **kwargs)
+
+    def invoke(self, ctx):
+        args = [*getattr(ctx, "_protected_args", getattr(ctx, "protected_args", [])), *ctx.args]
+        with _usage_as_user_error(lambda: _command_path(self, ctx, args)):
+            return super().invoke(ctx)
+
+
+app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL post-training of language models with the batch-adaptive P3O objective.")
 
 
