@@ -29,6 +29,31 @@ def _batch():
     return TrainBatch(packed, blp, torch.randn(B, generator=g, dtype=torch.float64), torch.zeros(B, dtype=torch.long))
 
 
+def test_a_rounds_maxima_are_the_largest_of_its_steps():
+    """With 2 epochs × 2 mini-batches the round record averaged every metric over the steps, ``ratio_max`` too: a
+    mean of maxima (the reviewer's run: 5.05 logged, 14.06 the round's largest ratio). The reference: each step's
+    ratios from a plain forward of the policy just before that step; the round's maxima are the largest of them."""
+    model = _llama(torch.float64)
+    learner = Learner(model, "grpo", {}, lr=5e-1, grad_clip=1e9, micro_batch_size=3, epochs=2, minibatches=2)
+    log_ratios = []
+    inner_step = learner.step
+
+    def step(mb_batch):
+        frozen = copy.deepcopy(model).eval()
+        with torch.no_grad():
+            lp, _ = response_logprobs(frozen, mb_batch.packed)
+        log_ratios.append((lp - mb_batch.behavior_logprobs)[mb_batch.packed.response_mask])
+        return inner_step(mb_batch)
+
+    learner.step = step
+    got = learner.train_on(_batch())
+    step_max = [float(x.max().exp()) for x in log_ratios]
+    assert len(step_max) == 4 and max(step_max) > sum(step_max) / 4 * 1.01  # the steps' maxima differ
+    assert abs(got["ratio_max"] - max(step_max)) <= 1e-6 * max(step_max)
+    assert abs(got["abs_log_ratio_max"] - max(float(x.abs().max()) for x in log_ratios)) <= 1e-6
+    assert got["optimizer_steps"] == 4.0
+
+
 def test_each_optimizer_step_records_its_minibatch_before_the_step():
     model = _llama(torch.float64)
     learner = Learner(model, "grpo", {}, lr=5e-2, grad_clip=1e9, micro_batch_size=3, epochs=2, minibatches=2)

@@ -12,12 +12,15 @@ from ..rollout.engine import SamplingParams
 from .passk import pass_at_k
 
 
+SOLVED = 1 - 1e-6  # the full reward, up to the round-off of a weighted sum of reward functions
+
+
 @dataclass
 class Scored:
     """Per-prompt results of ``sample_and_score``."""
 
     n: int  # samples per prompt
-    correct: list[int]  # per prompt: samples with reward >= 0.5
+    correct: list[int]  # per prompt: samples with the full reward (``SOLVED``)
     reward_mean: float  # mean reward over all samples
     reward_errors: int
     reward_timeouts: int
@@ -44,8 +47,9 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
                      max_failure_rate: float | None = None, keep_samples: int = 0) -> Scored:
     """Generate ``n`` completions per example (greedy: one) and score them with ``pool`` (a RewardPool).
 
-    A sample counts as correct when its reward is ≥ 0.5, so partial-credit scorers (reasoning-gym
-    gives 0.01 for a wrongly formatted attempt) do not count a wrong answer as solved.
+    A sample counts as correct when it gets the full reward (≥ ``SOLVED``): a partial-credit scorer's share is
+    not a solved prompt (reasoning-gym's ``chain_sum`` gives 0.5 to ``18`` and ``-8`` for the answer 8, 0.2 to
+    ``81110``, 0.8 to ``12345`` for 1234; it counted as solved at the earlier threshold 0.5).
     ``on_progress(prompts_done)`` is called after each chunk of ``chunk_prompts`` prompts.
 
     ``check(result, n)`` judges each chunk's scoring as a rollout round's is judged (``recipes.build.scoring_check``:
@@ -87,7 +91,7 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
             kept.append(sample_row(part[i].prompt, completions[i * n], res.rewards[i * n], part[i].reference,
                                    sum(ro[i * n].behavior_logprobs)))
         for i in range(len(part)):
-            correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= 0.5))
+            correct.append(sum(1 for v in res.rewards[i * n:(i + 1) * n] if v >= SOLVED))
             prompt_means.append(sum(res.rewards[i * n:(i + 1) * n]) / n)
         if on_progress is not None:
             on_progress(min(s + chunk_prompts, len(examples)))

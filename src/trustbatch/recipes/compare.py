@@ -23,9 +23,9 @@ HELDOUT, HELDOUT_SE = "heldout_accuracy", "heldout_accuracy_se"
 # (metrics key, panel title); a panel is drawn when at least one run logged its key
 PANELS = [
     ("reward_mean", "train reward (mean)"),
-    (HELDOUT, "held-out pass@1 (± standard error)"),
+    (HELDOUT, "held-out mean reward (± standard error; pass@1 for 0/1 rewards)"),
     ("ess", "batch ESS"),
-    ("kl_behavior", "KL(behaviour ‖ policy), k3"),
+    ("kl_behavior", "KL term to the behaviour (objective.options.kl's estimator; k3 by default)"),
     ("kl_behavior_bound", "KL to the behaviour, top-k lower bound (vLLM)"),
     ("kl_ref", "KL to the reference"),
     ("clip_fraction", "clip fraction"),
@@ -226,7 +226,7 @@ def report_markdown(runs: list[Run], figure: str | None = FIGURE) -> str:
         lines += [f"| `{k}` | " + " | ".join(_value(v) for v in vals) + " |" for k, vals in diff.items()]
     else:
         lines += ["The resolved configurations are identical (run_dir aside)."]
-    lines += ["", "## Held-out accuracy (pass@1) and wall time", "",
+    lines += ["", "## Held-out accuracy (mean reward: pass@1 for 0/1 rewards) and wall time", "",
               "| run | rounds | base | final | best | wall time | world size |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         steps = [rec["step"] for rec in r.records if "step" in rec]

@@ -324,7 +324,7 @@ class Learner(ForwardPasses):
                 mine = piece[(piece >= shard.start) & (piece < shard.stop)]
                 mini = local.select(mine - shard.start)
                 if stop_before is not None and stop_before(len(step_metrics), mini):
-                    return _mean_over_steps(step_metrics)
+                    return _over_steps(step_metrics, self.reductions)
                 self._step_tag = (len(step_metrics), _epoch, mb_index)
                 try:
                     step_metrics.append(self.step(mini))
@@ -333,7 +333,7 @@ class Learner(ForwardPasses):
                 self.step_records.append({"opt_step": len(step_metrics) - 1, "epoch": _epoch, "minibatch": mb_index,
                                           **step_metrics[-1]})
         self._snapshot = None
-        return _mean_over_steps(step_metrics)
+        return _over_steps(step_metrics, self.reductions)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: metrics reduced over micro-batches and ranks as the objective declares.
@@ -518,12 +518,19 @@ def _named_as_bound(metrics: dict) -> dict:
     return out
 
 
-def _mean_over_steps(step_metrics: list[dict]) -> dict[str, float]:
-    """Each metric averaged over the steps that report it (a skipped step reports few); skips are counted."""
+def _over_steps(step_metrics: list[dict], reductions: dict) -> dict[str, float]:
+    """A round's metrics from its optimizer steps': a metric its objective declares ``MAX`` (``ratio_max``) is the
+    largest of any step, skips are counted, and every other metric is averaged over the steps that report it (a
+    skipped step reports few): a loss, a rate or a quantile per step, and ``num_tokens`` the tokens of one step."""
     keys = list(dict.fromkeys(k for s in step_metrics for k in s))
     m = {}
     for k in keys:
         vals = [s[k] for s in step_metrics if k in s]
-        m[k] = sum(vals) if k == "nonfinite_skipped" else sum(vals) / len(vals)
+        if k == "nonfinite_skipped":
+            m[k] = sum(vals)
+        elif reductions.get(k) == objectives.MAX:
+            m[k] = max(vals)
+        else:
+            m[k] = sum(vals) / len(vals)
     m["optimizer_steps"] = float(len(step_metrics))
     return m

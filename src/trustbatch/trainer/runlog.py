@@ -155,7 +155,7 @@ def plot_run(records: list[dict], path: Path, title: str = "", eval_temperature:
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, key, label in zip(axes, ["reward_mean", "heldout_accuracy", "ess"],
-                              ["train reward (mean)", f"held-out accuracy (pass@1, T={eval_temperature:g})", "batch ESS"]):
+                              ["train reward (mean)", f"held-out mean reward (T={eval_temperature:g})", "batch ESS"]):
         x, y = series(key)
         ax.plot(x, y, marker="o" if key == "heldout_accuracy" else None, lw=1.2)
         if key == "heldout_accuracy":
