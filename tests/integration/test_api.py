@@ -164,3 +164,17 @@ def test_one_reward_function_may_be_given_alone_as_in_trl():
     assert [t.model_dump() for t in alone.config.reward.functions] == [{"name": listed.config.reward.functions[0].name,
                                                                         "weight": 1.0}]
     assert Trainer(reward_funcs="gsm8k").config.reward.functions[0].name == "gsm8k"
+
+
+def test_train_takes_a_new_runs_overrides_and_refuses_them_beside_a_config(tmp_path):
+    """``recipes.train(overrides=[...])`` for a new run dropped the overrides and trained the default 250-round job
+    (the reviewer's harness did); now they make the config, so a bad value among them is refused by its key, and
+    overrides beside a ``cfg`` (one of the two would be lost) are refused in one line."""
+    from trustbatch.config import load_config
+    from trustbatch.recipes.train import train
+
+    with pytest.raises(UserError, match="train.steps"):
+        train(overrides=TINY + ["train.steps=0", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match="the overrides would be lost"):
+        train(load_config(None, TINY), overrides=["train.steps=1"])
+    assert not (tmp_path / "run").exists()

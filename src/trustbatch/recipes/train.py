@@ -85,7 +85,10 @@ def _resolve_run(cfg: Config | None, resume: str | None, overrides: list[str] | 
         changed = check_resume_changes(saved, cfg.model_copy(update={"run_dir": saved.get("run_dir")}).model_dump(mode="json"),
                                        defaults=load_config().model_dump(mode="json"))
         return cfg, run_dir, changed, []
-    cfg, budget = with_answer_budget(cfg or load_config())
+    if overrides and cfg is not None:
+        raise UserError("train(cfg, overrides=...) for a new run: the overrides would be lost; pass "
+                        "load_config(None, overrides) as cfg, or the overrides alone")
+    cfg, budget = with_answer_budget(cfg or load_config(None, overrides))
     notes = [budget] if budget else []
     run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}-{cfg.objective.name}")
     # a default name another start took is not this run's (train claims a new one)
@@ -109,11 +112,13 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
     """Run RL post-training. Returns the summary dict (also written to ``summary.json``).
 
     ``resume`` continues the run in that directory from its newest intact checkpoint; ``overrides``
-    then apply on top of its saved config (only ``RESUMABLE_KEYS``, e.g. ``train.steps=300``).
+    then apply on top of its saved config (only ``RESUMABLE_KEYS``, e.g. ``train.steps=300``). A new run takes
+    ``cfg`` or ``overrides`` (``key=value`` on the defaults), not both.
     Under ``torchrun --nproc-per-node N`` every rank runs this; rank 0 alone writes the run directory.
 
     Raises:
-        UserError: bad configuration, a locked or finished run directory, an invalid resume.
+        UserError: bad configuration, a locked or finished run directory, an invalid resume, ``cfg`` with
+            ``overrides`` for a new run.
         RunInterrupted: Ctrl-C or SIGTERM (the last checkpoint is intact).
     """
     from rich.console import Console
