@@ -250,7 +250,9 @@ class RolloutConfig(_Strict):
     max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
                                 "/ AIME / AMC / Countdown gets 512 / 1024 / 20480 / 20480 / 1024, at most half the "
                                 "model's context")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop all-equal-reward groups and sample more prompts")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop all-equal-reward groups and sample more prompts (the round's reward_mean, "
+                           "response_length and truncated_fraction count every sampled completion)")
     max_sampling_rounds: Int = Field(4, ge=1, description="dynamic sampling: sampling calls per batch, the first "
                                                           "included (N - 1 refills; verl's max_num_gen_batches)")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")

@@ -206,6 +206,7 @@ class SyncSource:
         t0 = time.time()
         G = self.G
         rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
+        lengths, cut = [], 0  # of every sampled completion, dropped groups' too (as ``sampled``'s rewards)
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             idx = self._prompt_indices(b, refill, need)
@@ -216,6 +217,8 @@ class SyncSource:
             for label, v in c.items():
                 parts[label] = parts.get(label, []) + v
             sampled += r
+            lengths += [len(x.completion_ids) for x in new]
+            cut += sum(x.truncated for x in new)
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
                 if self.dynamic_sampling and len(set(r[g])) < 2:
@@ -238,13 +241,14 @@ class SyncSource:
             rew_t = rew_t + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
         groups = torch.arange(len(rollouts)) // G  # group = position of the group in this batch
         adv = group_advantages(rew_t, groups, self.advantage, std=self.std)
-        n_tok = sum(len(r.completion_ids) for r in rollouts)
+        # the round's sampling statistics are over every completion it sampled, as reward_mean: under dynamic sampling
+        # the dropped groups (often all cut at max_new_tokens, all 0) would otherwise hide the truncation warning
         self.last_metrics.update(
             reward_std=float(torch.tensor(sampled).std()),
             reward_errors=float(errors),
             reward_timeouts=float(timeouts),
-            response_length=n_tok / len(rollouts),
-            truncated_fraction=sum(r.truncated for r in rollouts) / len(rollouts),
+            response_length=sum(lengths) / len(lengths),
+            truncated_fraction=cut / len(lengths),
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )

@@ -1,0 +1,48 @@
+"""Under DAPO's dynamic sampling a round's sampling statistics cover every completion it sampled, dropped groups
+included, as its ``reward_mean`` does: the groups it drops (all rewards equal) are often all cut at
+``max_new_tokens``, and ``truncated_fraction`` over the kept groups alone hid them from the truncation warning.
+
+A stand-in engine makes, for even prompts, two 4-token completions cut at the budget (both scored 0: dropped) and
+for odd prompts two 1-token finished ones (scored 1 and 0: kept). Reference: the engine's own rollouts, counted
+by hand."""
+
+from trustbatch.pipeline.source import SourceSpec, SyncSource
+from trustbatch.rewards import ScoreResult
+from trustbatch.rollout.engine import Rollout, SamplingParams
+
+
+class _Engine:
+    version = 0
+
+    def __init__(self):
+        self.made: list[Rollout] = []
+
+    def generate(self, prompts, n, sampling, seeds=None):
+        out = []
+        for i, p in enumerate(prompts):
+            cut = p[0] % 2 == 0
+            for j in range(n):
+                out.append(Rollout(i, list(p), [7] * 4 if cut else [10 + j], [-0.5] * (4 if cut else 1), cut, 0))
+        self.made += out
+        return out
+
+
+class _Pool:
+    def score(self, completions, references, **kw):
+        return ScoreResult(rewards=[1.0 if c == "10" else 0.0 for c in completions], errors=0, timeouts=0)
+
+
+def test_the_rounds_truncation_and_length_count_the_dropped_groups_too():
+    engine = _Engine()
+    spec = SourceSpec(SamplingParams(max_new_tokens=4), group_size=2, prompts_per_step=2, seed=3,
+                      dynamic_sampling=True, max_sampling_rounds=4)
+    src = SyncSource(engine, [[i] for i in range(8)], ["r"] * 8, _Pool(),
+                     lambda ids: " ".join(str(t) for t in ids), spec, pad_id=0)
+    batch = src.make_batch(0)
+    m = src.last_metrics
+    made = engine.made
+    assert any(r.truncated for r in made) and m["groups_dropped"] >= 1  # the round did drop cut groups
+    assert batch is not None
+    assert m["truncated_fraction"] == sum(r.truncated for r in made) / len(made)
+    assert m["response_length"] == sum(len(r.completion_ids) for r in made) / len(made)
+    assert m["reward_mean"] == sum(1.0 for r in made if r.completion_ids == [10]) / len(made)
