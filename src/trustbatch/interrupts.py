@@ -49,7 +49,7 @@ def _watch(reader: socket.socket, done: threading.Event, codes: set[int]) -> Non
         got = next((c for c in data if c in codes), None)
     reader.settimeout(RESEND_S)
     main = threading.main_thread().ident
-    while not done.wait(RESEND_S):
+    while not done.wait(RESEND_S) and not done.is_set():
         signal.pthread_kill(main, got)
         with contextlib.suppress(OSError):
             reader.recv(64)  # drain the re-delivery's own byte
@@ -96,9 +96,13 @@ def interrupt_guard():
         yield
     finally:
         done.set()
-        signal.set_wakeup_fd(-1)
-        for s, h in old.items():
-            signal.signal(s, h)
-        writer.close()  # wakes the watcher's recv
-        watcher.join(timeout=RESEND_S + 1)
-        reader.close()
+        signal.set_wakeup_fd(-1)  # before the writer's fd closes (and its number is reused)
+        try:
+            writer.close()  # wakes the watcher's recv
+            # the handlers stay ours until the watcher has ended: a re-delivery it sent just as the block ended
+            # meets _raise_interrupt, not SIGTERM's default action (which killed the process without its message)
+            watcher.join(timeout=RESEND_S + 1)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            reader.close()

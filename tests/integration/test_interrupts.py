@@ -112,3 +112,34 @@ print(before == after, inside == (signal.SIG_IGN, True))
 """
     out, err, _ = _run(script)
     assert out == "True True\n", err
+
+
+# a cleanup that ends just after the watcher's wait: its re-delivery then met SIGTERM's restored default action and
+# killed the process without its message (the reviewer's sweep at RESEND_S = 2 s: 9 of 40 cleanups of 2.005-2.010 s).
+# Here RESEND_S is 5 ms and 160 cleanups sweep around its multiples; the old order died within the first 40.
+LATE_REDELIVERY = """
+import os, signal, sys, time
+import trustbatch.interrupts as interrupts
+interrupts.RESEND_S = 0.005
+ok = 0
+for i in range(160):
+    d = 0.0045 + 0.00003 * (i % 40) + 0.005 * (i // 40)
+    try:
+        with interrupts.interrupt_guard():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            finally:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < d:  # a cleanup busy in Python, as a trainer's closing is
+                    pass
+    except KeyboardInterrupt:
+        time.sleep(0.008)  # a re-delivery sent after the guard would land here
+        ok += 1
+print(ok, flush=True)
+"""
+
+
+def test_no_redelivery_outlives_the_guard():
+    out, err, _ = _run(LATE_REDELIVERY, timeout=60)
+    assert out == "160\n", (out, err)
