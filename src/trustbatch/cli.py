@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from .errors import UserError, exit_on_error
+from .interrupts import interrupt_guard
 from .processes import die_with_torchrun_agent, exit_without_finalizing, under_torchrun
 
 # the click typer parses with: its own copy from typer 0.22 on, the click package before
@@ -432,13 +433,17 @@ def lab_compare(
 def main() -> None:
     """Exit codes: 2 for bad input (one line), 130 for Ctrl-C or SIGTERM (one line saying how to resume).
 
+    Every command runs under ``interrupt_guard``: a SIGTERM ends ``export``, ``sft`` or ``eval`` as a Ctrl-C does,
+    through their cleanup (a staged output folder removed), where its default action killed them without a word.
     A rank under torchrun dies with its launcher (``processes.die_with_torchrun_agent``), from the start."""
     die_with_torchrun_agent()
     if not under_torchrun():
-        exit_on_error(app)
+        with interrupt_guard():
+            exit_on_error(app)
         return
     try:  # a torchrun rank: ends without Python's finalisation (processes.exit_without_finalizing says why)
-        exit_on_error(app)
+        with interrupt_guard():
+            exit_on_error(app)
     except SystemExit as e:
         exit_without_finalizing(e.code)
     exit_without_finalizing(0)

@@ -140,3 +140,33 @@ def test_eval_defaults_fit_the_context_and_results_keep_every_benchmark(tmp_path
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["max_new_tokens"] == 256 and sorted(res["benchmarks"]) == sorted(["gsm8k", test_file])
+
+
+def test_sigterm_ends_eval_as_ctrl_c_does(tmp_path, shared_dir, support_on_pythonpath):
+    """Only ``train`` took SIGTERM: ``eval`` (and ``export``, ``sft --out``, which left their staged model folder
+    behind) died of its default action, exit -15 and not a word. Now every command ends as on Ctrl-C: exit 130 and
+    one line. The scorer (in this process, ``--workers 0``) hangs once it is called, so the signal arrives inside
+    the evaluation."""
+    import os
+    import signal
+    import time
+
+    data = tmp_path / "b.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(1, 4)))
+    marker = tmp_path / "hang"
+    marker.write_text("")
+    env = {**os.environ, "TRUSTBATCH_TEST_HANG_MARKER": str(marker), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "trustbatch", "eval", "--model",
+                          str(shared_dir / "models" / "stories260K-hf"), "-b", str(data), "-n", "1", "-k", "1",
+                          "--max-new-tokens", "4", "--reward", "scorers_for_tests:hang_once", "--workers", "0",
+                          "--out", str(tmp_path / "eval.json")], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("hang.*")) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(tmp_path.glob("hang.*")), "the scorer was never called"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert lines[-1].startswith("trustbatch: ") and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "eval.json").exists()
