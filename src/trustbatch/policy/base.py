@@ -209,6 +209,9 @@ def build_base(
         shutil.rmtree(tmp, ignore_errors=True)
         if not (final / "config.json").exists():
             raise
+    except BaseException:  # a Ctrl-C or SIGTERM mid-save: no half-written folder left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -90,4 +90,7 @@ def install_shipped(src: Path, final: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (final / "config.json").exists():
             return src
+    except BaseException:  # a Ctrl-C or SIGTERM mid-copy: no half-written folder left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
