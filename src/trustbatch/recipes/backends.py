@@ -205,12 +205,8 @@ def _worker_spec(inp: Inputs) -> WorkerSpec:
         UserError: a combination the async pipeline does not run (simulated staleness, foreign data, several
             data-parallel ranks).
     """
-    ro = inp.cfg.rollout
-    for bad, why in ((ro.staleness > 0, "rollout.staleness (the simulated lag; use rollout.max_staleness)"),
-                     (ro.foreign_fraction > 0, "rollout.foreign_fraction"),
-                     (inp.world.size > 1, "several data-parallel ranks")):
-        if bad:
-            raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
+    if inp.world.size > 1:
+        _refuse_async("several data-parallel ranks")
     train = inp.task.train
     # a worker's module stays in its process: the learner rebuilds each batch's behaviour (``_exact_behaviour``),
     # unless the worker sends it: then the batch maps the worker's version to its engine's ``teacher`` (``TopK``)
@@ -261,15 +257,31 @@ def ray_source(inp: Inputs, learner: LearnerProtocol, eval_engine: Engine):
     return source, _exact_behaviour(inp, source), None
 
 
+def _refuse_async(why: str) -> None:
+    raise UserError(f"rollout.mode=async does not run with {why} yet; use rollout.mode=sync for it")
+
+
+def _check_async(cfg: Config) -> None:
+    """What the async pipeline does not run, known from the config alone (before any model is built)."""
+    ro = cfg.rollout
+    for bad, why in ((ro.staleness > 0, "rollout.staleness (the simulated lag; use rollout.max_staleness)"),
+                     (ro.foreign_fraction > 0, "rollout.foreign_fraction")):
+        if bad:
+            _refuse_async(why)
+
+
 def _check_ray_learners(cfg: Config) -> None:
     if cfg.ray_learners > 0 and cfg.train.strategy == "fsdp2":
         raise UserError("train.strategy=fsdp2 runs under torchrun; the Ray learner group (ray_learners) uses DDP: "
                         "set train.strategy=ddp or ray_learners=0")
+    if cfg.ray_learners > 0 and cfg.model.lora is not None:
+        raise UserError("model.lora does not run with Ray learner actors (ray_learners) yet; set ray_learners=0")
 
 
 def _check_async_ray(cfg: Config) -> None:
     from ..orchestration.ray_cluster import check_ray  # imports no ray
 
+    _check_async(cfg)
     _check_ray_learners(cfg)
     check_ray(cfg.ray_address)
 
@@ -281,7 +293,7 @@ def _refuse_sync_ray(cfg: Config) -> None:
 
 BACKENDS: dict[tuple[str, str], Backend] = {
     ("sync", "local"): Backend(lambda cfg: None, local_learner, sync_source, behaviour="full"),
-    ("async", "local"): Backend(lambda cfg: None, local_learner, process_source, behaviour="rebuilt"),
+    ("async", "local"): Backend(_check_async, local_learner, process_source, behaviour="rebuilt"),
     ("async", "ray"): Backend(_check_async_ray, ray_learner, ray_source, behaviour="rebuilt"),
     # Ray runs rollout workers, which a sync run has none of: refused by its check, before anything is built
     ("sync", "ray"): Backend(_refuse_sync_ray, ray_learner, sync_source, behaviour="full"),
