@@ -390,9 +390,10 @@ class TrainConfig(_Strict):
     lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="after the warm-up: constant, or a linear or cosine decay to 0 at the last optimizer "
-                                "step (steps × epochs × minibatches)")
-    weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay")
+        "constant", description="after the warm-up: constant, or a linear or cosine decay that reaches 0 just after the "
+                                "last optimizer step (steps × epochs × minibatches; transformers' decays)")
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay, of every trainable weight, norms and biases "
+                                                       "included (as verl's actor; TRL's Trainer exempts those two)")
     adam_betas: tuple[Beta, Beta] = Field((0.9, 0.99), description="AdamW's (beta1, beta2), each in [0, 1)")
     adam_eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
     grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")

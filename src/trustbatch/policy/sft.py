@@ -35,8 +35,11 @@ def sft(
 ) -> float:
     """Train ``policy`` in place on (prompt, completion) pairs for ``steps`` AdamW steps.
 
-    The loss is the token-mean negative log-likelihood of completion tokens (EOS included), with a
-    linear warm-up over the first 10% of steps and cosine decay. The LM head runs in chunks of the learner's
+    The loss is the token-mean negative log-likelihood of completion tokens (EOS included). AdamW (betas 0.9, 0.98;
+    no weight decay; gradient norm clipped at 1.0) at ``lr`` times the product of a linear warm-up over the first 10%
+    of steps, (s + 1)/W, and a cosine over all steps, (1 + cos(π s / steps))/2: the peak is below ``lr`` (0.976 of
+    it at 600 steps), not transformers' warm-up-then-cosine; kept so, as every cached and shipped base was built with
+    it. The LM head runs in chunks of the learner's
     budget (``budget.logit_tokens``: 256 MiB of float32 logits). Returns the last loss.
     Raises ValueError on an empty ``demos`` list.
     """
