@@ -6,6 +6,8 @@ A stand-in engine makes, for even prompts, two 4-token completions cut at the bu
 for odd prompts two 1-token finished ones (scored 1 and 0: kept). Reference: the engine's own rollouts, counted
 by hand."""
 
+import pytest
+
 from trustbatch.pipeline.source import SourceSpec, SyncSource
 from trustbatch.rewards import ScoreResult
 from trustbatch.rollout.engine import Rollout, SamplingParams
@@ -32,10 +34,11 @@ class _Pool:
         return ScoreResult(rewards=[1.0 if c == "10" else 0.0 for c in completions], errors=0, timeouts=0)
 
 
-def test_the_rounds_truncation_and_length_count_the_dropped_groups_too():
+@pytest.mark.parametrize("overlong_cache", [None, 2])
+def test_the_rounds_truncation_and_length_count_the_dropped_groups_too(overlong_cache):
     engine = _Engine()
     spec = SourceSpec(SamplingParams(max_new_tokens=4), group_size=2, prompts_per_step=2, seed=3,
-                      dynamic_sampling=True, max_sampling_rounds=4)
+                      dynamic_sampling=True, max_sampling_rounds=4, overlong_cache=overlong_cache)
     src = SyncSource(engine, [[i] for i in range(8)], ["r"] * 8, _Pool(),
                      lambda ids: " ".join(str(t) for t in ids), spec, pad_id=0)
     batch = src.make_batch(0)

@@ -206,7 +206,7 @@ class SyncSource:
         t0 = time.time()
         G = self.G
         rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
-        lengths, cut = [], 0  # of every sampled completion, dropped groups' too (as ``sampled``'s rewards)
+        sampled_lengths, cut = [], 0  # of every sampled completion, dropped groups' too (as ``sampled``'s rewards)
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             idx = self._prompt_indices(b, refill, need)
@@ -217,7 +217,7 @@ class SyncSource:
             for label, v in c.items():
                 parts[label] = parts.get(label, []) + v
             sampled += r
-            lengths += [len(x.completion_ids) for x in new]
+            sampled_lengths += [len(x.completion_ids) for x in new]
             cut += sum(x.truncated for x in new)
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
@@ -247,8 +247,8 @@ class SyncSource:
             reward_std=float(torch.tensor(sampled).std()),
             reward_errors=float(errors),
             reward_timeouts=float(timeouts),
-            response_length=sum(lengths) / len(lengths),
-            truncated_fraction=cut / len(lengths),
+            response_length=sum(sampled_lengths) / len(sampled_lengths),
+            truncated_fraction=cut / len(sampled_lengths),
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )
