@@ -15,6 +15,7 @@ the signal to the main thread (``pthread_kill``) every ``RESEND_S`` seconds. The
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -33,9 +34,29 @@ def _unwinding() -> bool:
     return False
 
 
-def _raise_interrupt(signum, frame) -> None:
+def raise_interrupt(signum, frame) -> None:
+    """A signal handler: ``KeyboardInterrupt`` unless one is already unwinding this thread's stack, so a second signal
+    (or the guard's re-delivery) never cuts the first one's cleanup short."""
     if not _unwinding():
         raise KeyboardInterrupt
+
+
+_ACTIVE: list[dict] = []  # the handlers each guard open in this process replaced, innermost last
+
+
+def _reset_in_child() -> None:
+    """In a child forked under a guard (a reward worker, a vLLM worker): the parent's handlers and no wakeup fd. The
+    fd is the parent's socket, so a signal to the child alone read as the parent's own and was re-delivered to it."""
+    if not _ACTIVE:
+        return
+    with contextlib.suppress(ValueError):  # forked from another thread than the main one: signal calls refused
+        signal.set_wakeup_fd(-1)
+        for s, h in _ACTIVE[0].items():
+            signal.signal(s, h)
+    _ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def _watch(reader: socket.socket, done: threading.Event, codes: set[int]) -> None:
@@ -84,7 +105,8 @@ def interrupt_guard():
         reader.close(), writer.close()
         yield
         return
-    old = {s: signal.signal(s, _raise_interrupt) for s in wanted}
+    old = {s: signal.signal(s, raise_interrupt) for s in wanted}
+    _ACTIVE.append(old)
     if signal.SIGINT in wanted:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     done = threading.Event()
@@ -100,9 +122,10 @@ def interrupt_guard():
         try:
             writer.close()  # wakes the watcher's recv
             # the handlers stay ours until the watcher has ended: a re-delivery it sent just as the block ended
-            # meets _raise_interrupt, not SIGTERM's default action (which killed the process without its message)
+            # meets raise_interrupt, not SIGTERM's default action (which killed the process without its message)
             watcher.join(timeout=RESEND_S + 1)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            _ACTIVE.remove(old)
             reader.close()

@@ -611,3 +611,74 @@ def test_launched_run_takes_the_callers_environment_directory_and_exit_code(tmp_
     assert "done in" in (tmp_path / "ok.log").read_text()
     assert json.loads((tmp_path / "rel_run" / "summary.json").read_text())["steps"] == 1
     assert any((tmp_path / "late_cache").rglob("*.safetensors"))
+
+
+_SLOW_STOP = """
+import os, subprocess, sys, time
+import trustbatch.lab.runner as runner
+
+
+class SlowStop:  # a run that takes 3 s to stop after SIGTERM (a train run writing its last state): > RESEND_S
+    def __init__(self):
+        code = "import signal,time\\nsignal.signal(signal.SIGTERM, lambda *a: (time.sleep(3), exit(130)))\\ntime.sleep(600)"
+        self._p = subprocess.Popen([sys.executable, "-c", code])
+        self.pid = self._p.pid
+
+    def poll(self):
+        return self._p.poll()
+
+    def terminate(self):
+        self._p.terminate()
+
+    def kill(self):
+        self._p.kill()
+
+    def wait(self, timeout=None):
+        try:
+            return self._p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError
+
+
+def run_all(exp, root, todo, jobs, console, tally):
+    tally.running.append((SlowStop(), "arm", 0))
+    tally.started += 1
+    open(os.environ["READY"], "w").write(str(tally.running[0][0].pid))
+    time.sleep(600)
+
+
+runner.build_shared_base = lambda *a, **k: None
+runner._run_all = run_all
+from trustbatch.cli import main
+sys.argv = ["trustbatch", "lab", "run", "clip", "--out", os.environ["OUT"], "--seeds", "0"]
+main()
+"""
+
+
+def test_sigterm_to_the_command_waits_for_a_slow_run_to_stop(tmp_path):
+    """Through ``trustbatch lab run`` (``cli.main``, under its ``interrupt_guard``): the guard re-delivers SIGTERM every
+    2 s, and the lab's own handler raised on each one, cutting short its wait for a run that takes 3 s to stop: the
+    run was left going, the call unrecorded, the resume line lost."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trustbatch.lab.calls import load_calls
+
+    ready = tmp_path / "ready"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), READY=str(ready), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_STOP], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert time.time() < deadline and proc.poll() is None, "the stand-in run never started"
+        time.sleep(0.1)
+    time.sleep(0.2)
+    child = int(ready.read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-2000:]
+    with pytest.raises(ProcessLookupError):  # stopped and waited for
+        os.kill(child, 0)
+    assert load_calls(tmp_path / "out" / "clip")[-1]["interrupted"] is True
+    assert "the same `trustbatch lab run` command resumes" in err, err[-2000:]

@@ -193,3 +193,34 @@ def test_a_worker_killed_while_idle_is_replaced_on_the_next_call():
         assert res.rewards == [1.0, 1.0, 0.0] and res.errors == 0
     finally:
         pool.close()
+
+
+SELF_TERM = '''
+import os, signal, sys, time
+sys.path[:0] = [{src!r}, {here!r}]
+from trustbatch.interrupts import interrupt_guard
+from trustbatch.rewards import RewardPool
+with interrupt_guard():  # what every command runs under (cli.main)
+    with RewardPool("self_term:score", workers=1, timeout_s=30) as pool:
+        r = pool.score(["ok", "die", "ok"], ["", "", ""])
+        print(r.rewards, r.errors, flush=True)
+        time.sleep(2.5)  # past the guard's re-delivery period
+        print("still running", flush=True)
+'''
+
+
+def test_a_sigterm_to_a_worker_is_not_the_parents(tmp_path):
+    """Workers forked under ``interrupt_guard`` inherited its wakeup fd, the parent's socket: a SIGTERM to a worker
+    alone (a scorer killing its own process) read as the parent's, whose watcher re-delivered it 2 s later and ended
+    the command. Now a forked child gets the parent's old handlers and no wakeup fd; the worker's death scores 0 and
+    is counted (by hand: the rewards 1, 0, 1 and one error)."""
+    (tmp_path / "self_term.py").write_text(
+        "import os, signal\n"
+        "def score(completion, reference):\n"
+        "    if completion == 'die':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return 1.0\n")
+    done = subprocess.run([sys.executable, "-c", SELF_TERM.format(src=str(SRC), here=str(tmp_path))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["[1.0, 0.0, 1.0] 1", "still running"], (done.stdout, done.stderr[-2000:])

@@ -22,6 +22,7 @@ import yaml
 from ..config import dump_config, load_config
 from ..recipes.defaults import with_answer_budget
 from ..errors import UserError
+from ..interrupts import raise_interrupt
 from ..processes import die_with_parent
 from ..records import atomic_write
 from .calls import record_call
@@ -141,13 +142,12 @@ def _stop_builds(ex) -> None:
 
 
 def _sigterm_as_interrupt():
-    """Make SIGTERM raise KeyboardInterrupt (main thread only); returns the function that restores the old handler."""
+    """Make SIGTERM raise KeyboardInterrupt (main thread only), unless one is already unwinding: the CLI's
+    ``interrupt_guard`` re-delivers the signal every 2 s, which cut the runs' stop (up to 60 s) short, so runs were
+    left going and the call unrecorded. Returns the function that restores the old handler."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
+    old = signal.signal(signal.SIGTERM, raise_interrupt)
     return lambda: signal.signal(signal.SIGTERM, old)
 
 
