@@ -54,6 +54,20 @@ def test_the_first_difference_and_the_score_gap_are_named(tmp_path):
     assert "differs: 3 of 10 values, first at step 1 loss (-0.5 archived, -0.6 re-run)" in line and "0.0125" in line
 
 
+def test_keys_redefined_since_the_archives_are_not_compared_and_the_rest_is(tmp_path):
+    """``ratio_max`` (a mean of the steps' maxima in the archives, their maximum now), ``heldout_pass@8`` (counted at
+    reward >= 0.5 then, at the full reward now) and dynamic sampling's ``truncated_fraction`` are other quantities
+    under the same names: a re-run that differs only there is identical; one that differs elsewhere is not."""
+    old_recs = [{**r, "ratio_max": 2.0, "heldout_pass@8": 0.5, "truncated_fraction": 0.1} for r in RECORDS]
+    new_recs = [{**r, "ratio_max": 3.0, "heldout_pass@8": 0.4, "truncated_fraction": 0.3} for r in RECORDS]
+    old = _run(tmp_path / "archive", "e", "a", 0, old_recs)
+    c = compare_run(old, _run(tmp_path / "runs", "e", "a", 0, new_recs))
+    assert c.identical and c.values == 10  # the 10 of the first test: the redefined keys are left out
+    moved = [new_recs[0], {**new_recs[1], "ess": 0.5}, new_recs[2]]
+    c2 = compare_run(old, _run(tmp_path / "runs2", "e", "a", 0, moved))
+    assert c2.first == (1, "ess", 0.99, 0.5) and c2.differing == 1
+
+
 def test_a_shorter_re_run_and_a_changed_config_are_not_identical(tmp_path):
     old = _run(tmp_path / "archive", "e", "a", 0, RECORDS)
     short = _run(tmp_path / "runs", "e", "a", 0, RECORDS[:2])

@@ -49,3 +49,23 @@ def test_the_rounds_truncation_and_length_count_the_dropped_groups_too(overlong_
     assert m["truncated_fraction"] == sum(r.truncated for r in made) / len(made)
     assert m["response_length"] == sum(len(r.completion_ids) for r in made) / len(made)
     assert m["reward_mean"] == sum(1.0 for r in made if r.completion_ids == [10]) / len(made)
+
+
+class _AllCutEngine(_Engine):
+    def generate(self, prompts, n, sampling, seeds=None):
+        out = [Rollout(i, list(p), [7] * 4, [-0.5] * 4, True, 0) for i, p in enumerate(prompts) for _ in range(n)]
+        self.made += out
+        return out
+
+
+def test_a_round_that_drops_every_group_still_logs_its_truncation():
+    """Every completion cut and scored 0: no group kept, no batch; the round's record still says 100 % truncated (it
+    said nothing, and the truncation warning stayed silent in the worst case)."""
+    engine = _AllCutEngine()
+    spec = SourceSpec(SamplingParams(max_new_tokens=4), group_size=2, prompts_per_step=2, seed=3,
+                      dynamic_sampling=True, max_sampling_rounds=2)
+    src = SyncSource(engine, [[i] for i in range(8)], ["r"] * 8, _Pool(),
+                     lambda ids: " ".join(str(t) for t in ids), spec, pad_id=0)
+    assert src.make_batch(0) is None
+    assert src.last_metrics["truncated_fraction"] == 1.0 and src.last_metrics["response_length"] == 4.0
+    assert len(engine.made) == 8  # two sampling calls of two groups of two

@@ -10,7 +10,8 @@ Compared: the resolved config (``ARM/seedK.yaml``, less ``run_dir``), then every
 ending in ``_s``, such as ``rollout_s``, ``step_s`` and ``tokens_per_s``) are left out: they are the one
 thing a re-run is not expected to repeat. So are keys the archived run never logged in any record (a metric
 added to the logs after the archive was made, e.g. ``heldout_accuracy_se``): there is nothing to compare them
-with, and every value the archive holds is still compared.
+with, and every value the archive holds is still compared. And so are the keys whose definition changed after
+archives were made (``REDEFINED``): a re-run computes another quantity under the same name, so equality says nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ SCORE_KEY = "heldout_accuracy"  # held-out pass@1, the lab's score
 # Written into ARCHIVE/EXPERIMENT by ``lab compare --record`` and read by the report. ``lab archive`` replaces an
 # experiment's folder whole and does not carry this file over, so a record never outlives the runs it checked.
 RECORD = "reproduced.json"
+
+
+# Keys redefined on 2026-11-29, after every archive in docs/lab*/archive was made: a round's maxima over its optimizer
+# steps (they were means of the steps' maxima), pass@k at the full reward (at reward >= 0.5 before, which counted the
+# default task's partial credit), dynamic sampling's length and truncation over every sampled completion (over the
+# kept groups before). Every other key is still compared, and the rollouts and updates behind these with it.
+REDEFINED = ("ratio_max", "abs_log_ratio_max", "heldout_pass@", "response_length", "truncated_fraction")
+
+
+def is_redefined(key: str) -> bool:
+    """True for a key ``REDEFINED`` names (``heldout_pass@`` for every k)."""
+    return key in REDEFINED or (key.startswith("heldout_pass@") and "heldout_pass@" in REDEFINED)
 
 
 def is_timing(key: str) -> bool:
@@ -109,7 +122,7 @@ def compare_run(archived: Path, rerun: Path, experiment: str = "", arm: str = ""
         b = new[i] if i < len(new) else {}
         step = a.get("step", b.get("step"))
         for key in ["step"] + sorted((a.keys() | b.keys()) - {"step"}):
-            if is_timing(key) or key not in logged:
+            if is_timing(key) or key not in logged or is_redefined(key):
                 continue
             values += 1
             va, vb = a.get(key, ABSENT), b.get(key, ABSENT)

@@ -231,6 +231,10 @@ class SyncSource:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
         self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
+        # over every completion sampled, as reward_mean: the dropped groups (often all cut at max_new_tokens, all 0) would
+        # otherwise hide the truncation warning, even when dynamic sampling dropped every group
+        self.last_metrics.update(response_length=sum(sampled_lengths) / len(sampled_lengths),
+                                 truncated_fraction=cut / len(sampled_lengths))
         if self.long_prompts is not None:
             self.last_metrics.update(self.long_prompts.metrics(drawn))
         if not rollouts:
@@ -241,14 +245,10 @@ class SyncSource:
             rew_t = rew_t + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
         groups = torch.arange(len(rollouts)) // G  # group = position of the group in this batch
         adv = group_advantages(rew_t, groups, self.advantage, std=self.std)
-        # the round's sampling statistics are over every completion it sampled, as reward_mean: under dynamic sampling
-        # the dropped groups (often all cut at max_new_tokens, all 0) would otherwise hide the truncation warning
         self.last_metrics.update(
             reward_std=float(torch.tensor(sampled).std()),
             reward_errors=float(errors),
             reward_timeouts=float(timeouts),
-            response_length=sum(sampled_lengths) / len(sampled_lengths),
-            truncated_fraction=cut / len(sampled_lengths),
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )
