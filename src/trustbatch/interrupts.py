@@ -127,5 +127,6 @@ def interrupt_guard():
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            _ACTIVE.remove(old)
+            # a child forked inside the block leaves it too, with _ACTIVE cleared at the fork (_reset_in_child)
+            _ACTIVE[:] = [a for a in _ACTIVE if a is not old]
             reader.close()

@@ -143,3 +143,20 @@ print(ok, flush=True)
 def test_no_redelivery_outlives_the_guard():
     out, err, _ = _run(LATE_REDELIVERY, timeout=60)
     assert out == "160\n", (out, err)
+
+
+FORK_EXIT = HEAD + """
+with guard:
+    pid = os.fork()
+    if pid == 0:  # the child leaves the guarded block, as a raw fork's child may
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_child_forked_in_the_guard_leaves_it_cleanly():
+    """A child forked inside the block gets the parent's old handlers (no wakeup fd of the parent's) and, leaving the
+    block itself, ends with its own status: the guard's bookkeeping, cleared in the child at the fork, raised there."""
+    out, err, _ = _run(FORK_EXIT)
+    assert out == "0 True\n", (out, err)

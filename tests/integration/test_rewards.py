@@ -212,6 +212,7 @@ def test_unicode_minus_roots_and_fractions_are_not_read_as_another_number():
     # a slash after the number is a rate, read as lm-evaluation-harness's flexible match reads it: 15, 3, 60
     for text, gold in (("so she earns $15/hour.", "15"), ("Each pound costs $3/lb", "3"), ("his speed is 60/hr", "60")):
         assert gsm8k(text, gold) == 1.0, text
+    assert gsm8k("so the area is 3/π", "3") == 0.0 and gsm8k("so the area is 3/\\pi", "3") == 0.0  # a numerator
 
 
 def test_a_small_float_gold_is_written_as_the_decimal_it_is(tmp_path):
