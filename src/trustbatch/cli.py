@@ -415,14 +415,15 @@ def lab_compare(
 
     from rich.console import Console
 
-    from .lab.reproduce import compare_runs, comparison_line, record_comparisons
+    from .lab.reproduce import REDEFINED, compare_runs, comparison_line, record_comparisons
 
     results = compare_runs(Path(runs), Path(archive), experiments or None)
     console = Console(highlight=False)
     for c in results:
         console.print(comparison_line(c), soft_wrap=True)
     same = sum(c.identical for c in results)
-    console.print(f"{same} of {len(results)} re-runs identical to the archive (wall-clock keys not compared)")
+    console.print(f"{same} of {len(results)} re-runs identical to the archive (wall-clock keys and the keys redefined "
+                  f"since the archives, {', '.join(REDEFINED)}, not compared)")
     if record:
         for path in record_comparisons(results, Path(runs), Path(archive)):
             console.print(f"recorded: {path}")
