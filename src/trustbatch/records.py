@@ -5,11 +5,61 @@ Readers skip a line that does not parse: a run killed mid-write leaves at most i
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from .errors import UserError
+
+FULL_DISK_BYTES = 64 << 20  # below this much free space a failed write is taken as a full disk
+# what a refused write's OSError says: a full disk or quota, a file-size limit, a read-only disk, no permission
+_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_failure(root: Path, e: BaseException) -> OSError | None:
+    """The OSError behind a failed write into folder ``root``, or None when ``root`` still takes files (another fault).
+
+    An OSError of a refused write is itself; torch.save on a full disk raises RuntimeError ("unexpected pos",
+    "PytorchStreamWriter failed writing") and safetensors its SafetensorError: named as the OSError they wrap. A full
+    disk is told by its free space (a small file may still fit), anything else by trying to create a file in ``root``.
+    """
+    if isinstance(e, OSError) and e.errno in _REFUSED:
+        name = Path(os.path.abspath(e.filename)) if isinstance(e.filename, str) else None
+        if name is None or name == Path(os.path.abspath(root)) or Path(os.path.abspath(root)) in name.parents:
+            return e
+        return None  # another file's (a model read without permission): not this write's
+    if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+        return None
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(root).free < FULL_DISK_BYTES:
+            return OSError(errno.ENOSPC, f"no space left ({str(e).splitlines()[0][:120] if str(e) else e!r})",
+                           str(root))
+    try:
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as probe:
+        return OSError(probe.errno, probe.strerror, str(root))  # the folder, not the probe's random name
+    return None
+
+
+@contextlib.contextmanager
+def refused_write(root: Path, what: str, fix: str):
+    """Run a block that writes into folder ``root``; a write the disk refuses (full, read-only, no permission, a
+    file-size limit) ends as one ``UserError``: "cannot write WHAT (reason); FIX". Any other error passes as it is.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        cause = write_failure(root, e)
+        if cause is None:
+            raise
+        raise UserError(f"cannot write {what} ({cause.strerror or cause}); {fix}") from None
 
 
 def git_commit() -> str:

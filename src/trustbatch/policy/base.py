@@ -25,7 +25,7 @@ from typing import Callable
 from ..data import TaskSplit, load_task
 from ..errors import UserError
 from ..seeding import forked_rngs
-from ..records import umask_modes
+from ..records import refused_write, umask_modes
 from .model import Policy, build_small_llama, load_policy
 from .sft import demos_within_context, sft
 from .shipped import install_shipped, shipped_base, shipped_manifests
@@ -199,19 +199,21 @@ def build_base(
         demos = _within_context(policy, sft_demos(task, model_cfg))
         sft(policy, demos, steps=model_cfg["sft_steps"], batch_size=model_cfg["sft_batch_size"],
             lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
-        policy.save(tmp)
-        umask_modes(tmp)
-        os.replace(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / "config.json").exists():
+    with refused_write(final.parent.parent, f"the base into the cache {str(final.parent)!r}",
+                       "free disk space there, or set TRUSTBATCH_CACHE to a folder you can write"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        try:
+            policy.save(tmp)
+            umask_modes(tmp)
+            os.replace(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (final / "config.json").exists():
+                raise
+        except BaseException:  # a Ctrl-C, SIGTERM or a refused write mid-save: no half-written folder in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-    except BaseException:  # a Ctrl-C or SIGTERM mid-save: no half-written folder left in the cache
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

@@ -271,11 +271,17 @@ def _make_engine(spec, model, policy, dev, ctx, benches, max_new_tokens, autocas
 
 
 def save_results(res: dict, dest: str | Path) -> Path:
-    """Write ``evaluate``'s results to ``dest`` as indented JSON (atomically; NaN as null); return the path."""
+    """Write ``evaluate``'s results to ``dest`` as indented JSON (atomically; NaN as null); return the path.
+
+    Raises:
+        UserError: the disk refused the write (full, read-only, no permission): one line naming ``--out``.
+    """
     from ..records import atomic_write
+    from .outputs import refused_output
 
     dest = Path(dest)
-    atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
+    with refused_output(dest):
+        atomic_write(dest, json.dumps(_finite_or_null(res), indent=2))
     return dest
 
 

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
-from ..records import umask_modes
+from ..records import refused_write, umask_modes
 
 
 def output_folder(path: str | Path, flag: str = "--out", *, create: bool = True) -> Path:
@@ -62,17 +62,29 @@ def _writable(p: Path, where: Path | None, flag: str, what: str) -> None:
                         "its permissions or free disk space") from None
 
 
+def refused_output(dest: Path, flag: str = "--out"):
+    """``records.refused_write`` for a command's output ``dest``: a write the disk refuses is one line naming it."""
+    return refused_write(Path(dest).parent, f"{flag} {str(dest)!r}",
+                         f"free disk space there, fix its permissions or give another {flag}")
+
+
 @contextlib.contextmanager
-def staged_folder(dest: Path):
+def staged_folder(dest: Path, flag: str = "--out"):
     """A temporary folder beside ``dest`` (absent or empty), renamed to ``dest`` with the umask's modes when the block
-    ends, removed when it raises: nobody ever sees a half-written ``dest``."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        yield tmp
-        if dest.exists():
-            dest.rmdir()
-        umask_modes(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    ends, removed when it raises: nobody ever sees a half-written ``dest``. A write the disk refuses (full, read-only,
+    no permission) ends as one ``UserError`` naming ``flag`` (``refused_output``).
+
+    Raises:
+        UserError: the disk refused a write of the block or of the rename.
+    """
+    with refused_output(dest, flag):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            yield tmp
+            if dest.exists():
+                dest.rmdir()
+            umask_modes(tmp)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

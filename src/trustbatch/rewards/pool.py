@@ -311,8 +311,8 @@ class RewardPool:
             return score_local(self._local, completions, references, contexts=contexts,
                                max_failure_rate=max_failure_rate)
         marker = Path(self.in_process_marker)
-        marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
-        try:
+        try:  # a write the disk refuses leaves no empty marker to be read as a crash in the scorer
+            marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
             return score_local(self._local, completions, references, contexts=contexts,
                                max_failure_rate=max_failure_rate)
         finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended

@@ -17,7 +17,6 @@ one, which ``checkpoints/best`` (a relative symlink) names.
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import shutil
@@ -31,9 +30,8 @@ from safetensors import SafetensorError
 from ..errors import UserError
 from ..policy.lora import save_adapter
 from ..policy.model import _quiet_transformers
-from ..records import umask_modes
+from ..records import umask_modes, write_failure
 
-_FULL_DISK_BYTES = 64 << 20  # below this much free space a failed checkpoint write is taken as a full disk
 KEEP = 2  # checkpoints kept by default (checkpoint_keep)
 BEST = "best"  # checkpoints/best: the symlink to the best held-out checkpoint (checkpoint_keep_best)
 
@@ -87,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         os.replace(tmp, final)
     except BaseException as e:
         try:  # told before the cleanup: removing the torn files frees the very space that ran out
-            cause = _write_error(root, e) if isinstance(e, (RuntimeError, SafetensorError)) else None
+            cause = write_failure(root, e) if isinstance(e, (RuntimeError, SafetensorError)) else None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if cause is not None:
@@ -127,24 +125,6 @@ def _name_best(root: Path, best: Path | None) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(best.name, tmp)
     os.replace(tmp, link)
-
-
-def _write_error(root: Path, e: Exception) -> OSError | None:
-    """The OSError behind a writer's own error type, or None when ``root`` still takes files (another fault).
-
-    torch.save on a full disk raises RuntimeError ("unexpected pos", "PytorchStreamWriter failed writing") and
-    safetensors its SafetensorError (a read-only filesystem, permissions): named as the OSError they wrap, the run
-    ends with one line (``recipes.rundir.run_dir_write_error``) instead of a traceback. A full disk is told by its
-    free space (a small file may still fit), anything else by trying to create a file in ``root``.
-    """
-    if shutil.disk_usage(root).free < _FULL_DISK_BYTES:
-        return OSError(errno.ENOSPC, f"no space left while writing a checkpoint ({str(e).splitlines()[0][:120]})",
-                       str(root))
-    try:
-        tempfile.TemporaryFile(dir=root).close()
-    except OSError as probe:
-        return OSError(probe.errno, probe.strerror, str(root))  # the folder, not the probe's random name
-    return None
 
 
 def clean_temporaries(run_dir: Path) -> int:

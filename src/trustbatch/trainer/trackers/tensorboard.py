@@ -9,7 +9,25 @@ logged again: the rounds a resume sends again have the same effect there.)
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+
+def _quiet_writer_thread() -> None:
+    """Keep TensorBoard's writer thread from printing the traceback of a write the disk refused: the writer keeps the
+    error and raises it again in the main thread at the next ``flush``, where the run ends on one line (a full disk);
+    the thread's own print split that line. Installed once; every other thread's error is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "trustbatch_tensorboard", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook.trustbatch_tensorboard = True
+    threading.excepthook = hook
 
 
 class TensorBoardTracker:
@@ -24,6 +42,7 @@ class TensorBoardTracker:
     def start(self, config: dict, run_dir: Path, resume_id: str | None, held: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_thread()
         # the purge mark hides the earlier files' events from round through + 1 on; a new run's file starts with one
         # too (at 0, hiding nothing): TensorBoard's server takes a run's first mark for its start, not a restart
         self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=held["through"] + 1)

@@ -1,0 +1,118 @@
+"""A write the disk refuses (full, read-only, no permission) ends a command on one line naming what could not be
+written and where, and leaves nothing half-written; found by driving real full disks (small tmpfs mounts) in review.
+Here the refusal is an injected ``OSError(ENOSPC)``, or a writer's own error on a disk with no space left."""
+
+import errno
+import shutil
+
+import pytest
+
+from trustbatch.errors import UserError
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_eval_out_on_a_full_disk_is_one_line_and_no_file(tmp_path, monkeypatch):
+    from trustbatch import records
+    from trustbatch.recipes.evaluate import save_results
+
+    monkeypatch.setattr(records, "atomic_write", _enospc)
+    with pytest.raises(UserError, match=r"cannot write --out .*out.json.* \(No space left on device\); free disk"):
+        save_results({"average": {}}, tmp_path / "out.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_staged_output_on_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """``export`` and ``sft --out`` write through ``staged_folder``: safetensors' own error on a full disk (free space
+    below the threshold) and a bare ENOSPC both end as one line; the staged folder is removed."""
+    from trustbatch import records
+    from trustbatch.recipes.outputs import staged_folder
+
+    class SafetensorError(Exception):  # safetensors' error type, by name
+        pass
+
+    with pytest.raises(UserError, match="cannot write --out"):
+        with staged_folder(tmp_path / "model") as tmp:
+            (tmp / "config.json").write_text("{}")
+            _enospc()
+    monkeypatch.setattr(records.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 20))
+    with pytest.raises(UserError, match="no space left"):
+        with staged_folder(tmp_path / "model"):
+            raise SafetensorError("Error while serializing: I/O error")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError):  # another fault passes as it is
+        with staged_folder(tmp_path / "model"):
+            raise ValueError("not a write")
+
+
+def test_a_base_build_into_a_full_cache_names_the_cache(tmp_path, monkeypatch):
+    from trustbatch.config import load_config
+    from trustbatch.policy import model as policy_model
+    from trustbatch.recipes import prepare_run
+
+    from tiny import TINY
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(policy_model.Policy, "save", _enospc)
+    with pytest.raises(UserError, match=r"cannot write the base into the cache .*; .*TRUSTBATCH_CACHE"):
+        prepare_run(load_config(None, TINY + ["reward.workers=0", "model.sft_steps=1"]))
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.name.startswith(".tmp-")] == []
+
+
+def test_a_refused_scoring_marker_leaves_no_empty_marker(tmp_path, monkeypatch):
+    """With ``reward.workers=0`` the pool writes a marker while the scorer runs, read at the next start as a crash in
+    the scorer; a marker the disk refused stayed behind empty, and the resume blamed the user's scorer."""
+    from pathlib import Path
+
+    from trustbatch.rewards import RewardPool
+
+    marker = tmp_path / "scoring_in_process.json"
+    pool = RewardPool("gsm8k", workers=0)
+    pool.in_process_marker = str(marker)  # as train sets it (recipes.train)
+    real = Path.write_text
+
+    def refuse(self, *a, **k):
+        if self == marker:
+            real(self, "")  # what a full disk leaves: the file made, nothing in it
+            _enospc()
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    with pytest.raises(OSError):
+        pool.score(["#### 5"], ["5"])
+    assert not marker.exists()
+    pool.close()
+
+
+TB_SCRIPT = """
+import errno, sys, time
+from pathlib import Path
+from trustbatch.trainer.trackers.tensorboard import TensorBoardTracker
+
+def enospc(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+t = TensorBoardTracker()
+t.start({}, Path(sys.argv[1]), None, {"through": -1})
+t._writer.file_writer.event_writer._async_writer._writer.write = enospc
+try:
+    for step in range(100):  # the thread fails on its next write; flush then raises its error here
+        t.log({"loss": 1.0}, step)
+        time.sleep(0.01)
+except OSError as e:
+    print("main thread:", e.strerror, flush=True)
+"""
+
+
+def test_tensorboards_writer_thread_prints_no_traceback_for_a_refused_write(tmp_path):
+    """TensorBoard's writer thread printed its traceback ("Exception in thread Thread-1: ...") into the one line a
+    full disk ends a run with; the same error reaches the main thread at ``flush``, where the run says it. In a
+    process of its own: pytest replaces the thread hook with its own."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", TB_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.stdout == "main thread: No space left on device\n", (p.stdout, p.stderr[-2000:])
+    assert "Exception in thread" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
