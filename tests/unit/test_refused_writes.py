@@ -116,3 +116,42 @@ def test_tensorboards_writer_thread_prints_no_traceback_for_a_refused_write(tmp_
     p = subprocess.run([sys.executable, "-c", TB_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.stdout == "main thread: No space left on device\n", (p.stdout, p.stderr[-2000:])
     assert "Exception in thread" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_file_the_staged_block_cannot_read_is_that_files_error(tmp_path):
+    """``export`` reads the run (``metrics.jsonl``, ``segments.jsonl``) inside its staged block, and a run exported
+    beside itself lies under ``--out``'s folder: a file it could not read was reported as "cannot write --out"."""
+    from trustbatch.recipes.outputs import staged_folder
+
+    unreadable = tmp_path / "r1" / "metrics.jsonl"
+    with pytest.raises(PermissionError):
+        with staged_folder(tmp_path / "r1-export"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(unreadable))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_whose_missing_parent_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    """A read-only home: the cache's missing parent cannot be made, and its error names that parent, above the
+    cache folder; it escaped as a traceback."""
+    from pathlib import Path
+
+    from trustbatch.config import load_config
+    from trustbatch.policy import model as policy_model
+    from trustbatch.recipes import prepare_run
+
+    from tiny import TINY
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(ro / "x" / "cache"))
+    real_mkdir, real_save = Path.mkdir, policy_model.Policy.save
+
+    def mkdir(self, *a, **k):
+        if ro in self.parents:  # what a read-only folder answers
+            raise PermissionError(errno.EACCES, "Permission denied", str(ro / "x"))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(UserError, match=r"cannot write the base into the cache .*\(Permission denied\).*TRUSTBATCH"):
+        prepare_run(load_config(None, TINY + ["reward.workers=0", "model.sft_steps=1"]))
+    assert real_save is policy_model.Policy.save and list(ro.iterdir()) == []

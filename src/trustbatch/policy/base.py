@@ -199,7 +199,9 @@ def build_base(
         demos = _within_context(policy, sft_demos(task, model_cfg))
         sft(policy, demos, steps=model_cfg["sft_steps"], batch_size=model_cfg["sft_batch_size"],
             lr=model_cfg["sft_lr"], seed=model_cfg["seed"], on_step=on_step)
-    with refused_write(final.parent.parent, f"the base into the cache {str(final.parent)!r}",
+    # the nearest folder that exists: a missing parent that cannot be made (a read-only home) is the cache's refusal
+    made = next(p for p in (final.parent, *final.parent.parents) if p.exists())
+    with refused_write(made, f"the base into the cache {str(final.parent)!r}",
                        "free disk space there, or set TRUSTBATCH_CACHE to a folder you can write"):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))

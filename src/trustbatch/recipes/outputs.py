@@ -62,9 +62,10 @@ def _writable(p: Path, where: Path | None, flag: str, what: str) -> None:
                         "its permissions or free disk space") from None
 
 
-def refused_output(dest: Path, flag: str = "--out"):
-    """``records.refused_write`` for a command's output ``dest``: a write the disk refuses is one line naming it."""
-    return refused_write(Path(dest).parent, f"{flag} {str(dest)!r}",
+def refused_output(dest: Path, flag: str = "--out", root: Path | None = None):
+    """``records.refused_write`` for a command's output ``dest``, written in folder ``root`` (default: ``dest``'s
+    folder): a write the disk refuses there is one line naming ``dest``."""
+    return refused_write(Path(dest).parent if root is None else root, f"{flag} {str(dest)!r}",
                          f"free disk space there, fix its permissions or give another {flag}")
 
 
@@ -79,12 +80,15 @@ def staged_folder(dest: Path, flag: str = "--out"):
     """
     with refused_output(dest, flag):
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
+    try:
+        # refused writes into the staged folder only: the block also reads (a run's records, a checkpoint), and a
+        # file it cannot read is that file's error, not --out's
+        with refused_output(dest, flag, root=tmp):
             yield tmp
             if dest.exists():
                 dest.rmdir()
             umask_modes(tmp)
             os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
