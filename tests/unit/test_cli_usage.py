@@ -19,11 +19,12 @@ def _run(monkeypatch, capsys, argv):
 
 @pytest.mark.parametrize("argv,says", [
     (["evall"], ["No such command 'evall'", "trustbatch --help)"]),
-    (["--bogus"], ["No such option: --bogus", "trustbatch --help)"]),
+    (["--bogus"], ["No such option", "--bogus", "trustbatch --help)"]),
     (["eval", "--model"], ["Option '--model' requires an argument", "trustbatch eval --help)"]),
-    (["eval", "--model", "m", "-b", "gsm8k", "--samples", "3"], ["No such option: --samples", "trustbatch eval --help"]),
+    (["eval", "--model", "m", "-b", "gsm8k", "--samples", "3"],
+     ["No such option", "--samples", "trustbatch eval --help"]),
     (["train", "--config"], ["Option '--config' requires an argument", "trustbatch train --help)"]),
-    (["report"], ["Missing argument 'runs'", "trustbatch report --help)"]),
+    (["report"], ["Missing argument", "runs", "trustbatch report --help)"]),
     (["lab", "nothing"], ["No such command 'nothing'", "trustbatch lab --help)"]),
     (["lab", "run", "--jobs"], ["Option '--jobs' requires an argument", "trustbatch lab run --help)"]),
     (["lab", "run", "clip", "--jobs", "x"], ["Invalid value for '--jobs'", "trustbatch lab run --help)"]),
@@ -33,8 +34,9 @@ def test_a_usage_error_is_one_line_and_exit_2(monkeypatch, capsys, argv, says):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("trustbatch: error: "), err
+    # fragments, lowercase: typer 0.20's click words them otherwise ("No such option '--bogus'.", 'RUNS...')
     for s in says:
-        assert s in lines[0], (s, lines[0])
+        assert s.lower() in lines[0].lower(), (s, lines[0])
 
 
 @pytest.mark.parametrize("argv", [[], ["lab"], ["--help"], ["lab", "run", "--help"]])
