@@ -70,7 +70,7 @@ def _watch(reader: socket.socket, done: threading.Event, codes: set[int]) -> Non
         got = next((c for c in data if c in codes), None)
     reader.settimeout(RESEND_S)
     main = threading.main_thread().ident
-    while not done.wait(RESEND_S) and not done.is_set():
+    while not done.wait(RESEND_S):
         signal.pthread_kill(main, got)
         with contextlib.suppress(OSError):
             reader.recv(64)  # drain the re-delivery's own byte

@@ -29,10 +29,10 @@ def write_failure(root: Path, e: BaseException) -> OSError | None:
     disk is told by its free space (a small file may still fit), anything else by trying to create a file in ``root``.
     """
     if isinstance(e, OSError) and e.errno in _REFUSED:
-        name = Path(os.path.abspath(e.filename)) if isinstance(e.filename, str) else None
-        if name is None or name == Path(os.path.abspath(root)) or Path(os.path.abspath(root)) in name.parents:
+        if not isinstance(e.filename, str):
             return e
-        return None  # another file's (a model read without permission): not this write's
+        name, folder = Path(os.path.abspath(e.filename)), Path(os.path.abspath(root))
+        return e if name == folder or folder in name.parents else None  # else another file's (a read): not ours
     if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
         return None
     with contextlib.suppress(OSError):

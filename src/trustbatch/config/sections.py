@@ -156,8 +156,8 @@ class RewardFunctionConfig(_Strict):
 class RewardConfig(_Strict):
     """Scoring in worker processes, each completion cut at ``timeout_s`` (reward 0, counted)."""
 
-    name: str | None = Field(None, description="math | gsm8k | countdown | countdown_exact | rg:TASK | module:function; default: the data's "
-                                               "(a reward model: reward.model)")
+    name: str | None = Field(None, description="math | gsm8k | countdown | countdown_exact | rg:TASK | "
+                                               "module:function; default: the data's (a reward model: reward.model)")
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
                                           "training, each logged as rewards/NAME; held-out evaluation keeps the "
@@ -390,10 +390,10 @@ class TrainConfig(_Strict):
     lr: Float = Field(3e-4, gt=0, description="AdamW learning rate")
     warmup_steps: Int = Field(10, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="after the warm-up: constant, or a linear or cosine decay that reaches 0 just after the "
-                                "last optimizer step (steps × epochs × minibatches; transformers' decays)")
-    weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay, of every trainable weight, norms and biases "
-                                                       "included (as verl's actor; TRL's Trainer exempts those two)")
+        "constant", description="after the warm-up: constant, or a linear or cosine decay that reaches 0 just after "
+                                "the last optimizer step (steps × epochs × minibatches; transformers' decays)")
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW weight decay, of every trainable weight, norms and "
+                                                       "biases included (as verl's actor; TRL's Trainer exempts those)")
     adam_betas: tuple[Beta, Beta] = Field((0.9, 0.99), description="AdamW's (beta1, beta2), each in [0, 1)")
     adam_eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
     grad_clip: Float = Field(1.0, gt=0, description="gradient-norm clip")

@@ -14,7 +14,8 @@ def evaluate_heldout(policy: Policy, engine, examples: list[Example], pool, *, s
 
     Returns ``heldout_accuracy`` (mean reward of the samples at ``temperature``, the paper's protocol at T = 1: the
     pass@1 estimate for a 0/1 scorer; above the share of solved samples for a partial-credit one, such as the
-    default reasoning-gym task's, which ``heldout_pass@{n}`` counts (``sampling.SOLVED``)), ``heldout_accuracy_se`` (its standard error over prompts: the sample
+    default reasoning-gym task's, which ``heldout_pass@{n}`` counts (``sampling.SOLVED``)),
+    ``heldout_accuracy_se`` (its standard error over prompts: the sample
     standard deviation of the per-prompt mean rewards over √P; NaN for one prompt), ``heldout_pass@{n}`` (unbiased estimator, Chen et al. 2021),
     ``heldout_greedy_accuracy``, ``heldout_reward_errors`` and ``heldout_reward_timeouts``.
     ``check`` and ``max_failure_rate`` judge each scoring call as a rollout round's (``sample_and_score``).

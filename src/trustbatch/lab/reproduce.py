@@ -42,8 +42,8 @@ REDEFINED = ("ratio_max", "abs_log_ratio_max", "heldout_pass@", "response_length
 
 
 def is_redefined(key: str) -> bool:
-    """True for a key ``REDEFINED`` names (``heldout_pass@`` for every k)."""
-    return key in REDEFINED or (key.startswith("heldout_pass@") and "heldout_pass@" in REDEFINED)
+    """True for a key ``REDEFINED`` names; a name ending in ``@`` names every k (``heldout_pass@8``)."""
+    return any(key == r or (r.endswith("@") and key.startswith(r)) for r in REDEFINED)
 
 
 def is_timing(key: str) -> bool:

@@ -231,8 +231,8 @@ class SyncSource:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
         self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
-        # over every completion sampled, as reward_mean: the dropped groups (often all cut at max_new_tokens, all 0) would
-        # otherwise hide the truncation warning, even when dynamic sampling dropped every group
+        # over every completion sampled, as reward_mean: the dropped groups (often all cut at max_new_tokens, all 0)
+        # would otherwise hide the truncation warning, even when dynamic sampling dropped every group
         self.last_metrics.update(response_length=sum(sampled_lengths) / len(sampled_lengths),
                                  truncated_fraction=cut / len(sampled_lengths))
         if self.long_prompts is not None:

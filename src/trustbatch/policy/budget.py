@@ -13,7 +13,8 @@ or rows. Budgets:
   ``rollout.spec.behaviour_distribution`` "recorded"): one round's N rows · steps · V float32, held twice at its
   peak (the rollouts' rows beside the built batch; the batch beside a mini-batch's rows, which the learner selects
   by copying; three times packed or with rows of several behaviour models, ``held_copies``), in one ``[tokens, V]``
-  budget, ``LOGITS_BYTES`` (``recorded_fits``): at V = 151,936, 220 tokens (e.g. 27 rows of 8); at V = 304, 110,376 (the lab's 512 rows of up to 32 steps take 19,922,944 bytes).
+  budget, ``LOGITS_BYTES`` (``recorded_fits``): at V = 151,936, 220 tokens (e.g. 27 rows of 8); at V = 304,
+  110,376 (the lab's 512 rows of up to 32 steps take 19,922,944 bytes).
 
 A chunk or call holds several tensors of its size at once (logits, log-softmax, their gradient), so the
 process's peak is a small multiple of the budget, not the budget.

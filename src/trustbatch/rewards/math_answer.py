@@ -17,8 +17,8 @@ from decimal import Decimal
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 # the minus signs of Unicode text (U+2212, and the small and fullwidth hyphen-minus), read as ASCII's
 _MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
-# a number bound to a root, fraction or power (``√2``, ``π/4``, ``3/π``, ``2^3``) is not an answer on its own; a slash
-# after it followed by a word is a rate (``$15/hour``, GSM8K's answers), not a fraction
+# a number bound to a root, fraction or power (``√2``, ``π/4``, ``3/π``, ``2^3``) is not an answer on its own; a
+# slash after it followed by a word is a rate (``$15/hour``, GSM8K's answers), not a fraction
 _BOUND_BEFORE = "√∛∜/^"
 _BOUND_AFTER = "^√∛∜π"
 _DENOMINATOR = "√∛∜π\\"  # what after a slash makes the number before it a numerator
@@ -62,8 +62,8 @@ def minus_as_ascii(text: str) -> str:
 def last_number(text: str) -> str | None:
     """The last number in ``text`` with thousands separators removed (``1,000`` → ``1000``) and a Unicode minus
     read as ``-`` (``−3`` → ``-3``); None if none, or if that number is part of a root, fraction or power
-    (``√2``, ``π/4``, ``3/π``, ``3/\\pi``, ``2^3``, ``2π``): the fallback would otherwise reward ``√2`` for the answer 2.
-    A number before a slash and a word is a rate's, and read (``$15/hour``, ``2/n``)."""
+    (``√2``, ``π/4``, ``3/π``, ``3/\\pi``, ``2^3``, ``2π``): the fallback would otherwise reward ``√2`` for the
+    answer 2. A number before a slash and a word is a rate's, and read (``$15/hour``, ``2/n``)."""
     text = minus_as_ascii(text)
     found = list(_NUMBER.finditer(text))
     if not found:

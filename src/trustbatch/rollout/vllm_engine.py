@@ -34,8 +34,8 @@ def _model_config(model_dir: Path) -> dict:
 
 
 def _sizes(model_dir: Path) -> tuple[int | None, int | None]:
-    """(positions, attention head size; None without attention) as transformers reads the config: its attribute maps name GPT-2's n_positions,
-    n_embd and n_head (the raw config.json has no hidden_size there).
+    """(positions, attention head size; None without attention) as transformers reads the config: its attribute
+    maps name GPT-2's n_positions, n_embd and n_head (the raw config.json has no hidden_size there).
 
     Raises:
         ValueError: transformers cannot read the config (one line).
