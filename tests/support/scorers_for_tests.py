@@ -59,6 +59,17 @@ def column_bonus(prompts, completions, bonus, **columns):
     return [float(b) for b in bonus]
 
 
+def column_penalty(prompts, completions, bonus, **columns):
+    """TRL's batch form, outside [0, 1] as TRL users' rewards often are (open-r1's length and repetition rewards):
+    −2 × the data row's ``bonus`` column."""
+    return [-2.0 * float(b) for b in bonus]
+
+
+def digit_or_penalty(completion: str, reference: str) -> float:
+    """Per completion, outside [0, 1]: 2 for a completion with a digit, else a format penalty of −1."""
+    return 2.0 if any(c.isdigit() for c in completion) else -1.0
+
+
 def contains_answer(prompts, completions, reference, **columns):
     """TRL's batch form: 1 when the completion contains the gold answer, 0.25 when the prompt mentions it."""
     return [1.0 if r in c else 0.25 if r in p else 0.0 for p, c, r in zip(prompts, completions, reference)]

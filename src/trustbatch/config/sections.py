@@ -160,8 +160,9 @@ class RewardConfig(_Strict):
                                                "module:function; default: the data's (a reward model: reward.model)")
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
-                                          "training, each logged as rewards/NAME; held-out evaluation keeps the "
-                                          "data's scorer (reward.name must be unset)")
+                                          "training as they return (outside [0, 1] too, as TRL's reward_funcs; "
+                                          "reward.name's are clamped into [0, 1]), each logged as rewards/NAME; "
+                                          "held-out evaluation keeps the data's scorer (reward.name must be unset)")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
                                                "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")

@@ -11,7 +11,8 @@ Names (``get``):
   ``f(prompts, completions, **columns) -> list`` (``scorers.BatchForm``: it has a ``completions`` parameter),
   called once per group of one prompt's completions.
 
-``functions.WeightedRewards`` combines several with weights (``reward.functions``).
+``functions.WeightedRewards`` combines several with weights (``reward.functions``), each as it returns, outside
+[0, 1] too (TRL's sum of ``reward_funcs``), where one scorer's reward outside [0, 1] is clamped and counted.
 
 ``RewardPool`` runs any of them in worker processes with a time limit; ``score_local`` runs one in
 this process. Neither raises on a scorer's error: the reward is 0 and the error is counted, and

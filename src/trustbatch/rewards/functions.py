@@ -2,10 +2,12 @@
 
 Each function is scored by its own ``RewardPool``, so the time limit, the failure counts and the worker processes
 apply to every function and form (per-completion ``score(completion, reference)`` or TRL's batch form,
-``scorers.BatchForm``). Each r_i is a scorer's reward in [0, 1] (clamped and counted as for one scorer); the weighted
-sum is not clamped. A failure of any function scores that function 0 and counts once in the round's failure rate,
-which is over completions × functions; each function's own failure rate (over completions) is judged against
-``reward.max_failure_rate`` too, so one that always fails stops the run however many others score.
+``scorers.BatchForm``). Each r_i is what its function returned, outside [0, 1] too (TRL sums its ``reward_funcs``
+so: a format penalty of −1 or a length bonus in [−0.5, 0.5] stays what it is; ``scorers.settle``), where one
+scorer alone (``reward.name``, a task's correctness in [0, 1]) is clamped. A failure of any function scores that
+function 0 and counts once in the round's failure rate, which is over completions × functions; each function's own
+failure rate (over completions) is judged against ``reward.max_failure_rate`` too, so one that always fails stops
+the run however many others score.
 
 A term named ``rm:DIR`` is a reward model (``reward.model``), not a function: ``WeightedRewards`` scores it with what
 its ``load_model`` returns for DIR (``policy.reward_model.RewardModel``, built by the recipes on the learner's
@@ -53,7 +55,8 @@ class WeightedRewards:
         try:
             for n, _ in self.terms:
                 self.pools.append(load_model(n[len(MODEL_PREFIX):]) if is_model(n) and load_model is not None
-                                  else RewardPool(n, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size))
+                                  else RewardPool(n, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size,
+                                                  clamp=False))
         except BaseException:
             self.close()
             raise

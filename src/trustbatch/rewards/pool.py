@@ -228,7 +228,9 @@ class RewardPool:
     that exits or hangs there takes the caller with it. Set ``in_process_marker`` to a path to have a file
     there for the duration of each in-process ``score`` call (removed when it returns or raises): a file
     still there at the next start means the process died inside the scorer (``read_in_process_marker``).
-    ``chunk_size`` completions go to a worker in one message (module docstring).
+    ``chunk_size`` completions go to a worker in one message (module docstring). ``clamp``: a reward outside
+    [0, 1] is clamped into it and counted (a task's scorer), or kept as returned (a reward function of
+    ``functions.WeightedRewards``); ``scorers.settle``.
     Use as a context manager, or call ``close``. Workers start lazily, from the thread that calls
     ``score``; on Linux a worker is killed when that thread ends, so score from a thread that
     outlives the pool (the main thread, or a long-lived scoring thread).
@@ -238,12 +240,14 @@ class RewardPool:
             import (checked in this process first).
     """
 
-    def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32):
+    def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0, chunk_size: int = 32,
+                 clamp: bool = True):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         # a Python object (rewards.objects) lives in this process only: it is scored here, whatever ``workers`` says
         workers = 0 if is_object(name) else workers
         self.name, self.workers, self.timeout_s, self.chunk_size = name, workers, timeout_s, chunk_size
+        self.clamp = clamp
         self._local = lookup(name) if is_object(name) else get(name)  # fails fast, in this process, in one line
         # fork: a worker needs no re-import of __main__ (spawn would re-run an unguarded user script);
         # it never touches torch, so the parent's OpenMP threads do not matter.
@@ -309,12 +313,12 @@ class RewardPool:
                           max_failure_rate: float | None) -> ScoreResult:
         if self.in_process_marker is None:
             return score_local(self._local, completions, references, contexts=contexts,
-                               max_failure_rate=max_failure_rate)
+                               max_failure_rate=max_failure_rate, clamp=self.clamp)
         marker = Path(self.in_process_marker)
         try:  # a write the disk refuses leaves no empty marker to be read as a crash in the scorer
             marker.write_text(json.dumps({"pid": os.getpid(), "scorer": self.name, "since": time.time()}))
             return score_local(self._local, completions, references, contexts=contexts,
-                               max_failure_rate=max_failure_rate)
+                               max_failure_rate=max_failure_rate, clamp=self.clamp)
         finally:  # not reached on os._exit, a crash or SIGKILL: the file then stays, as intended
             marker.unlink(missing_ok=True)
 
@@ -341,7 +345,7 @@ class RewardPool:
                     res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
                 else:
                     for u, outcomes in zip(w.job, results):
-                        record(res, units[u], outcomes)
+                        record(res, units[u], outcomes, self.clamp)
                     w.job = None
                     continue
             elif time.monotonic() < w.current(self.timeout_s)[1]:

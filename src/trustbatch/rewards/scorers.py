@@ -27,10 +27,12 @@ Scorer = Callable[[str, str], float]
 class ScoreResult:
     """What one scoring call (``score_local``, ``RewardPool.score``) gives: rewards in order and its failure counts."""
 
-    rewards: list[float]  # one per completion, in [0, 1] (a reward model's, policy.reward_model, unclamped)
+    # one per completion: in [0, 1] for a task's scorer; a reward function's (reward.functions, as TRL's
+    # reward_funcs) and a reward model's (policy.reward_model) as they were returned
+    rewards: list[float]
     errors: int  # scorer raised (or exited), returned a non-finite value or a non-number, or its process died
     timeouts: int  # scorer ran past the time limit
-    clamped: int = 0  # finite rewards outside [0, 1], clamped into it
+    clamped: int = 0  # a task scorer's finite rewards outside [0, 1], clamped into it (``settle``)
     last_error: str | None = None  # one line: the last failure's cause (and the tail of what the scorer printed)
     unscored: int = 0  # completions never scored (reward 0) because the call stopped early (``stopped_early``)
     # several reward functions (``functions.WeightedRewards``): each one's rewards by label, and how many
@@ -164,7 +166,7 @@ class BatchForm:
     (``groups``). ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
     lists of the group's length, so it may compare them (rank within the group). A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
-    ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is clamped and counted.
+    ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
 
     def __init__(self, fn: Callable):
@@ -211,11 +213,11 @@ def groups(scorer: Scorer | BatchForm, contexts: list[dict] | None, n: int) -> l
 
 def score_unit(scorer: Scorer | BatchForm, completions: list[str], references: list[str],
                contexts: list[dict] | None) -> list[Outcome]:
-    """The outcomes of one unit of ``groups``: a group's one call of a ``BatchForm``, else ``score_one`` of its
-    single completion."""
+    """The outcomes of one unit of ``groups`` (``outcome``s, for ``record`` to ``settle``): a group's one call of a
+    ``BatchForm``, else its single completion's."""
     if isinstance(scorer, BatchForm):
         return scorer.score_group(completions, references, contexts)
-    return [score_one(scorer, completions[0], references[0])]
+    return [_unsettled(scorer, completions[0], references[0])]
 
 
 def takes_batch(fn: Callable) -> bool:
@@ -287,14 +289,19 @@ def is_score(value: object) -> bool:
             and getattr(dtype, "kind", "") in ("b", "i", "u", "f"))
 
 
-def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, str, str | None]:
+def score_one(scorer: Scorer, completion: str, reference: str, *, clamp: bool = True) -> Outcome:
     """Score one completion in this process: ``(reward, status, cause)``.
 
-    ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it) or
-    ``"error"`` (the scorer raised, called ``sys.exit``, or returned a non-finite value or anything
-    but an int, float, bool or NumPy scalar of those (``is_score``); the reward is 0). ``cause`` is a
-    one-line description for ``"error"``, else None. Only KeyboardInterrupt propagates.
+    ``status`` is ``"ok"``, ``"clamped"`` (a finite reward outside [0, 1], clamped into it; with ``clamp=False``
+    such a reward is ``"ok"`` as it was returned, ``settle``) or ``"error"`` (the scorer raised, called
+    ``sys.exit``, or returned a non-finite value or anything but an int, float, bool or NumPy scalar of those
+    (``is_score``); the reward is 0). ``cause`` is a one-line description for ``"error"``, else None. Only
+    KeyboardInterrupt propagates.
     """
+    return settle(_unsettled(scorer, completion, reference), clamp)
+
+
+def _unsettled(scorer: Scorer, completion: str, reference: str) -> Outcome:
     try:
         return outcome(scorer(completion, reference))
     except KeyboardInterrupt:
@@ -304,23 +311,34 @@ def score_one(scorer: Scorer, completion: str, reference: str) -> tuple[float, s
 
 
 def outcome(raw: object) -> Outcome:
-    """A scorer's return value as ``(reward, status, cause)`` (``score_one``): a finite number in [0, 1] as it is,
-    one outside clamped into it, anything else (not a number, ``is_score``; NaN or inf) an error scoring 0."""
+    """A scorer's return value as ``(reward, status, cause)``: a finite number as it is (status ``"outside"`` when
+    outside [0, 1], for ``settle`` to clamp or keep), anything else (not a number, ``is_score``; NaN or inf) an
+    error scoring 0."""
     if not is_score(raw):
         return 0.0, "error", one_line(f"the scorer returned {type(raw).__name__} {raw!r}, not a number; "
                                       "return an int, float or bool", 200)
     v = float(raw)
     if not math.isfinite(v):
         return 0.0, "error", f"the scorer returned {v}"
-    if 0.0 <= v <= 1.0:
-        return v, "ok", None
-    return min(1.0, max(0.0, v)), "clamped", None
+    return v, "ok" if 0.0 <= v <= 1.0 else "outside", None
+
+
+def settle(o: Outcome, clamp: bool) -> Outcome:
+    """An ``outcome`` as it is recorded. A reward ``"outside"`` [0, 1]: with ``clamp`` (a task's scorer, whose
+    contract is [0, 1]: issue 10 counts and warns about a scorer's bug returning 5) clamped into it, status
+    ``"clamped"``; without (``functions.WeightedRewards``: a reward function, which TRL sums as returned, so a
+    format penalty of −1 stays −1) kept as it was returned, status ``"ok"``."""
+    v, status, _ = o
+    if status != "outside":
+        return o
+    return (min(1.0, max(0.0, v)), "clamped", None) if clamp else (v, "ok", None)
 
 
 def score_local(scorer: Scorer | BatchForm, completions: list[str], references: list[str], *,
-                contexts: list[dict] | None = None, max_failure_rate: float | None = None) -> ScoreResult:
+                contexts: list[dict] | None = None, max_failure_rate: float | None = None,
+                clamp: bool = True) -> ScoreResult:
     """Score each completion (a ``BatchForm`` each group, ``groups``) in this process, counting errors and clamped
-    rewards (no time limit). ``contexts``: as in ``RewardPool.score``.
+    rewards (no time limit). ``contexts``: as in ``RewardPool.score``; ``clamp``: as in ``settle``.
 
     With ``max_failure_rate``, scoring stops once the errors exceed that fraction of all ``completions``
     (``stopped_early``); the rest get reward 0 and are counted in ``unscored``.
@@ -333,13 +351,14 @@ def score_local(scorer: Scorer | BatchForm, completions: list[str], references: 
             break
         outcomes = score_unit(scorer, [completions[i] for i in unit], [references[i] for i in unit],
                               None if contexts is None else [contexts[i] for i in unit])
-        record(res, unit, outcomes)
+        record(res, unit, outcomes, clamp)
     return res
 
 
-def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome]) -> None:
-    """Put one unit's outcomes into ``res``: rewards at the unit's indices, its errors, clamps and last error."""
-    for i, (v, status, cause) in zip(unit, outcomes):
+def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome], clamp: bool = True) -> None:
+    """Put one unit's outcomes into ``res``: rewards at the unit's indices (``settle``d with ``clamp``), its
+    errors, clamps and last error."""
+    for i, (v, status, cause) in zip(unit, (settle(o, clamp) for o in outcomes)):
         res.rewards[i] = v
         res.errors += status == "error"
         res.clamped += status == "clamped"
