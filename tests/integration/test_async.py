@@ -137,12 +137,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _report_hang(p, log: Path, killed: int | None) -> None:
+    """Fail with what a hung run was doing: its processes, and every thread's stack of the trainer (faulthandler's
+    dump on SIGABRT); nothing is left running."""
+    tree = {c: (Path("/proc") / str(c) / "cmdline").read_bytes().replace(b"\0", b" ")[:120] for c in _descendants(p.pid)
+            if _alive(c)}
+    p.send_signal(signal.SIGABRT)
+    try:
+        p.wait(30)
+    finally:
+        for c in tree:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    pytest.fail(f"the run hung (worker {killed} killed); alive: {tree}\n{log.read_text()[-8000:]}")
+
+
 def test_a_killed_rollout_worker_is_restarted_and_nothing_survives(tmp_path, cache):
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: a hang is reported with every thread's stack (SIGABRT below); output to a file, which no process
+    # left behind can hold open as it could a pipe (communicate() then waited on it, and said nothing more)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "trustbatch", "train", *TINY, *SIGNAL, "reward.workers=1", "train.steps=16",
            "eval.every=100", f"run_dir={run}", "rollout.mode=async", "rollout.max_staleness=1"]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "train.err"
+    with open(log, "w") as err_file:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err_file, text=True)
     seen: set[int] = set()
     killed = None
     deadline = time.time() + 240
@@ -157,7 +178,9 @@ def test_a_killed_rollout_worker_is_restarted_and_nothing_survives(tmp_path, cac
             killed = workers[0]
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.2)
-    out, err = p.communicate(timeout=60)
+    if p.poll() is None:
+        _report_hang(p, log, killed)
+    err = log.read_text()
     assert p.returncode == 0, err[-3000:]
     assert killed is not None
     recs = _records(run)

@@ -34,7 +34,24 @@ def run_cli(*args, env_extra=None, tmp_path=None):
     (["train", "--resum", "x"], "--resum (did you mean --resume?) is not an option"),
     (["sft", "--ot", "x"], "--ot (did you mean --out?) is not an option of this command (its options: --config, --out)"),
 ])
-def test_bad_input_one_line_exit_2(args, message, tmp_path):
+def test_bad_input_one_line_exit_2(args, message, tmp_path, monkeypatch, capsys):
+    """In this process (``runproc.main_in_process``); the two cases below as real commands."""
+    from runproc import main_in_process
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    code, _, err = main_in_process(monkeypatch, capsys, *(a.replace("RUN", str(tmp_path / "run")) for a in args))
+    assert code == 2, err
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert message in lines[0]
+    assert lines[0].startswith("trustbatch: error:")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["train", "model.path=/nonexistent/model", "run_dir=RUN"], "model path '/nonexistent/model' does not exist"),
+])
+def test_bad_input_one_line_exit_2_from_the_command(args, message, tmp_path):
     args = [a.replace("RUN", str(tmp_path / "run")) for a in args]
     p = run_cli(*args, tmp_path=tmp_path)
     assert p.returncode == 2, p.stderr

@@ -58,11 +58,14 @@ def test_eval_warnings_stay_one_line_off_a_terminal(tmp_path, shared_dir):
     (["-b", "gsm8k", "--reward", "nosuch"], "unknown reward 'nosuch'"),
     (["-b", "gsm8k", "-b", "gsm8k"], "benchmark 'gsm8k' is given twice (-b)"),
 ])
-def test_eval_bad_input_one_line(args, message, tmp_path, shared_dir):
-    p = _cli("eval", "--model", str(shared_dir / "models" / "stories260K-hf"), "--data-dir",
-             str(shared_dir / "data"), *args, tmp_path=tmp_path)
-    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+def test_eval_bad_input_one_line(args, message, tmp_path, shared_dir, monkeypatch, capsys):
+    from runproc import main_in_process  # the refusals of a real command: test_a_datasets_that_fails_to_import...
+
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    code, _, err = main_in_process(monkeypatch, capsys, "eval", "--model", shared_dir / "models" / "stories260K-hf",
+                                   "--data-dir", shared_dir / "data", *args)
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 def test_train_on_a_gsm8k_file_with_a_hanging_scorer(tmp_path, shared_dir):
@@ -118,15 +121,18 @@ def test_a_datasets_that_fails_to_import_is_one_line_with_its_cause(tmp_path, sh
 
 
 @pytest.mark.parametrize("out, message", [("folder", "is a folder, not a file"), ("file/x.json", "which is a file")])
-def test_eval_out_is_checked_before_anything_loads(tmp_path, shared_dir, out, message):
+def test_eval_out_is_checked_before_anything_loads(tmp_path, shared_dir, out, message, monkeypatch, capsys):
     """A --out that cannot take the results fails at once, not after the sampling (it was a traceback then): the
     model named does not exist, so a check after loading would have said so instead."""
+    from runproc import main_in_process
+
     (tmp_path / "folder").mkdir()
     (tmp_path / "file").write_text("")
-    p = _cli("eval", "--model", str(tmp_path / "no-model"), "--data-dir", str(shared_dir / "data"), "-b", "gsm8k",
-             "--out", str(tmp_path / out), tmp_path=tmp_path)
-    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    code, _, err = main_in_process(monkeypatch, capsys, "eval", "--model", tmp_path / "no-model", "--data-dir",
+                                   shared_dir / "data", "-b", "gsm8k", "--out", tmp_path / out)
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 def test_eval_defaults_fit_the_context_and_results_keep_every_benchmark(tmp_path, shared_dir):

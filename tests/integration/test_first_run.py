@@ -76,19 +76,20 @@ def test_sft_building_and_saving_a_base_prints_no_progress_bar(tmp_path):
 
 @pytest.mark.parametrize("out, message", [("a_file", "is a file, not a folder"),
                                           ("a_run", "exists and is not an empty directory")])
-def test_sft_out_is_checked_before_the_sft(tmp_path, out, message):
+def test_sft_out_is_checked_before_the_sft(tmp_path, out, message, monkeypatch, capsys):
     """``--out`` naming a file, or a folder with files in it (a run directory), is refused in one line before any
     base is built or trained; before, the SFT ran and its save failed (or wrote into the folder)."""
     import os
 
+    from runproc import main_in_process
+
     (tmp_path / "a_file").write_text("")
     (tmp_path / "a_run").mkdir()
     (tmp_path / "a_run" / "metrics.jsonl").write_text("{}\n")
-    done = subprocess.run([sys.executable, "-m", "trustbatch", "sft", *TINY, "--out", str(tmp_path / out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TRUSTBATCH_CACHE": str(tmp_path / "cache")})
-    lines = [l for l in done.stderr.splitlines() if l.strip()]
-    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr[-3000:]
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    code, _, err = main_in_process(monkeypatch, capsys, "sft", *TINY, "--out", tmp_path / out)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err[-3000:]
     assert not (tmp_path / "cache").exists()  # no base was built
     assert (tmp_path / "a_file").read_text() == "" and sorted(os.listdir(tmp_path / "a_run")) == ["metrics.jsonl"]
 

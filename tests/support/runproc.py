@@ -38,6 +38,21 @@ def cache(tmp_path_factory):
         os.environ["TRUSTBATCH_CACHE"] = old
 
 
+def main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``trustbatch ARGS`` through the command's own ``cli.main`` in this process: (exit code, stdout, stderr).
+
+    For bad input refused before anything runs: the same code as ``python -m trustbatch`` without an interpreter
+    start (3-7 s of CPU each, most of what such a test cost); each file keeps a few cases as real commands.
+    """
+    from trustbatch.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["trustbatch", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
 def train_args(run: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "trustbatch", "train", *SHORT, f"run_dir={run}", *extra]
 
