@@ -279,6 +279,7 @@ def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_t
 
     class _Held:
         weights_lock, holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
+        claim_lock, claim_holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
 
     holder = ctx.Process(target=_hold_the_lock, args=(_Held.weights_lock, _Held.holder))
     holder.start()
@@ -303,3 +304,45 @@ def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_t
     transport.procs, transport.first, transport._start = [holder], [-1], lambda wid, first: None
     transport.restart(0, 3)
     assert _Held.holder.value == -1 and _Held.weights_lock.acquire(timeout=1)
+    _Held.weights_lock.release()
+    # the same for the claim lock: every other worker, and the replacement, would wait for it for good
+    holder = ctx.Process(target=_hold_the_lock, args=(_Held.claim_lock, _Held.claim_holder))
+    holder.start()
+    while _Held.claim_holder.value != 0:
+        time.sleep(0.01)
+    os.kill(holder.pid, signal.SIGKILL)
+    transport.procs = [holder]
+    transport.restart(0, 3)
+    assert _Held.claim_holder.value == -1 and _Held.claim_lock.acquire(timeout=1)
+
+
+def test_a_worker_killed_right_after_claiming_holds_its_batch():
+    """A claim writes ``claimed`` before the counter moves on: a worker killed between the two holds the index, so
+    its restart makes it (held). In the other order the index had no maker and the learner waited for it for good.
+    The death is a raise at the counter's write; the same shared state then tells what a restart would make."""
+    import multiprocessing
+
+    from trustbatch.orchestration.process_rollout import ProcessTransport, _claim
+
+    ctx = multiprocessing.get_context("spawn")
+
+    class _Dies:
+        value = 7
+
+        def __setattr__(self, name, value):
+            raise SystemExit("killed")
+
+    class _Shared:
+        claim_lock, claim_holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
+        claimed, next_index = ctx.Array("q", [-1, -1], lock=False), _Dies()
+
+    with pytest.raises(SystemExit):
+        _claim(1, _Shared)
+    transport = object.__new__(ProcessTransport)
+    transport.shared, transport.first = _Shared, [-1, -1]
+    assert transport.held(1) == 7  # what BoundedSource._restart has the replacement make first
+    # a raise leaves the lock (a death would not: the test above); the holder it wrote stays
+    assert _Shared.claim_holder.value == 1 and _Shared.claim_lock.acquire(timeout=1)
+    _Shared.claim_lock.release()
+    _Shared.next_index, _Shared.claim_holder.value = ctx.Value("q", 7, lock=False), -1
+    assert _claim(0, _Shared) == 7 and _Shared.claimed[0] == 7 and _Shared.next_index.value == 8

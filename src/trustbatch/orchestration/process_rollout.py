@@ -13,7 +13,9 @@ ignore Ctrl-C, die with the trainer (``processes.die_with_parent``), and ``close
 A worker killed at any moment (the OOM killer) must not hang the learner: each sends its messages on a pipe of its
 own, whose write end only it holds, so its death reads as the end of that pipe (a shared queue left half a message
 and its write lock behind: the learner blocked reading it); and the learner takes the weights lock with a timeout,
-releasing it for a worker that died holding it (``_Shared.holder``).
+releasing it for a worker that died holding it (``_Shared.holder``); the restart of a worker that died holding the
+claim lock releases that (``_Shared.claim_holder``). A worker killed between taking a lock and writing itself its
+holder (a few bytecodes) still leaves the lock held: not covered.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class _Shared:
         self.k = ctx.Value("q", k, lock=False)  # the current staleness bound, in versions
         self.next_index = ctx.Value("q", 0, lock=False)
         self.claim_lock = ctx.Lock()
+        self.claim_holder = ctx.Value("q", -1, lock=False)  # the worker that holds claim_lock, or -1
         self.claimed = ctx.Array("q", [-1] * n_workers, lock=False)
         self.started = ctx.Array("d", [0.0] * n_workers, lock=False)  # when each began its batch; 0: not making one
         self.stop = ctx.Event()
@@ -96,6 +99,19 @@ def _slot_for(j: int, shared: _Shared, ahead: int | None) -> int:
     return slot if held == want else -1
 
 
+def _claim(wid: int, shared: _Shared) -> int:
+    """The next batch index, claimed by worker ``wid``: ``claimed[wid]`` is written before the counter moves on, so a
+    worker killed in between holds the index (its restart makes it; at worst another worker makes it too), where
+    the other order left an index no worker held, which the learner waited for for good."""
+    with shared.claim_lock:
+        shared.claim_holder.value = wid
+        j = shared.next_index.value
+        shared.claimed[wid] = j
+        shared.next_index.value = j + 1
+        shared.claim_holder.value = -1
+    return j
+
+
 def _worker_main(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: int, ahead: int | None, first: int,
                  parent: int, conn) -> None:
     from ..processes import die_with_parent
@@ -120,9 +136,7 @@ def _make_batches(wid: int, spec: WorkerSpec, shared: _Shared, steps_per_round: 
     try:
         while not shared.stop.is_set():
             if j < 0:
-                with shared.claim_lock:
-                    j = shared.next_index.value
-                    shared.next_index.value = j + 1
+                j = _claim(wid, shared)
             shared.claimed[wid] = j
             while not (shared.stop.is_set() or may_start(j, shared.requested.value, shared.k.value, steps_per_round)):
                 time.sleep(0.002)
@@ -207,11 +221,13 @@ class ProcessTransport(Stateless):
             sh.weights_lock.release()
 
     def _release_for_dead(self, wid: int, proc) -> None:
-        """Release ``weights_lock`` on behalf of worker ``wid`` when it holds it and its process ``proc`` is dead."""
+        """Release ``weights_lock`` and ``claim_lock`` on behalf of worker ``wid`` where it holds them and its process
+        ``proc`` is dead."""
         sh = self.shared
-        if sh.holder.value == wid and not proc.is_alive():
-            sh.holder.value = -1
-            sh.weights_lock.release()
+        for holder, lock in ((sh.holder, sh.weights_lock), (sh.claim_holder, sh.claim_lock)):
+            if holder.value == wid and not proc.is_alive():
+                holder.value = -1
+                lock.release()
 
     def _put(self, round_: int, version: int, weights) -> None:
         """Round ``round_``'s weights into its slot (under ``weights_lock``)."""
