@@ -254,6 +254,17 @@ def _hold_the_lock(lock, holder) -> None:
         time.sleep(60)  # killed while it loads a round's weights
 
 
+def _killed_holding(ctx, lock, holder):
+    """A process (worker 0) killed with SIGKILL while it holds ``lock``, its ``holder`` written."""
+    proc = ctx.Process(target=_hold_the_lock, args=(lock, holder))
+    proc.start()
+    while holder.value != 0:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    return proc
+
+
 def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_the_learner():
     """Both hung the learner for good, so the health check never ran and the worker was never restarted: a worker
     killed while its batch drained into the shared queue left half a message and the queue's write lock (the
@@ -281,13 +292,7 @@ def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_t
         weights_lock, holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
         claim_lock, claim_holder = ctx.Lock(), ctx.Value("q", -1, lock=False)
 
-    holder = ctx.Process(target=_hold_the_lock, args=(_Held.weights_lock, _Held.holder))
-    holder.start()
-    while _Held.holder.value != 0:
-        time.sleep(0.01)
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.join()
-    transport.shared, transport.procs = _Held, [holder]
+    transport.shared, transport.procs = _Held, [_killed_holding(ctx, _Held.weights_lock, _Held.holder)]
     t0 = time.time()
     with transport._weights_locked():
         assert _Held.holder.value == -1
@@ -295,23 +300,14 @@ def test_a_worker_killed_mid_message_or_holding_the_weights_lock_does_not_hang_t
     _Held.weights_lock.release()
     # killed while the learner waited for its batch: the health check restarts it, and its replacement (the same
     # worker id, alive) would wait for the lock for good; the restart releases it
-    holder = ctx.Process(target=_hold_the_lock, args=(_Held.weights_lock, _Held.holder))
-    holder.start()
-    while _Held.holder.value != 0:
-        time.sleep(0.01)
-    os.kill(holder.pid, signal.SIGKILL)
     _Held.claimed, _Held.started = [3], [1.0]
-    transport.procs, transport.first, transport._start = [holder], [-1], lambda wid, first: None
+    transport.procs = [_killed_holding(ctx, _Held.weights_lock, _Held.holder)]
+    transport.first, transport._start = [-1], lambda wid, first: None
     transport.restart(0, 3)
     assert _Held.holder.value == -1 and _Held.weights_lock.acquire(timeout=1)
     _Held.weights_lock.release()
     # the same for the claim lock: every other worker, and the replacement, would wait for it for good
-    holder = ctx.Process(target=_hold_the_lock, args=(_Held.claim_lock, _Held.claim_holder))
-    holder.start()
-    while _Held.claim_holder.value != 0:
-        time.sleep(0.01)
-    os.kill(holder.pid, signal.SIGKILL)
-    transport.procs = [holder]
+    transport.procs = [_killed_holding(ctx, _Held.claim_lock, _Held.claim_holder)]
     transport.restart(0, 3)
     assert _Held.claim_holder.value == -1 and _Held.claim_lock.acquire(timeout=1)
 
