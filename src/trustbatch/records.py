@@ -9,12 +9,18 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from .errors import UserError
+
+try:
+    import resource  # a file-size limit (ulimit -f) is a POSIX rlimit
+except ImportError:  # Windows
+    resource = None
 
 FULL_DISK_BYTES = 64 << 20  # below this much free space a failed write is taken as a full disk
 # what a refused write's OSError says: a full disk or quota, a file-size limit, a read-only disk, no permission
@@ -25,8 +31,10 @@ def write_failure(root: Path, e: BaseException) -> OSError | None:
     """The OSError behind a failed write into folder ``root``, or None when ``root`` still takes files (another fault).
 
     An OSError of a refused write is itself; torch.save on a full disk raises RuntimeError ("unexpected pos",
-    "PytorchStreamWriter failed writing") and safetensors its SafetensorError: named as the OSError they wrap. A full
-    disk is told by its free space (a small file may still fit), anything else by trying to create a file in ``root``.
+    "PytorchStreamWriter failed writing") and safetensors its SafetensorError: named as the OSError they wrap, which
+    safetensors' message gives ("... (os error 27)"). Else a full disk is told by its free space (a small file may
+    still fit), a file-size limit (``ulimit -f``, which an empty probe file passes) by a file under ``root`` that
+    reached it, anything else by trying to create a file in ``root``.
     """
     if isinstance(e, OSError) and e.errno in _REFUSED:
         if not isinstance(e.filename, str):
@@ -35,15 +43,46 @@ def write_failure(root: Path, e: BaseException) -> OSError | None:
         return e if name == folder or folder in name.parents else None  # else another file's (a read): not ours
     if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
         return None
+    told = re.search(r"\(os error (\d+)\)", str(e))
+    if told and int(told[1]) in _REFUSED:
+        return _too_large(root) if int(told[1]) == errno.EFBIG else OSError(int(told[1]), os.strerror(int(told[1])),
+                                                                              str(root))
     with contextlib.suppress(OSError):
         if shutil.disk_usage(root).free < FULL_DISK_BYTES:
             return OSError(errno.ENOSPC, f"no space left ({str(e).splitlines()[0][:120] if str(e) else e!r})",
                            str(root))
+    limit = _file_size_limit()
+    if limit is not None and _largest_file(Path(root)) >= limit:
+        return _too_large(root)
     try:
         tempfile.TemporaryFile(dir=root).close()
     except OSError as probe:
         return OSError(probe.errno, probe.strerror, str(root))  # the folder, not the probe's random name
     return None
+
+
+def _file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``, RLIMIT_FSIZE), or None for none."""
+    if resource is None:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
+def _too_large(root: Path) -> OSError:
+    limit = _file_size_limit()
+    said = f" (the file-size limit is {limit} bytes: ulimit -f)" if limit is not None else ""
+    return OSError(errno.EFBIG, os.strerror(errno.EFBIG) + said, str(root))
+
+
+def _largest_file(root: Path) -> int:
+    """The size in bytes of the largest file under folder ``root`` (0 for none)."""
+    sizes = [0]
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                sizes.append(os.lstat(os.path.join(folder, name)).st_size)
+    return max(sizes)
 
 
 @contextlib.contextmanager

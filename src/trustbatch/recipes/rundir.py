@@ -29,7 +29,7 @@ RESUMABLE_KEYS = ("train.steps", "eval.every", "checkpoint_every", "checkpoint_k
 
 # errno values that mean "this path cannot be written": a full or read-only disk anywhere, and
 # permissions / not a folder / no such parent when the path is the run directory, inside it or above it
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # EFBIG: a file-size limit (ulimit -f)
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import random
@@ -160,9 +161,11 @@ def train(cfg: Config | None = None, resume: str | None = None, overrides: list[
             raise
         if run_dir.is_file():
             raise UserError(f"run_dir {str(run_dir)!r} is a file; give a directory") from None
-        raise UserError(f"cannot write {e.filename or run_dir} ({os.strerror(e.errno)}); free disk space, fix the "
-                        f"permissions or give another run_dir (a run with a checkpoint continues with "
-                        f"--resume {run_dir})") from None
+        limited = e.errno == errno.EFBIG  # a file-size limit: its strerror names it (records.write_failure)
+        reason = (e.strerror if limited else None) or os.strerror(e.errno)
+        fix = "raise the file-size limit" if limited else "free disk space, fix the permissions or give another run_dir"
+        raise UserError(f"cannot write {e.filename or run_dir} ({reason}); {fix} (a run with a checkpoint continues "
+                        f"with --resume {run_dir})") from None
     finally:
         world.close()
 
