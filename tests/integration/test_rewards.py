@@ -330,10 +330,12 @@ def test_prompt_answer_rows_need_no_fields_and_the_refusal_names_the_keys(tmp_pa
         load_benchmark(str(g))
     assert "data.prompt_field=" in str(e.value) and "--prompt-field" in str(e.value)
     assert "format=jsonl" not in str(e.value)
-    h = tmp_path / "chat.jsonl"  # TRL's conversational rows: a list of messages is named as such
+    h = tmp_path / "chat.jsonl"  # TRL's conversational rows: the prompt's messages are kept (test_conversational)
     h.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
-    with pytest.raises(UserError, match="line 1: the prompt field 'prompt' is a list of chat messages .TRL's "
-                                        "conversational format.*data.chat_template"):
+    assert load_benchmark(str(h)).examples[0].prompt.messages == ({"role": "user", "content": "2+2?"},)
+    h.write_text(json.dumps({"prompt": "2+2?", "answer": [{"role": "assistant", "content": "4"}]}) + "\n")
+    with pytest.raises(UserError, match="line 1: the answer field 'answer' is a list of chat messages .TRL's "
+                                        "conversational format., which only a prompt may be"):
         load_benchmark(str(h))
 
 

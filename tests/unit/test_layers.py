@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "trustbatch"
 
 # ground floor first; a module's floor is that of its first name under ``trustbatch``
 FLOORS = [
-    ("errors", "interrupts", "processes", "parallel", "records", "seeding"),
+    ("errors", "interrupts", "processes", "parallel", "records", "seeding", "chat"),
     ("objectives", "advantages"),
     ("rewards", "adapters"),
     ("data",),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..chat import conversation, is_messages
 from ..errors import UserError
 from .files import import_datasets, is_table, read_table
 from .tasks import Example
@@ -94,15 +95,22 @@ def _clean_gsm8k_solution(text: str) -> str:
     return re.sub(r"<<[^>]*>>", "", text)  # the dataset's calculator annotations
 
 
+def _prompt(row: dict, name: str, hint: str = "") -> str:
+    """``row[name]`` as a prompt: a ``chat.Conversation`` for a list of chat messages (TRL's conversational format),
+    else text as ``_field`` reads it."""
+    if is_messages(row.get(name)):
+        return conversation(row[name], f"the prompt field {name!r}")
+    return _field(row, name, "prompt", hint)
+
+
 def _field(row: dict, name: str, what: str, hint: str = "") -> str:
     """``row[name]`` as stripped text; UserError if it is missing, null, empty or not a string or number."""
     if name not in row:
         raise UserError(f"the row has no {what} field {name!r} (fields: {sorted(row)}){hint}")
     v = row[name]
-    if isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m for m in v):  # TRL's conversational rows
+    if is_messages(v):  # TRL's conversational format, read as a prompt alone (``_prompt``)
         raise UserError(f"the {what} field {name!r} is a list of chat messages (TRL's conversational format), which "
-                        "is not read: give the user message's text; the tokenizer's chat template frames it "
-                        "(data.chat_template, data.system_prompt for a system message)")
+                        f"only a prompt may be; give the {what} as text")
     # a float NaN is pandas' missing value (a DataFrame's records, JSON's NaN): null, not the answer "nan"
     missing = v is None or (isinstance(v, float) and not math.isfinite(v))
     if missing or isinstance(v, (bool, dict, list)) or not str(v).strip():
@@ -163,7 +171,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
     if fmt == "jsonl":
         pf, af = prompt_field or "prompt", answer_field or "answer"
         hint = FIELDS_HINT
-        prompt, answer = _field(row, pf, "prompt", hint), _field(row, af, "answer", hint)
+        prompt, answer = _prompt(row, pf, hint), _field(row, af, "answer", hint)
         # a number's demonstration is its gold text: 5, not 5.0
         return Example(prompt, gold_text(row[af]), answer if isinstance(row[af], str) else gold_text(row[af]))
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")

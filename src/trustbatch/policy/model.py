@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat import Conversation
 from ..data.benchmarks import truncate_left
 from ..errors import UserError
 from .hub import model_dir
@@ -86,7 +87,14 @@ class Policy:
         """Prompt ids: through the tokenizer's chat template (``set_prompt_format``; by default when it has one) as
         ``[system?, user]`` messages with the assistant's generation prompt, else the text with the tokenizer's
         special prefix (e.g. BOS); with ``max_prompt_tokens``, the last that many of those ids
-        (``data.benchmarks.truncate_left``)."""
+        (``data.benchmarks.truncate_left``). A ``chat.Conversation`` (TRL's conversational rows) is its own messages
+        through the chat template, after ``system_prompt`` unless it has a system message of its own, as TRL's
+        ``apply_chat_template`` renders it (``add_generation_prompt=True``).
+
+        Raises:
+            UserError: a ``Conversation`` while prompts are not framed by a chat template (none in the tokenizer, or
+                ``data.chat_template=off``).
+        """
         return truncate_left(self._encode_whole_prompt(text), self.max_prompt_tokens)
 
     @property
@@ -97,11 +105,17 @@ class Policy:
 
     def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
+        chat = text.as_list() if isinstance(text, Conversation) else [{"role": "user", "content": text}]
+        if isinstance(text, Conversation) and not self.uses_chat_template:
+            raise UserError("a prompt given as chat messages (TRL's conversational format) needs the tokenizer's chat "
+                            "template, which this model's tokenizer has none of or data.chat_template=off turns off; "
+                            "use a chat model (or data.chat_template=auto), or give the prompt as text")
         if self.uses_chat_template:
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            own = any(m["role"] == "system" for m in chat)
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own else []
             # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
-            return list(tok.apply_chat_template(system + [{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False))
+            return list(tok.apply_chat_template(system + chat, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
     def encode_completion(self, text: str) -> list[int]:

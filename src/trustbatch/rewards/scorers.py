@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..chat import Conversation
 from ..errors import UserError
 from .countdown import countdown_exact_reward, countdown_reward
 from .gsm8k import gsm8k_reward
@@ -164,7 +165,9 @@ class BatchForm:
     A group is a run of consecutive completions with the same ``GROUP_KEY`` in their contexts (the rollout source
     numbers a round's groups: one prompt drawn twice in a row is two groups), or, without one, the same prompt
     (``groups``). ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
-    lists of the group's length, so it may compare them (rank within the group). A raise, a list of the wrong
+    lists of the group's length, so it may compare them (rank within the group). A prompt given as chat messages
+    (``chat.Conversation``, TRL's conversational format) reaches ``f`` as those messages and each completion as
+    ``[{"role": "assistant", "content": text}]``, as TRL's ``GRPOTrainer`` passes them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
     ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
@@ -181,9 +184,12 @@ class BatchForm:
         ctx = contexts or [{"prompt": ""} for _ in completions]
         cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
                 if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY)}
+        prompts = [c.get("prompt", "") for c in ctx]
+        chat = bool(prompts) and isinstance(prompts[0], Conversation)
         try:
-            out = self.fn(prompts=[c.get("prompt", "") for c in ctx], completions=list(completions),
-                          reference=list(references), **cols)
+            out = self.fn(prompts=[p.as_list() for p in prompts] if chat else prompts,
+                          completions=[[{"role": "assistant", "content": c}] for c in completions] if chat
+                          else list(completions), reference=list(references), **cols)
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
                                  "completions; return one score per completion")

@@ -1,0 +1,91 @@
+"""TRL's conversational format: a row's prompt as chat messages, rendered by the tokenizer's chat template, and a
+batch-form reward function called as TRL's GRPOTrainer calls it (the prompts as messages, each completion as
+``[{"role": "assistant", "content": text}]``). References: the template worked by hand, and TRL's shapes."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from trustbatch.api import Trainer
+from trustbatch.chat import Conversation, conversation
+from trustbatch.errors import UserError
+
+from runproc import records
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+SYSTEM = {"role": "system", "content": "Answer with a number."}
+ROWS = [{"prompt": ([SYSTEM] if i % 2 else []) + [{"role": "user", "content": f"What is {i} plus {i % 5}?"}],
+         "answer": str(i + i % 5), "level": i % 3} for i in range(40)]
+RUN = ["reward.workers=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+       "train.steps=2", "eval.every=2", "eval.samples_per_prompt=2", "data.heldout_size=8", "threads=1"]
+
+
+@pytest.fixture
+def chat_model(tmp_path, shared_dir):
+    path = tmp_path / "chat-model"
+    shutil.copytree(shared_dir / "models" / "stories260K-hf", path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_conversation_is_its_text_keeps_its_messages_and_refuses_what_no_model_answers():
+    c = conversation(ROWS[1]["prompt"], "row 2")
+    assert c == "system: Answer with a number.\nuser: What is 1 plus 1?" and c.as_list() == ROWS[1]["prompt"]
+    again = pickle.loads(pickle.dumps(c))  # to reward and rollout workers
+    assert isinstance(again, Conversation) and again.messages == c.messages and again == c
+    for bad, says in (([{"role": "tool", "content": "x"}], "role 'tool'"),
+                      ([{"role": "user", "content": ["x"]}], "not text"),
+                      ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                       "the last message is the assistant's")):
+        with pytest.raises(UserError, match=says):
+            conversation(bad, "row 3")
+
+
+def test_trl_conversational_rows_train_through_the_api_with_trl_shaped_rewards(tmp_path, chat_model):
+    calls = []
+
+    def short_answer(prompts, completions, answer, level, **kwargs):  # written for TRL: completion[0]["content"]
+        calls.append((prompts, completions, answer, level))
+        return [1.0 if len(c[0]["content"]) < 12 else -0.5 for c in completions]
+
+    run = tmp_path / "run"
+    Trainer(model=chat_model, reward_funcs=[short_answer], train_dataset=ROWS[8:], eval_dataset=ROWS[:8],
+            overrides=RUN + [f"run_dir={run}", "data.system_prompt=Be brief."]).train()
+    rounds = [r for r in records(run) if r["step"] > 0]
+    assert len(rounds) == 2 and len(calls) == 2 * 4  # one call per group of 4
+    by_prompt = {conversation(r["prompt"], ""): r for r in ROWS}
+    for prompts, completions, answer, level in calls:
+        row = by_prompt[Conversation(prompts[0])]
+        assert prompts == [row["prompt"]] * 4 and answer == [row["answer"]] * 4 and level == [row["level"]] * 4
+        assert all(isinstance(c, list) and len(c) == 1 and set(c[0]) == {"role", "content"}
+                   and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in completions)
+    for k, rec in enumerate(rounds):
+        got = [v for _, completions, _, _ in calls[4 * k:4 * (k + 1)]
+               for v in (1.0 if len(c[0]["content"]) < 12 else -0.5 for c in completions)]
+        assert rec["rewards/short_answer"] == pytest.approx(sum(got) / 16, abs=1e-12)
+    # the prompts the policy sampled from: the row's messages through the template, data.system_prompt only where a
+    # row has no system message of its own
+    from trustbatch.config import load_config
+    from trustbatch.recipes import prepare_run
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    cfg = load_config(run / "config.yaml", ["run_dir=" + str(tmp_path / "other")])
+    task, policy, pool, _ = prepare_run(cfg)
+    pool.close()
+    for e in task.train[:4]:
+        system = "" if "[system]" in "".join(f"[{m['role']}]" for m in e.prompt.messages) else "[system] Be brief.\n"
+        by_hand = system + "".join(f"[{m['role']}] {m['content']}\n" for m in e.prompt.messages) + "[assistant] "
+        assert policy.encode_prompt(e.prompt) == tok(by_hand, add_special_tokens=False)["input_ids"]
+    logged = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert logged and all(s["prompt"] in set(by_prompt) for s in logged if "prompt" in s)
+
+
+def test_conversational_rows_without_a_chat_template_are_one_line(tmp_path, shared_dir):
+    with pytest.raises(UserError, match="needs the tokenizer's chat template"):
+        Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=["math"], train_dataset=ROWS[8:],
+                eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={tmp_path / 'run'}"]).train()
