@@ -88,7 +88,8 @@ def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, s
     calls: list[tuple[list[str], list[str]]] = []
 
     def longer_than_others(prompts, completions, reference, **columns):
-        assert set(columns) == {"problem", "answer"}, columns  # the data's columns, nothing of the trainer's
+        # the data's columns and, as TRL passes to every function, the completions' token ids; nothing else
+        assert set(columns) == {"problem", "answer", "completion_ids"}, columns
         calls.append((list(prompts), list(completions)))
         n = len(completions)
         return [sum(len(o) < len(c) for o in completions) / (n - 1) for c in completions]
@@ -105,6 +106,34 @@ def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, s
         # the second closure of this name in one process is registered as "...longer_than_others#1"
         logged = next(v for key, v in rec.items() if key.startswith("rewards/longer_than_others"))
         assert logged == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
+
+
+def test_a_reward_of_token_ids_gets_each_completions_ids_as_trl_passes_them(tmp_path, shared_dir):
+    """TRL's get_soft_overlong_punishment reads ``completion_ids`` alone (no ``completions`` parameter): it was taken
+    for a per-completion scorer and failed on every call. Reference: the ids decode to the text, EOS ends each
+    completion not cut at max_new_tokens, and the logged reward is the function's value worked from them."""
+    from transformers import AutoTokenizer
+
+    seen: list[tuple[list[list[int]], list[str]]] = []
+
+    def overlong(completion_ids, **kwargs):
+        seen.append((completion_ids, kwargs["completions"]))
+        return [-len(ids) / 10 for ids in completion_ids]
+
+    model = shared_dir / "models" / "stories260K-hf"
+    run = tmp_path / "run"
+    Trainer(model=model, reward_funcs=[overlong], train_dataset=ROWS[8:], eval_dataset=ROWS[:8],
+            overrides=RUN + [f"run_dir={run}"]).train()
+    tok = AutoTokenizer.from_pretrained(model)
+    assert len(seen) == 2 * P
+    for ids_of, texts in seen:
+        assert len(ids_of) == len(texts) == G
+        for ids, text in zip(ids_of, texts):
+            assert tok.decode(ids, skip_special_tokens=True) == text
+            assert 1 <= len(ids) <= 6 and (ids[-1] == tok.eos_token_id or len(ids) == 6)
+    for k, rec in enumerate(_rounds(run)):
+        by_hand = [-len(ids) / 10 for ids_of, _ in seen[k * P:(k + 1) * P] for ids in ids_of]
+        assert rec["rewards/overlong"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
 
 
 def test_a_named_group_form_reward_sees_whole_groups_in_the_reward_workers(tmp_path, shared_dir, monkeypatch):

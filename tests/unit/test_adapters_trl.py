@@ -268,3 +268,26 @@ def test_logged_kl_over_processes_is_tokens_weighted_as_trls(model_dir, tmp_path
     trainer._log_tb_metrics("train", {"loss": 0.0, "kl_ref": 0.2}, inputs, torch.tensor([[1.0, 2.0, 3.0]]))
     assert trainer._metrics["train"]["kl"][-1] == pytest.approx(0.4)
     assert trainer._metrics["train"]["entropy"][-1] == pytest.approx((6.0 + 5.0) / 4)
+
+
+def test_trls_own_reward_functions_run_as_trustbatch_reward_functions():
+    """TRL's get_soft_overlong_punishment (reads completion_ids alone) and think_format_reward (completions), as
+    trustbatch calls a batch-form reward: DAPO's Eq. 13 worked by hand for the first, TRL's pattern for the second."""
+    from trl.rewards import get_soft_overlong_punishment, think_format_reward
+
+    from trustbatch.chat import Conversation
+    from trustbatch.rewards import COMPLETION_IDS_KEY, GROUP_KEY
+    from trustbatch.rewards.scorers import BatchForm, takes_batch
+
+    overlong = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    assert takes_batch(overlong) and takes_batch(think_format_reward)
+    lengths = [3, 6, 8, 10, 12]
+    ctx = [{"prompt": "p", GROUP_KEY: 0, COMPLETION_IDS_KEY: [1] * n} for n in lengths]
+    got = BatchForm(overlong).score_group(["x"] * 5, [""] * 5, ctx)
+    by_hand = [0.0 if n <= 6 else ((10 - 4) - n) / 4 if n <= 10 else -1.0 for n in lengths]
+    assert [v for v, _, _ in got] == by_hand and {s for _, s, _ in got} <= {"ok", "outside"}
+    # TRL's format rewards read completion[0]["content"]: conversational prompts (trustbatch.chat.Conversation)
+    chat = [{**c, "prompt": Conversation([{"role": "user", "content": "p"}])} for c in ctx]
+    texts = ["<think>\nhm\n</think>\n42", "42", "<think>a</think>", "<think>\nx\n</think>y", "x</think>"]
+    got = BatchForm(think_format_reward).score_group(texts, [""] * 5, chat)
+    assert [v for v, _, _ in got] == [1.0, 0.0, 1.0, 1.0, 0.0]  # TRL's ^<think>(?!.*<think>)(.*?)</think>.*$

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..data import Example
-from ..rewards import GROUP_KEY, ScoreResult
+from ..rewards import COMPLETION_IDS_KEY, GROUP_KEY, ScoreResult
 from ..rollout.engine import SamplingParams
 from .passk import pass_at_k
 
@@ -77,7 +77,8 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
         ro = engine.generate([policy.encode_prompt(e.prompt) for e in part], n, sampling)
         completions = [policy.decode(x.completion_ids) for x in ro]
         res = pool.score(completions, [part[x.prompt_index].reference for x in ro],
-                         contexts=[{**part[x.prompt_index].context(), GROUP_KEY: x.prompt_index} for x in ro], **stop)
+                         contexts=[{**part[x.prompt_index].context(), GROUP_KEY: x.prompt_index,
+                                    COMPLETION_IDS_KEY: x.completion_ids} for x in ro], **stop)
         if check is not None:
             check(res, len(res.rewards))
         if res.unscored:

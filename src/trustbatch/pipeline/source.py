@@ -20,7 +20,7 @@ import torch
 from ..advantages import group_advantages, overlong_penalty
 from ..data.tasks import LongPrompts
 from ..parallel import World
-from ..rewards import GROUP_KEY
+from ..rewards import COMPLETION_IDS_KEY, GROUP_KEY
 from ..rollout.engine import SamplingParams
 from ..seeding import row_seed
 from .batch import TrainBatch, build_batch
@@ -161,7 +161,8 @@ class SyncSource:
         ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
                            self.foreign_fraction, self.sampling, seeds[mine])
         ctx = {} if self.contexts is None else {
-            "contexts": [{**self.contexts[part[x.prompt_index]], GROUP_KEY: x.prompt_index} for x in ro]}
+            "contexts": [{**self.contexts[part[x.prompt_index]], GROUP_KEY: x.prompt_index,
+                          COMPLETION_IDS_KEY: x.completion_ids} for x in ro]}
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
                                  [self.references[part[x.prompt_index]] for x in ro], **ctx)
         if self.world.size == 1:

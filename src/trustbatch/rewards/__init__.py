@@ -22,10 +22,10 @@ this process. Neither raises on a scorer's error: the reward is 0 and the error 
 from . import functions
 from .functions import Terms, WeightedRewards, make_reward
 from .pool import RewardPool
-from .scorers import (BUILTIN, GROUP_KEY, FinalAnswerScorer, ReasoningGymScorer, ScoreResult, Scorer, check_scoring,
+from .scorers import (BUILTIN, COMPLETION_IDS_KEY, GROUP_KEY, FinalAnswerScorer, ReasoningGymScorer, ScoreResult, Scorer, check_scoring,
                       get, one_line, score_all, score_local, score_one)
 from .spec import RewardSpec
 
-__all__ = ["BUILTIN", "GROUP_KEY", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "RewardSpec", "ScoreResult", "Scorer",
+__all__ = ["BUILTIN", "COMPLETION_IDS_KEY", "GROUP_KEY", "FinalAnswerScorer", "ReasoningGymScorer", "RewardPool", "RewardSpec", "ScoreResult", "Scorer",
            "Terms", "WeightedRewards", "check_scoring", "functions", "get", "make_reward", "score_all", "score_local",
            "score_one"]

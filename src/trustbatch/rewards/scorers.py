@@ -155,6 +155,8 @@ class FinalAnswerScorer:
 # In a completion's context: which group of its round it belongs to (set by the rollout source and held-out
 # evaluation), for ``BatchForm``'s one call per group; never passed to a reward function as a column.
 GROUP_KEY = "_trustbatch_group"
+# ... and its token ids (EOS included, as TRL's ``completion_ids``), for a batch-form function that takes them
+COMPLETION_IDS_KEY = "_trustbatch_completion_ids"
 
 Outcome = tuple[float, str, str | None]  # one completion's (reward, status, cause), as ``score_one`` gives
 
@@ -167,13 +169,16 @@ class BatchForm:
     (``groups``). ``f`` gets that group's prompts, completions, ``reference`` (gold answers) and each data column as
     lists of the group's length, so it may compare them (rank within the group). A prompt given as chat messages
     (``chat.Conversation``, TRL's conversational format) reaches ``f`` as those messages and each completion as
-    ``[{"role": "assistant", "content": text}]``, as TRL's ``GRPOTrainer`` passes them. A raise, a list of the wrong
+    ``[{"role": "assistant", "content": text}]``, as TRL's ``GRPOTrainer`` passes them; a function that takes
+    ``completion_ids`` (by name, or ``**kwargs``) gets each completion's token ids too (``COMPLETION_IDS_KEY``; TRL's
+    ``get_soft_overlong_punishment`` reads them), where the caller recorded them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
     ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
 
     def __init__(self, fn: Callable):
         self.fn = fn
+        self.takes_ids = _takes(fn, "completion_ids")
 
     def score_group(self, completions: list[str], references: list[str],
                     contexts: list[dict] | None) -> list[Outcome]:
@@ -183,7 +188,9 @@ class BatchForm:
         """
         ctx = contexts or [{"prompt": ""} for _ in completions]
         cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
-                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY)}
+                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY, COMPLETION_IDS_KEY)}
+        if self.takes_ids and all(COMPLETION_IDS_KEY in c for c in ctx):
+            cols["completion_ids"] = [list(c[COMPLETION_IDS_KEY]) for c in ctx]
         prompts = [c.get("prompt", "") for c in ctx]
         chat = bool(prompts) and isinstance(prompts[0], Conversation)
         try:
@@ -227,11 +234,22 @@ def score_unit(scorer: Scorer | BatchForm, completions: list[str], references: l
 
 
 def takes_batch(fn: Callable) -> bool:
-    """Whether ``fn`` is a batch-form reward function: it has a parameter named ``completions`` (TRL's name)."""
+    """Whether ``fn`` is a batch-form reward function: it has a parameter named ``completions`` or ``completion_ids``
+    (TRL's names)."""
     try:
-        return "completions" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: the per-completion form
         return False
+    return "completions" in params or "completion_ids" in params
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts a keyword argument ``name``: a parameter of that name, or ``**kwargs``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def get(name: str) -> Scorer:
