@@ -147,7 +147,7 @@ def sft(
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
     from .recipes.base import load_default_base
-    from .recipes.build import fit_demos, limit_prompt_length
+    from .recipes.build import check_demonstrations, fit_demos, limit_prompt_length
     from .recipes.outputs import output_folder, staged_folder
 
     console = Console(soft_wrap=True)
@@ -160,6 +160,7 @@ def sft(
         if out.is_dir() and any(out.iterdir()):
             raise UserError(f"--out {str(out)!r} exists and is not an empty directory; give a new directory")
     task = configured_task(cfg)
+    check_demonstrations(task, "trustbatch sft")
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
         policy, path, how = load_default_base(task, task_key(cfg), model_cfg, console)
@@ -195,7 +196,7 @@ def eval_(
     limit: Optional[int] = typer.Option(None, "--limit", help="first N prompts of each benchmark"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="where benchmark names resolve (default $TRUSTBATCH_DATA)"),
     reward: Optional[str] = typer.Option(None, "--reward", help="override the benchmark's reward (math, gsm8k, countdown, countdown_exact, rg:TASK, module:function)"),
-    fmt: str = typer.Option("auto", "--format", help="auto, gsm8k, math, countdown or jsonl"),
+    fmt: str = typer.Option("auto", "--format", help="auto, gsm8k, math, countdown, jsonl or prompts"),
     prompt_field: Optional[str] = typer.Option(None, "--prompt-field"),
     answer_field: Optional[str] = typer.Option(None, "--answer-field"),
     workers: int = typer.Option(2, "--workers", help="reward worker processes (0: in-process, no time limit)"),

@@ -324,8 +324,11 @@ def test_prompt_answer_rows_need_no_fields_and_the_refusal_names_the_keys(tmp_pa
     b = load_benchmark(str(f))
     assert b.format == "jsonl" and b.reward == "math"
     assert [(e.prompt, e.reference, e.columns["extra"]) for e in b.examples] == [("What is 2+2?", "4", "x")]
-    g = tmp_path / "other.jsonl"
+    g = tmp_path / "other.jsonl"  # no answer field: TRL's prompt-only rows (its reward functions read "solution")
     g.write_text(json.dumps({"prompt": "2+2?", "solution": "4"}) + "\n")
+    b = load_benchmark(str(g))
+    assert (b.format, b.reward, b.examples[0].reference, b.examples[0].columns["solution"]) == ("prompts", "", "", "4")
+    g.write_text(json.dumps({"question": "2+2?", "solution": "4"}) + "\n")
     with pytest.raises(UserError) as e:
         load_benchmark(str(g))
     assert "data.prompt_field=" in str(e.value) and "--prompt-field" in str(e.value)

@@ -99,9 +99,10 @@ class DataConfig(_Strict):
                                                 "or a benchmark name (its test split, with a warning), to train on")
     heldout: str | None = Field(None, description="held-out file; default: the first heldout_size train rows, kept out of training")
     dir: str | None = Field(None, description="directory that benchmark names resolve in (default $TRUSTBATCH_DATA)")
-    format: Literal["auto", "gsm8k", "math", "countdown", "jsonl"] = Field(
-        "auto", description="row format; auto: from the first row's fields (jsonl when prompt_field or answer_field "
-                            "is set, or the row has prompt and answer fields)")
+    format: Literal["auto", "gsm8k", "math", "countdown", "jsonl", "prompts"] = Field(
+        "auto", description="row format; auto: from the first row's fields (jsonl when answer_field is set, or the "
+                            "row has prompt and answer fields; prompts, a prompt and no answer, for reward functions "
+                            "that need no gold answer (TRL's prompt-only rows), when it has a prompt field alone)")
     prompt_field: str | None = Field(None, description="prompt field of a plain JSONL (default: prompt)")
     answer_field: str | None = Field(None, description="answer field of a plain JSONL (default: answer)")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")

@@ -46,7 +46,9 @@ COUNTDOWN_PROMPT = (
     "operations (+, -, *, /) and each number can be used at most once. Return the final equation in "
     "<answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
 )
-REWARD_OF_FORMAT = {"gsm8k": "gsm8k", "math": "math", "countdown": "countdown", "jsonl": "math"}
+# "prompts": rows of a prompt and no answer (TRL's prompt-only datasets), which have no scorer of their own
+NO_SCORER = ""
+REWARD_OF_FORMAT = {"gsm8k": "gsm8k", "math": "math", "countdown": "countdown", "jsonl": "math", "prompts": NO_SCORER}
 KNOWN = {  # benchmark name -> file under the data directory
     "gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl", "aime2024": "aime2024/test.jsonl",
     "aime24": "aime2024/test.jsonl", "amc2023": "amc2023/test.jsonl", "amc23": "amc2023/test.jsonl",
@@ -79,7 +81,8 @@ def detect_format(row: dict) -> str:
     """The format of a row from its fields; UserError if no known format fits.
 
     GSM8K (``question``, ``answer`` ending ``#### N``), MATH (``problem``, ``answer``), Countdown (``input`` numbers,
-    ``output``), then plain rows (``prompt``, ``answer``: ``jsonl``)."""
+    ``output``), then plain rows (``prompt``, ``answer``: ``jsonl``), then a prompt alone (``prompts``: TRL's
+    prompt-only rows, for reward functions that need no gold answer)."""
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
     if "problem" in row and "answer" in row:
@@ -88,6 +91,8 @@ def detect_format(row: dict) -> str:
         return "countdown"
     if "prompt" in row and "answer" in row:  # plain rows, TRL's column name for the prompt
         return "jsonl"
+    if "prompt" in row:
+        return "prompts"
     raise UserError(f"cannot tell the format of a row with fields {sorted(row)}{FIELDS_HINT}")
 
 
@@ -174,7 +179,30 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
         prompt, answer = _prompt(row, pf, hint), _field(row, af, "answer", hint)
         # a number's demonstration is its gold text: 5, not 5.0
         return Example(prompt, gold_text(row[af]), answer if isinstance(row[af], str) else gold_text(row[af]))
-    raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown or jsonl")
+    if fmt == "prompts":  # no gold answer: the reference and the demonstration are empty
+        return Example(_prompt(row, prompt_field or "prompt", FIELDS_HINT), "", "")
+    raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown, jsonl or prompts")
+
+
+def file_format(name_or_path: str, data_dir: str | None = None, format: str = "auto", prompt_field: str | None = None,
+                answer_field: str | None = None) -> str | None:
+    """The row format ``load_benchmark`` reads a data file in (``format`` unless auto: from its first row, read as
+    ``load_benchmark`` reads it), or None when the file cannot be read or no format fits (loading it says why)."""
+    if format != "auto":
+        return format
+    try:
+        path = resolve(name_or_path, data_dir)
+        if is_table(path):
+            row = read_table(path)[0][1]
+        else:
+            with open(path, "rb") as f:
+                first = next((line for line in f if line.strip()), b"")
+            row = json.loads(first.removeprefix(codecs.BOM_UTF8))
+        if prompt_field or answer_field:
+            return "jsonl" if answer_field or "answer" in row else "prompts"
+        return detect_format(row)
+    except (UserError, OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
 
 
 def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
@@ -184,22 +212,14 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
     MATH. Reads the first row of a JSON Lines file, and a Parquet or JSON file or a ``datasets`` directory as
     ``load_benchmark`` reads it. A file that cannot be read or whose format is unknown gives None (loading it says why).
     """
-    try:
-        path = resolve(name_or_path, data_dir)
-        if format == "auto" and is_table(path):
-            format = detect_format(read_table(path)[0][1])
-        elif format == "auto":
-            with open(path, "rb") as f:
-                first = next((line for line in f if line.strip()), b"")
-            format = detect_format(json.loads(first.removeprefix(codecs.BOM_UTF8)))
-    except (UserError, OSError, ValueError, TypeError):
-        return None
+    format = file_format(name_or_path, data_dir, format)
     if format in ("gsm8k", "countdown"):
         return format
     if format != "math":
         return None
     # the competition as a word of the name given, the file's name or its folder's (aime2024/, amc_23.jsonl), not of
     # any folder above (a user named aimee)
+    path = resolve(name_or_path, data_dir)
     named = " ".join((name_or_path if name_or_path in KNOWN else "", path.name, path.parent.name)).lower()
     found = re.search(r"(?<![a-z])(aime|amc)(?![a-z])", named)
     return found.group(1) if found else "math"
@@ -287,7 +307,8 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
     fmt = format
     if fmt == "auto":
         try:
-            fmt = "jsonl" if prompt_field or answer_field else detect_format(rows[0][1])
+            fmt = (("jsonl" if answer_field or "answer" in rows[0][1] else "prompts") if prompt_field or answer_field
+                   else detect_format(rows[0][1]))
         except UserError as e:
             raise UserError(f"{rows[0][0]}: {e}") from None
     examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit)

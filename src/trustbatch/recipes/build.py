@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .. import objectives
 from ..config import Config
 from ..data import load_task
-from ..data.benchmarks import fit_prompts, limit_prompts, load_file_task
+from ..data.benchmarks import NO_SCORER, fit_prompts, limit_prompts, load_file_task
 from ..data.tasks import LongPrompts
 from ..errors import UserError
 from ..pipeline.source import SourceSpec
@@ -68,21 +68,44 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
     terms, with ``reward.model`` as one more term ``rm:DIR`` (``rewards.functions``); its pool's settings and failure
     limit. ``heldout``: always the former, as held-out evaluation scores (pass@1 counts correct answers), with a
-    ``data.heldout`` file's own scorer as the data's."""
+    ``data.heldout`` file's own scorer as the data's; on data without answers (``data.format=prompts``, no scorer of
+    its own) the training reward's functions.
+
+    Raises:
+        UserError: data without answers and neither ``reward.name`` nor a reward function to score it; a
+            plain-answer scorer on data without plain answers (``check_answer_scorers``).
+    """
     rw = cfg.reward
-    terms = tuple((f.name, f.weight) for f in rw.functions)
+    functions = tuple((f.name, f.weight) for f in rw.functions)
+    terms = functions
     if rw.model is not None:
         terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
     # held-out evaluation scores a held-out file by its own scorer (trustbatch eval -b FILE does too)
     data_scorer = (getattr(task, "heldout_reward", None) if heldout else None) or task.reward
-    name = terms if terms and not heldout else rw.name or data_scorer
     check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
+    if data_scorer == NO_SCORER and not (rw.name or (functions if heldout else terms)):
+        raise UserError("this data has prompts and no answers (no 'answer' field: data.format=prompts), so it has no "
+                        "scorer of its own; give reward functions (reward.functions, the Python API's reward_funcs) "
+                        "or reward.name=module:function, or name the answer field: data.answer_field=...")
+    name = terms if terms and not heldout else rw.name or data_scorer or functions
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)
 
 
 # the built-in scorers that read a plain answer, and the data scorers whose references are JSON (a task's entry, a
 # Countdown problem): the former on the latter would score against the JSON's last number, without a word
 _PLAIN_ANSWER_SCORERS = ("gsm8k", "math")
+
+
+def check_demonstrations(task, what: str) -> None:
+    """Refuse an SFT (``what``) on data whose rows have no answers (``data.format=prompts``): its demonstrations
+    would be empty.
+
+    Raises:
+        UserError: naming ``what`` and the fixes.
+    """
+    if task.reward == NO_SCORER:
+        raise UserError(f"{what} needs answers to learn from, and this data has prompts alone (data.format=prompts); "
+                        "give model.path (a model to start from), or data with an answer field")
 
 
 def check_answer_scorers(names: list[str | None], data_scorer: str,
@@ -93,9 +116,13 @@ def check_answer_scorers(names: list[str | None], data_scorer: str,
     Raises:
         UserError: one such name, with the data's own scorer.
     """
+    wrong = next((n for n in names if n in _PLAIN_ANSWER_SCORERS), None)
+    if wrong is not None and data_scorer == NO_SCORER:
+        raise UserError(f"reward {wrong!r} compares with a gold answer, but this data has none (no 'answer' field: "
+                        "data.format=prompts); name the answer field (data.answer_field=...), or give reward functions "
+                        "that need no answer")
     if not (data_scorer.startswith(("rg:", "rg-final:")) or data_scorer == "countdown"):
         return
-    wrong = next((n for n in names if n in _PLAIN_ANSWER_SCORERS), None)
     if wrong is not None:
         raise UserError(f"reward {wrong!r} reads a plain answer, but this data's answers are JSON, scored by "
                         f"{data_scorer!r}; drop it to use {data_scorer!r}" + (f", or {other}" if other else ""))
@@ -233,6 +260,8 @@ def prepare_run(cfg: Config, console=None):
     Returns ``(task, policy, pool, source)``; ``source`` says where the policy came from.
     """
     task = configured_task(cfg)
+    if not cfg.model.path:
+        check_demonstrations(task, "the default base (warmed up on the data's answers)")
     pool = reward_spec(cfg, task, heldout=True).pool()
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path, revision=cfg.model.revision), cfg.model.path

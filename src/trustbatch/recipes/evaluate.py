@@ -79,7 +79,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     """
     import torch
 
-    from ..data.benchmarks import load_benchmark
+    from ..data.benchmarks import NO_SCORER, load_benchmark
     from ..eval.benchmarks import evaluate_benchmarks
     from ..policy import load_policy
     from ..rewards import RewardPool
@@ -93,8 +93,13 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
                           workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
                                               answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
-    for b in benches if reward is not None else []:
-        check_answer_scorers([reward], b.reward, other=None)
+    for b in benches:
+        if reward is None and b.reward == NO_SCORER:
+            raise UserError(f"benchmark {b.name!r} has prompts and no answers (data format prompts), so it has no "
+                            "scorer of its own; give --reward module:function, or name its answer field "
+                            "(--answer-field)")
+        if reward is not None:
+            check_answer_scorers([reward], b.reward, other=None)
     policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
     benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)

@@ -21,6 +21,7 @@ import shlex
 from pathlib import Path
 
 from ..config import Config, load_config, read_yaml_file, yaml_dumps
+from ..data.benchmarks import file_format
 from ..errors import UserError
 from ..records import git_commit, package_version, read_metrics
 from ..rewards.scorers import MODEL_PREFIX
@@ -132,7 +133,8 @@ def _heldout_at(run: Path, step: int) -> dict:
 def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) -> list[str] | None:
     """The ``trustbatch eval`` arguments that sample round ``step``'s held-out evaluation of a data-file run again
     (the prompts: ``data.heldout``, else the first ``heldout_size`` distinct ``data.train`` rows); None for a
-    reasoning-gym task, whose prompts are no file.
+    reasoning-gym task, whose prompts are no file, and for data without answers scored by reward functions (held-out
+    evaluation scored those, which ``trustbatch eval`` does not take).
 
     ``start``: the directory the run started in (``rundir.start_directory``). Given, a relative data path
     (``data.heldout``/``data.train``, ``data.dir``) that exists from there is made absolute, so the command runs from
@@ -140,6 +142,9 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
     d, n = cfg.data, cfg.eval.samples_per_prompt
     if not d.train:
         return None
+    if cfg.reward.name is None and file_format(_from_start(start, d.heldout or d.train), _from_start(start, d.dir),
+                                               d.format, d.prompt_field, d.answer_field) == "prompts":
+        return None  # data without answers: held-out evaluation scored the reward functions, which eval does not take
     cmd = ["trustbatch", "eval", "--model", str(model), "-b", _from_start(start, d.heldout or d.train),
            "--limit", str(d.heldout_size),
            "-n", str(n), "-k", "1" if n == 1 else f"1,{n}", "--temperature", f"{cfg.eval.temperature:g}",
