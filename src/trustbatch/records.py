@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import UserError
@@ -27,14 +28,15 @@ FULL_DISK_BYTES = 64 << 20  # below this much free space a failed write is taken
 _REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-def write_failure(root: Path, e: BaseException) -> OSError | None:
+def write_failure(root: Path, e: BaseException, since: float | None = None) -> OSError | None:
     """The OSError behind a failed write into folder ``root``, or None when ``root`` still takes files (another fault).
 
     An OSError of a refused write is itself; torch.save on a full disk raises RuntimeError ("unexpected pos",
     "PytorchStreamWriter failed writing") and safetensors its SafetensorError: named as the OSError they wrap, which
     safetensors' message gives ("... (os error 27)"). Else a full disk is told by its free space (a small file may
-    still fit), a file-size limit (``ulimit -f``, which an empty probe file passes) by a file under ``root`` that
-    reached it, anything else by trying to create a file in ``root``.
+    still fit), a file-size limit (``ulimit -f``, which an empty probe file passes) by a file under ``root`` written
+    since ``since`` (``time.time()`` when the writes began; None: not looked for) that reached it, anything else by
+    trying to create a file in ``root``.
     """
     if isinstance(e, OSError) and e.errno in _REFUSED:
         if not isinstance(e.filename, str):
@@ -52,7 +54,7 @@ def write_failure(root: Path, e: BaseException) -> OSError | None:
             return OSError(errno.ENOSPC, f"no space left ({str(e).splitlines()[0][:120] if str(e) else e!r})",
                            str(root))
     limit = _file_size_limit()
-    if limit is not None and _largest_file(Path(root)) >= limit:
+    if limit is not None and since is not None and _largest_new_file(Path(root), since) >= limit:
         return _too_large(root)
     try:
         tempfile.TemporaryFile(dir=root).close()
@@ -75,29 +77,43 @@ def _too_large(root: Path) -> OSError:
     return OSError(errno.EFBIG, os.strerror(errno.EFBIG) + said, str(root))
 
 
-def _largest_file(root: Path) -> int:
-    """The size in bytes of the largest file under folder ``root`` (0 for none)."""
-    sizes = [0]
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                sizes.append(os.lstat(os.path.join(folder, name)).st_size)
+def _largest_new_file(root: Path, since: float) -> int:
+    """The size in bytes of the largest file under folder ``root`` modified since ``since`` (0 for none). Only
+    folders modified since then are entered (a file made in one changes it): an old file of the user's beside an
+    output, or a large tree under it, is neither counted nor walked."""
+    since -= 2  # file systems that keep coarse modification times (FAT: 2 s)
+    sizes, todo = [0], [str(root)]
+    while todo:
+        with contextlib.suppress(OSError), os.scandir(todo.pop()) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_mtime < since:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        sizes.append(st.st_size)
     return max(sizes)
 
 
 @contextlib.contextmanager
 def refused_write(root: Path, what: str, fix: str):
     """Run a block that writes into folder ``root``; a write the disk refuses (full, read-only, no permission, a
-    file-size limit) ends as one ``UserError``: "cannot write WHAT (reason); FIX". Any other error passes as it is.
+    file-size limit) ends as one ``UserError``: "cannot write WHAT (reason); FIX" (for a file-size limit: raise it).
+    Any other error passes as it is.
     """
+    since = time.time()
     try:
         yield
     except UserError:
         raise
     except Exception as e:
-        cause = write_failure(root, e)
+        cause = write_failure(root, e, since)
         if cause is None:
             raise
+        if cause.errno == errno.EFBIG:
+            fix = "raise the file-size limit (ulimit -f)"
         raise UserError(f"cannot write {what} ({cause.strerror or cause}); {fix}") from None
 
 
@@ -155,7 +171,8 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # a name near the file system's limit (255 bytes) stays within it with the temporary file's additions
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~umask())

@@ -155,3 +155,41 @@ def test_a_cache_whose_missing_parent_cannot_be_made_is_one_line(tmp_path, monke
     with pytest.raises(UserError, match=r"cannot write the base into the cache .*\(Permission denied\).*TRUSTBATCH"):
         prepare_run(load_config(None, TINY + ["reward.workers=0", "model.sft_steps=1"]))
     assert real_save is policy_model.Policy.save and list(ro.iterdir()) == []
+
+
+def test_a_file_size_limit_is_told_only_by_a_file_written_since_the_writes_began(tmp_path, monkeypatch):
+    """An old file at or over the limit beside an output (a model, a dataset) made any other failure there "File too
+    large" (a reviewer's 250-character --out); only a file modified since the block began tells the limit now."""
+    import os
+    import time
+
+    from trustbatch import records
+
+    monkeypatch.setattr(records, "_file_size_limit", lambda: 1000)
+    old = tmp_path / "big" / "old.safetensors"
+    old.parent.mkdir()
+    old.write_bytes(b"\0" * 4000)
+    os.utime(old, (time.time() - 3600,) * 2)
+    os.utime(old.parent, (time.time() - 3600,) * 2)
+    since = time.time()
+    assert records.write_failure(tmp_path, RuntimeError("unexpected pos 576 vs 534"), since) is None
+    (tmp_path / "staged").mkdir()
+    (tmp_path / "staged" / "trainer_state.pt").write_bytes(b"\0" * 1000)  # torn at the limit
+    told = records.write_failure(tmp_path, RuntimeError("unexpected pos 576 vs 534"), since)
+    assert told.errno == errno.EFBIG and "the file-size limit is 1000 bytes" in told.strerror
+
+
+def test_a_long_out_name_writes_or_is_one_line(tmp_path):
+    """A legal 250-byte name was a traceback after the work (the temporary sibling's name passed 255 bytes); one past
+    the file system's limit is refused before any work."""
+    from trustbatch.recipes.evaluate import save_results
+    from trustbatch.recipes.outputs import output_file, output_folder, staged_folder
+
+    name = "r" * 245 + ".json"
+    assert save_results({"average": {}}, output_file(tmp_path / name)).name == name
+    with staged_folder(output_folder(tmp_path / ("e" * 250), create=False)) as tmp:
+        (tmp / "README.md").write_text("x")
+    assert (tmp_path / ("e" * 250) / "README.md").read_text() == "x"
+    for check in (output_file, output_folder):
+        with pytest.raises(UserError, match="has a name longer than the file system takes"):
+            check(tmp_path / ("x" * 300))

@@ -178,7 +178,8 @@ class BoundedSource:
         held = self.transport.held(wid)
         self.restarts += 1
         self._restarts_without_batch += 1
-        ended = self.transport.restart(wid, held if held >= 0 and held not in self.buffer else -1)
+        # a batch already trained on (its worker died just after sending it) or already made is not made again
+        ended = self.transport.restart(wid, held if held >= self.batch_index and held not in self.buffer else -1)
         if self._restarts_without_batch > _MAX_RESTARTS_WITHOUT_BATCH * self.n:
             raise RuntimeError(f"rollout workers keep dying before making a batch (worker {wid} {ended}); "
                                "their stderr above says why")
@@ -217,7 +218,8 @@ class BoundedSource:
                 if kind == "error":
                     is_user, text = payload
                     raise UserError(text) if is_user else RuntimeError(f"rollout worker {wid} failed:\n{text}")
-                self.buffer[j] = payload
+                if j >= self.batch_index:  # a second copy of a batch trained on (a restart's) is dropped
+                    self.buffer[j] = payload
                 self._restarts_without_batch = 0
             wait += time.time() - t0
             batch, metrics = self.buffer.pop(b)

@@ -24,7 +24,7 @@ def output_folder(path: str | Path, flag: str = "--out", *, create: bool = True)
         UserError: ``path`` is a file or lies inside one; it (or its parent) cannot be created, or takes no file
             (permissions, a read-only or full disk, a folder of ``/proc``); the message gives the system's reason.
     """
-    p = Path(path).expanduser()
+    p = _fitting(Path(path).expanduser(), flag)
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {str(p)!r} is a file, not a folder; give a folder")
     _writable(p, p if create else p.parent, flag, "a folder")
@@ -39,11 +39,22 @@ def output_file(path: str | Path, flag: str = "--out") -> Path:
         UserError: ``path`` is a folder or lies inside a file; its folder cannot be created, or takes no file; the
             message gives the system's reason.
     """
-    p = Path(path).expanduser()
+    p = _fitting(Path(path).expanduser(), flag)
     if p.is_dir():
         raise UserError(f"{flag} {str(p)!r} is a folder, not a file; give a file path such as "
                         f"{str(p / 'results.json')!r}")
     _writable(p, None, flag, "a path")
+    return p
+
+
+def _fitting(p: Path, flag: str) -> Path:
+    """``p``, or one line when a name in it is longer than the file system takes (``stat`` itself refuses it)."""
+    longest = 255  # NAME_MAX of Linux's and macOS's file systems
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        longest = os.pathconf(next((a for a in p.parents if os.path.isdir(a)), "."), "PC_NAME_MAX")
+    if any(len(os.fsencode(part)) > longest for part in p.parts):
+        raise UserError(f"{flag} {str(p)!r} has a name longer than the file system takes ({longest} bytes); give a "
+                        "shorter name")
     return p
 
 
@@ -53,6 +64,7 @@ def _writable(p: Path, where: Path | None, flag: str, what: str) -> None:
     above = next(a for a in p.parents if a.exists())  # "." or "/" at worst
     if not above.is_dir():
         raise UserError(f"{flag} {str(p)!r} lies inside {str(above)!r}, which is a file; give {what} elsewhere")
+
     try:
         if where is not None:
             where.mkdir(parents=True, exist_ok=True)
@@ -79,7 +91,7 @@ def staged_folder(dest: Path, flag: str = "--out"):
         UserError: the disk refused a write of the block or of the rename.
     """
     with refused_output(dest, flag):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:64]}.tmp-", dir=dest.parent))  # within the name limit
     try:
         # refused writes into the staged folder only: the block also reads (a run's records, a checkpoint), and a
         # file it cannot read is that file's error, not --out's

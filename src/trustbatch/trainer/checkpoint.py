@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
+    since = time.time()
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         with _quiet_transformers():  # peft's save too: no "Writing model shards" progress bar at every checkpoint
@@ -85,7 +87,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
         os.replace(tmp, final)
     except BaseException as e:
         try:  # told before the cleanup: removing the torn files frees the very space that ran out
-            cause = write_failure(root, e) if isinstance(e, (RuntimeError, SafetensorError)) else None
+            cause = write_failure(root, e, since) if isinstance(e, (RuntimeError, SafetensorError)) else None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if cause is not None:
