@@ -192,11 +192,17 @@ def _as_file(data: Any, what: str) -> str:
     if isinstance(data, (str, Path)):
         return str(data)
     rows = _rows(data, what)
-    text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows)
+    text = "".join(json.dumps(r, sort_keys=True, default=_json_cell) + "\n" for r in rows)
     path = cache_dir() / "datasets" / f"{what}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
     if not path.exists():
         atomic_write(path, text)
     return str(path)
+
+
+def _json_cell(x: Any) -> Any:
+    """A cell JSON does not take, as the value it holds: a NumPy array (a pandas DataFrame's list cell: TRL's chat
+    messages read from Parquet or ``Dataset.to_pandas()``) or scalar as its ``tolist()``, anything else as ``str``."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
 def _rows(data: Any, what: str) -> list[dict]:

@@ -89,3 +89,47 @@ def test_conversational_rows_without_a_chat_template_are_one_line(tmp_path, shar
     with pytest.raises(UserError, match="needs the tokenizer's chat template"):
         Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=["math"], train_dataset=ROWS[8:],
                 eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={tmp_path / 'run'}"]).train()
+
+
+def test_a_reward_model_scores_a_conversation_through_its_own_template(chat_model, shared_dir):
+    """It scored the prompt's role: content log text plus the completion; TRL renders prompt + [assistant
+    completion] with the reward model's chat template. Reference: that template worked by hand."""
+    import torch
+
+    from trustbatch.policy.reward_model import RewardModel
+
+    rm = RewardModel(torch.nn.Linear(1, 1), AutoTokenizer.from_pretrained(chat_model), name="rm")
+    ctx = [{"prompt": conversation(ROWS[1]["prompt"], "")}, {"prompt": "plain "}]
+    assert rm.texts(["2", "text"], ctx) == [
+        "[system] Answer with a number.\n[user] What is 1 plus 1?\n[assistant] 2\n[assistant] ", "plain text"]
+    plain = RewardModel(torch.nn.Linear(1, 1), AutoTokenizer.from_pretrained(shared_dir / "models" / "stories260K-hf"),
+                        name="rm")
+    with pytest.raises(UserError, match="reward model 'rm' has no chat template"):
+        plain.texts(["2"], ctx[:1])
+
+
+def test_a_dataframe_of_conversational_rows_keeps_their_messages(tmp_path):
+    """pandas holds a list cell as a NumPy array, which the rows' JSON wrote as its repr: the model trained on
+    "[{'role': 'user', ...}]" as text. Reference: the rows as given."""
+    pd = pytest.importorskip("pandas")
+    from trustbatch.api import _as_file
+    from trustbatch.data.benchmarks import load_benchmark
+
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "rows.parquet")
+    frame = pd.read_parquet(tmp_path / "rows.parquet")
+    assert type(frame["prompt"][0]).__module__ == "numpy"  # what made the repr
+    examples = load_benchmark(_as_file(frame, "train_dataset")).examples
+    assert [list(e.prompt.messages) for e in examples] == [r["prompt"] for r in ROWS]
+
+
+def test_a_template_that_refuses_a_rows_messages_is_one_line(tmp_path, chat_model):
+    """Gemma's template raises on a system message: a row's own one was a jinja2 traceback (data.system_prompt's
+    already was one line)."""
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                         "supported') }}{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    tok.save_pretrained(chat_model)
+    with pytest.raises(UserError, match=r"refuses a prompt's messages \(TemplateError: System role not supported\), "
+                                        r"roles \['system', 'user'\]"):
+        Trainer(model=chat_model, reward_funcs=["math"], train_dataset=ROWS[8:], eval_dataset=ROWS[:8],
+                overrides=RUN + [f"run_dir={tmp_path / 'run'}"]).train()

@@ -17,6 +17,7 @@ import torch
 from ..chat import Conversation
 from ..data.benchmarks import truncate_left
 from ..errors import UserError
+from ..rewards.scorers import one_line
 from .hub import model_dir
 
 
@@ -113,9 +114,16 @@ class Policy:
         if self.uses_chat_template:
             own = any(m["role"] == "system" for m in chat)
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own else []
-            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
-            return list(tok.apply_chat_template(system + chat, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+            try:  # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+                return list(tok.apply_chat_template(system + chat, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+            except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception in the template)
+                if not isinstance(text, Conversation):
+                    raise
+                raise UserError(f"the model's chat template refuses a prompt's messages ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else 'no message'}), roles "
+                                f"{[m['role'] for m in system + chat]}: {one_line(text, 80)!r}; give messages the "
+                                "template takes (e.g. no system message, or user and assistant in turn)") from None
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
     def encode_completion(self, text: str) -> list[int]:

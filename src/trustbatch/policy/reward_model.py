@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat import Conversation
 from ..errors import UserError
 from ..rewards.scorers import ScoreResult, one_line
 from .hub import model_dir
@@ -99,8 +100,26 @@ class RewardModel:
         self.in_process_marker = None  # a pool's attribute; the model is no user code that could exit the process
 
     def texts(self, completions: list[str], contexts: list[dict] | None) -> list[str]:
-        """What is scored: each completion after its prompt (``contexts[i]["prompt"]``; none without contexts)."""
-        return [(contexts[i].get("prompt", "") if contexts else "") + c for i, c in enumerate(completions)]
+        """What is scored: each completion after its prompt (``contexts[i]["prompt"]``; none without contexts). A
+        prompt given as chat messages (``chat.Conversation``) and the completion as the assistant's message, through
+        the reward model's own chat template, as TRL's ``GRPOTrainer`` renders them for a reward model.
+
+        Raises:
+            UserError: a prompt given as chat messages, and a reward model whose tokenizer has no chat template.
+        """
+        out = []
+        for i, c in enumerate(completions):
+            prompt = contexts[i].get("prompt", "") if contexts else ""
+            if not isinstance(prompt, Conversation):
+                out.append(prompt + c)
+                continue
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError(f"reward model {self.name!r} has no chat template, and the prompts are chat messages "
+                                "(TRL's conversational format): a reward model scores such a conversation through its "
+                                "own template; give a reward model with one, or the prompts as text")
+            out.append(self.tokenizer.apply_chat_template(prompt.as_list() + [{"role": "assistant", "content": c}],
+                                                          tokenize=False))
+        return out
 
     def score(self, completions: list[str], references: list[str], *, contexts: list[dict] | None = None,
               max_failure_rate: float | None = None) -> ScoreResult:
