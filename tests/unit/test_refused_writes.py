@@ -177,6 +177,10 @@ def test_a_file_size_limit_is_told_only_by_a_file_written_since_the_writes_began
     (tmp_path / "staged" / "trainer_state.pt").write_bytes(b"\0" * 1000)  # torn at the limit
     told = records.write_failure(tmp_path, RuntimeError("unexpected pos 576 vs 534"), since)
     assert told.errno == errno.EFBIG and "the file-size limit is 1000 bytes" in told.strerror
+    # safetensors names the errno in its message (its error type is no OSError): the limit's, and any refused write's
+    for raised, no in (("Error while serializing: I/O error: File too large (os error 27)", errno.EFBIG),
+                       ("Error while serializing: I/O error: Read-only file system (os error 30)", errno.EROFS)):
+        assert records.write_failure(tmp_path, RuntimeError(raised)).errno == no
 
 
 def test_a_long_out_name_writes_or_is_one_line(tmp_path):
