@@ -202,9 +202,10 @@ def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, com
              + (", ".join(trained) if trained else "of unknown version (not recorded by this run)") + ".",
              "Local paths are given by their last component.", ""]
     if chat:
-        lines += ["Prompts were sent as a user message through the tokenizer's chat template"
-                  + (f", after the system message {cfg.data.system_prompt!r}" if cfg.data.system_prompt else "")
-                  + ".", ""]
+        lines += ["Prompts were sent through the tokenizer's chat template, a text prompt as a user message and a "
+                  "prompt given as chat messages as those messages"
+                  + (f", after the system message {cfg.data.system_prompt!r} (unless the messages held one)"
+                     if cfg.data.system_prompt else "") + ".", ""]
     lines += ["## Held-out evaluation", ""]
     if heldout:
         lines += ["| metric | value |", "| --- | --- |"] + [f"| {k} | {v:.4f} |" for k, v in heldout.items()
