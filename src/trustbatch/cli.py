@@ -95,15 +95,17 @@ def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
     """
     import difflib
 
-    from .config.load import nearest_key
+    from .config.load import TRL_NAMES, nearest_key
 
     for ov in overrides or []:
         if not ov.startswith("-"):
             continue
         given = ov.partition("=")[0]
         near = difflib.get_close_matches(given, options, n=1)
-        key = None if near else nearest_key(given.lstrip("-").replace("-", "_"))
-        hint = f" (did you mean {near[0]}?)" if near else f" (did you mean {key}=...?)" if key else ""
+        name = given.lstrip("-").replace("-", "_")
+        key = None if near else nearest_key(name)
+        hint = (f" (did you mean {near[0]}?)" if near else f" (TRL's {name} is {TRL_NAMES[name]} here)"
+                if name in TRL_NAMES else f" (did you mean {key}=...?)" if key else "")
         raise UserError(f"{given}{hint} is not an option of this command (its options: {', '.join(options)}); config "
                         "keys are key=value overrides, e.g. train.steps=50: every key in docs/config.md")
 

@@ -291,3 +291,13 @@ def test_trls_own_reward_functions_run_as_trustbatch_reward_functions():
     texts = ["<think>\nhm\n</think>\n42", "42", "<think>a</think>", "<think>\nx\n</think>y", "x</think>"]
     got = BatchForm(think_format_reward).score_group(texts, [""] * 5, chat)
     assert [v for v, _, _ in got] == [1.0, 0.0, 1.0, 1.0, 0.0]  # TRL's ^<think>(?!.*<think>)(.*?)</think>.*$
+
+
+def test_the_trl_names_the_config_errors_explain_are_grpoconfig_arguments():
+    """``config.load.TRL_NAMES``: each is an argument of TRL's own GRPOConfig (or the trainer's reward_weights)."""
+    import dataclasses
+
+    from trustbatch.config.load import TRL_NAMES
+
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    assert set(TRL_NAMES) - fields == {"max_prompt_length"}, set(TRL_NAMES) - fields  # dropped by TRL 1.x, still met

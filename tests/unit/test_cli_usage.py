@@ -43,3 +43,32 @@ def test_a_usage_error_is_one_line_and_exit_2(monkeypatch, capsys, argv, says):
 def test_no_arguments_and_help_still_print_the_help(monkeypatch, capsys, argv):
     code, out, err = _run(monkeypatch, capsys, argv)
     assert "Usage: " in out + err and "trustbatch: error" not in out + err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["train", "num_generations=8"], "unknown config key 'num_generations'; TRL's num_generations is rollout.group_size"),
+    (["train", "train.learning_rate=1e-6"], "TRL's learning_rate is train.lr here"),
+    (["train", "--max_completion_length", "256"], "--max_completion_length (TRL's max_completion_length is "
+                                                  "rollout.max_new_tokens here) is not an option"),
+])
+def test_trls_argument_names_say_what_sets_the_same_here(monkeypatch, capsys, argv, says):
+    code, _, err = _run(monkeypatch, capsys, argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and says in lines[0], err
+
+
+def test_every_key_a_trl_name_points_to_exists():
+    """Each dotted key in ``TRL_NAMES``' answers is a config key, and each option named in ``objective.options={...}``
+    one the objectives take (TRL's own field names are checked against GRPOConfig in tests/unit/test_adapters_trl.py)."""
+    import re
+
+    from trustbatch.config.load import TRL_NAMES, config_fields
+    from trustbatch.objectives.registry import COMMON_OPTIONS
+    from trustbatch.objectives.clipped import _PPO_OPTIONS
+
+    keys = {k for k, _, _ in config_fields()}
+    for trl, ours in TRL_NAMES.items():
+        named = re.findall(r"\b(?:[a-z_]+\.)+[a-z_]+\b|\brun_dir\b|\bcheckpoint_(?:every|keep)\b", ours)
+        assert named and all(k in keys for k in named), (trl, ours)
+        for option in re.findall(r"([a-z_]+): \.\.\.", ours.partition("={")[2]) if "options=" in ours else []:
+            assert option in {**COMMON_OPTIONS, **_PPO_OPTIONS}, (trl, option)

@@ -122,6 +122,27 @@ def _models_in(annotation) -> list[type[BaseModel]]:
     return [m for a in getattr(annotation, "__args__", ()) for m in _models_in(a)]  # a union, list[...], Literal
 
 
+# TRL's GRPOConfig arguments a TRL user writes as a key, and what sets the same here (max_prompt_length: TRL < 1.0's)
+TRL_NAMES = {
+    "num_generations": "rollout.group_size", "max_completion_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens", "learning_rate": "train.lr", "max_steps": "train.steps",
+    "num_iterations": "train.epochs", "steps_per_generation": "train.minibatches",
+    "per_device_train_batch_size": "rollout.prompts_per_step x rollout.group_size (the completions of a round; "
+                                   "train.micro_batch_size of them per forward)",
+    "gradient_accumulation_steps": "train.micro_batch_size (the micro-batches of a step are accumulated)",
+    "temperature": "rollout.temperature", "top_p": "rollout.top_p", "beta": "objective.options={ref_kl_coef: ...}",
+    "epsilon": "objective.options={eps_low: ..., eps_high: ...}", "epsilon_high": "objective.options={eps_high: ...}",
+    "loss_type": "objective.name", "scale_rewards": "objective.advantage (zscore, or mean for scale_rewards=none)",
+    "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.lr_schedule",
+    "weight_decay": "train.weight_decay", "max_grad_norm": "train.grad_clip",
+    "adam_beta1": "train.adam_betas=[b1, b2]", "adam_beta2": "train.adam_betas=[b1, b2]",
+    "adam_epsilon": "train.adam_eps", "seed": "train.seed", "gradient_checkpointing": "train.activation_checkpointing",
+    "bf16": "train.precision=bf16-mixed", "output_dir": "run_dir", "report_to": "log.trackers",
+    "save_steps": "checkpoint_every", "save_total_limit": "checkpoint_keep", "eval_steps": "eval.every",
+    "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions=[{name: ..., weight: ...}]",
+}
+
+
 def nearest_key(key: str) -> str | None:
     """The known config key a mistyped ``key`` most likely meant (difflib), or None.
 
@@ -152,7 +173,9 @@ def _format_error(e: ValidationError) -> str:
     loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
         near = nearest_key(loc)
-        hint = f"did you mean {near!r}? " if near else ""
+        trl = TRL_NAMES.get(loc.rpartition(".")[2])
+        hint = (f"TRL's {loc.rpartition('.')[2]} is {trl} here; " if trl else
+                f"did you mean {near!r}? " if near else "")
         return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")
     # a section's own check names its key itself, and a check across sections (no loc) names its keys
