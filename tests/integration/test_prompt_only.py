@@ -82,3 +82,53 @@ def test_sft_and_eval_of_prompts_alone_are_one_line(tmp_path, shared_dir, monkey
         from trustbatch.recipes import prepare_run
 
         prepare_run(load_config(None, [f"data={f}", "data.heldout_size=8"]))
+
+
+def test_a_held_out_file_of_prompts_alone_is_scored_by_the_reward_functions(tmp_path, shared_dir):
+    """With answered training rows, a data.heldout of prompts alone took the training data's scorer (math against
+    empty answers: held-out accuracy 0, no word); now the reward functions score it, or the start is refused."""
+    from trustbatch.recipes.build import configured_task, reward_spec
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}) + "\n"
+                             for i in range(20)))
+    base = [f"data={train}", f"data.heldout={_prompts_file(tmp_path)}", "data.heldout_size=8"]
+    functions = ["reward.functions=[{name: scorers_for_tests:digit_fraction, weight: 2.0}]"]
+    cfg = load_config(None, base + functions)
+    task = configured_task(cfg)
+    assert reward_spec(cfg, task).name == reward_spec(cfg, task, heldout=True).name == (
+        ("scorers_for_tests:digit_fraction", 2.0),)
+    cfg = load_config(None, base)
+    assert reward_spec(cfg, configured_task(cfg)).name == "math"  # training: its own answers
+    with pytest.raises(UserError, match="the held-out data has prompts and no answers"):
+        reward_spec(cfg, configured_task(cfg), heldout=True)
+    # a reward model alone scores training, and held-out evaluation is refused saying so (it said "no reward given")
+    cfg = load_config(None, [f"data={_prompts_file(tmp_path)}", "data.heldout_size=8",
+                             f"reward.model={shared_dir / 'models' / 'stories260K-hf'}"])
+    assert reward_spec(cfg, configured_task(cfg)).name[0][0].startswith("rm:")
+    with pytest.raises(UserError, match="a reward model alone scores training, not held-out evaluation"):
+        reward_spec(cfg, configured_task(cfg), heldout=True)
+
+
+def test_trl_keyword_only_rewards_and_mixed_rows(tmp_path):
+    """TRL calls every reward function with keywords: ``f(**kwargs)`` is batch form (it was called as
+    f(completion, reference) and failed every time); a file whose first row has no answer and a later row one is
+    refused (the later answers were read as a column, scored by nobody)."""
+    from trustbatch.data.benchmarks import load_benchmark
+    from trustbatch.rewards.scorers import takes_batch
+
+    def keywords(**kwargs):
+        return [len(c) for c in kwargs["completions"]]
+
+    def scorer(completion, reference, **kwargs):
+        return 1.0
+
+    def wrapper(*args, **kwargs):  # ambiguous: read as the per-completion form it can be called as
+        return 1.0
+
+    assert [takes_batch(f) for f in (keywords, scorer, wrapper)] == [True, False, False]
+    f = tmp_path / "mixed.jsonl"
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", "answer": "2"}) + "\n")
+    with pytest.raises(UserError, match="line 2: the row has an answer field 'answer' but the file's first row has "
+                                        "none"):
+        load_benchmark(str(f))

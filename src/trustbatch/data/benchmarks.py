@@ -180,6 +180,9 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
         # a number's demonstration is its gold text: 5, not 5.0
         return Example(prompt, gold_text(row[af]), answer if isinstance(row[af], str) else gold_text(row[af]))
     if fmt == "prompts":  # no gold answer: the reference and the demonstration are empty
+        if "answer" in row:  # the first row had none: this one's would be read as a column and scored by nobody
+            raise UserError("the row has an answer field 'answer' but the file's first row has none (read as prompts "
+                            "alone, data.format=prompts); give every row an answer, or none")
         return Example(_prompt(row, prompt_field or "prompt", FIELDS_HINT), "", "")
     raise UserError(f"unknown data format {fmt!r}; use auto, gsm8k, math, countdown, jsonl or prompts")
 

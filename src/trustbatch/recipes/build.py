@@ -81,11 +81,16 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     if rw.model is not None:
         terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
     # held-out evaluation scores a held-out file by its own scorer (trustbatch eval -b FILE does too)
-    data_scorer = (getattr(task, "heldout_reward", None) if heldout else None) or task.reward
-    check_answer_scorers([rw.name] + [f.name for f in rw.functions], task.reward)
+    # (a held-out file without answers is its own case: "" is falsy, and the train data's scorer took its place)
+    held = getattr(task, "heldout_reward", None) if heldout else None
+    data_scorer = held if held is not None else task.reward
+    check_answer_scorers([rw.name] + [f.name for f in rw.functions], data_scorer)
     if data_scorer == NO_SCORER and not (rw.name or (functions if heldout else terms)):
-        raise UserError("this data has prompts and no answers (no 'answer' field: data.format=prompts), so it has no "
-                        "scorer of its own; give reward functions (reward.functions, the Python API's reward_funcs) "
+        what = "the held-out data has" if held == NO_SCORER and task.reward != NO_SCORER else "this data has"
+        alone = (" (a reward model alone scores training, not held-out evaluation, which is scored in its own "
+                 "pool)" if heldout and rw.model is not None else "")
+        raise UserError(f"{what} prompts and no answers (no 'answer' field: data.format=prompts), so it has no scorer "
+                        f"of its own{alone}; give reward functions (reward.functions, the Python API's reward_funcs) "
                         "or reward.name=module:function, or name the answer field: data.answer_field=...")
     name = terms if terms and not heldout else rw.name or data_scorer or functions
     return RewardSpec(name, workers=rw.workers, timeout_s=rw.timeout_s, max_failure_rate=rw.max_failure_rate)

@@ -235,12 +235,20 @@ def score_unit(scorer: Scorer | BatchForm, completions: list[str], references: l
 
 def takes_batch(fn: Callable) -> bool:
     """Whether ``fn`` is a batch-form reward function: it has a parameter named ``completions`` or ``completion_ids``
-    (TRL's names)."""
+    (TRL's names), or takes keywords alone (``f(**kwargs)``, as TRL calls every reward function) where
+    ``f(completion, reference)`` would not bind."""
     try:
-        params = inspect.signature(fn).parameters
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: the per-completion form
         return False
-    return "completions" in params or "completion_ids" in params
+    params = sig.parameters
+    if "completions" in params or "completion_ids" in params:
+        return True
+    try:
+        sig.bind("completion", "reference")
+        return False
+    except TypeError:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _takes(fn: Callable, name: str) -> bool:
