@@ -136,6 +136,26 @@ def test_a_reward_of_token_ids_gets_each_completions_ids_as_trl_passes_them(tmp_
         assert rec["rewards/overlong"] == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-12)
 
 
+def test_a_function_that_does_not_apply_scores_0_and_is_left_out_of_its_mean_as_in_trl(tmp_path, shared_dir):
+    """None is TRL's "does not apply" (NaN there): 0 in the weighted sum (its nansum), left out of the function's
+    logged mean (its nanmean; the mean counted it as 0). Reference: both worked from the completions it saw."""
+    seen: list[str] = []
+
+    def odd_only(completions, **kwargs):
+        seen.extend(completions)
+        return [None if len(c) % 2 == 0 else 1.0 + len(c) % 3 for c in completions]
+
+    run = tmp_path / "run"
+    Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[odd_only], reward_weights=[0.5],
+            train_dataset=ROWS[8:], eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={run}"]).train()
+    for k, rec in enumerate(_rounds(run)):
+        values = [None if len(c) % 2 == 0 else 1.0 + len(c) % 3 for c in seen[k * P * G:(k + 1) * P * G]]
+        applied = [v for v in values if v is not None]
+        assert applied and None in values, values  # the case under test: a round with both
+        assert rec["rewards/odd_only"] == pytest.approx(sum(applied) / len(applied), abs=1e-12)
+        assert rec["reward_mean"] == pytest.approx(0.5 * sum(applied) / len(values), abs=1e-12)
+
+
 def test_a_named_group_form_reward_sees_whole_groups_in_the_reward_workers(tmp_path, shared_dir, monkeypatch):
     """The same reward, importable by name: it runs in reward.workers=2 processes and still gets one call per group
     (it got one call per completion, so every reward was 0). One training prompt: P groups of one prompt a round."""

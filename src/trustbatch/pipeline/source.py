@@ -10,6 +10,7 @@ protocol; the loop cannot tell them apart.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -231,7 +232,10 @@ class SyncSource:
             if len(rollouts) // G >= self.P:
                 break
         self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
-        self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in parts.items()})
+        # TRL's nanmean: a function's "does not apply" (None, NaN here) is left out; a round where it applied to
+        # nothing logs no value for it
+        applied = {label: [x for x in v if not math.isnan(x)] for label, v in parts.items()}
+        self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in applied.items() if v})
         # over every completion sampled, as reward_mean: the dropped groups (often all cut at max_new_tokens, all 0)
         # would otherwise hide the truncation warning, even when dynamic sampling dropped every group
         self.last_metrics.update(response_length=sum(sampled_lengths) / len(sampled_lengths),

@@ -16,6 +16,7 @@ device), in this process and unclamped; without ``load_model`` such a term is re
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from .pool import RewardPool
@@ -87,7 +88,7 @@ class WeightedRewards:
         last = [f"{lab}: {p.last_error}" for lab, p in zip(self.labels, parts) if p.last_error]
         return ScoreResult(rewards, sum(p.errors for p in parts), sum(p.timeouts for p in parts),
                            sum(p.clamped for p in parts), last[-1] if last else None, sum(p.unscored for p in parts),
-                           {lab: p.rewards for lab, p in zip(self.labels, parts)}, len(parts),
+                           {lab: _applied(p) for lab, p in zip(self.labels, parts)}, len(parts),
                            {lab: (p.errors + p.timeouts, p.last_error) for lab, p in zip(self.labels, parts)})
 
     def close(self) -> None:
@@ -99,6 +100,13 @@ class WeightedRewards:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _applied(part: ScoreResult) -> list[float]:
+    """One function's rewards with NaN where it said it does not apply (None: 0 in the sum, as TRL's nansum), so
+    that its logged mean leaves them out, as TRL's nanmean does."""
+    none = set(part.none)
+    return [math.nan if j in none else v for j, v in enumerate(part.rewards)]
 
 
 def make_reward(reward: str | Terms, *, workers: int = 2, timeout_s: float = 10.0,

@@ -43,6 +43,8 @@ class ScoreResult:
     # several reward functions: each one's failures (errors + timeouts) and its last error, by label, so that one
     # broken function among k is judged on its own rate, not diluted to 1/k of the scorings
     failures: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    # the completions a function said does not apply to (None, TRL's NaN): reward 0, left out of its logged mean
+    none: list[int] = field(default_factory=list)
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
         """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
@@ -52,7 +54,8 @@ class ScoreResult:
                     for k in {**self.failures, **other.failures}}
         return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
                            self.clamped + other.clamped, other.last_error or self.last_error,
-                           self.unscored + other.unscored, components, max(self.functions, other.functions), failures)
+                           self.unscored + other.unscored, components, max(self.functions, other.functions), failures,
+                           self.none + [len(self.rewards) + i for i in other.none])
 
 
 def stopped_early(failed: int, n: int, max_failure_rate: float | None) -> bool:
@@ -173,7 +176,8 @@ class BatchForm:
     ``completion_ids`` (by name, or ``**kwargs``) gets each completion's token ids too (``COMPLETION_IDS_KEY``; TRL's
     ``get_soft_overlong_punishment`` reads them), where the caller recorded them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
-    ``None`` scores 0 (TRL's "does not apply"); a finite score outside [0, 1] is ``settle``d by the pool that records it.
+    ``None`` scores 0 (TRL's "does not apply", its NaN: status ``"none"``, left out of the function's logged mean as
+    TRL's nanmean leaves it); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
 
     def __init__(self, fn: Callable):
@@ -200,7 +204,7 @@ class BatchForm:
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
                                  "completions; return one score per completion")
-            outcomes = [outcome(0.0 if v is None else v) for v in out]
+            outcomes = [(0.0, "none", None) if v is None else outcome(v) for v in out]
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
@@ -394,6 +398,8 @@ def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome], clamp: bo
         res.rewards[i] = v
         res.errors += status == "error"
         res.clamped += status == "clamped"
+        if status == "none":
+            res.none.append(i)
         res.last_error = cause or res.last_error
 
 

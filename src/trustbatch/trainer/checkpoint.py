@@ -63,8 +63,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, state: dict, model_state: 
                                "Lower train.lr or raise train.grad_clip, and resume from the last checkpoint")
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    since = time.time()
+    final, since = root / f"step_{step:06d}", time.time()
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         with _quiet_transformers():  # peft's save too: no "Writing model shards" progress bar at every checkpoint
