@@ -21,7 +21,7 @@ def _group_index(group_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 def group_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "zscore", *, std: str = "population",
-    eps: float = 1e-6,
+    eps: float = 1e-6, valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages ``[N]`` (float32) from rewards ``[N]`` grouped by ``group_ids`` ``[N]``.
 
@@ -34,6 +34,10 @@ def group_advantages(
     Example, rewards (1, 0, 0, 0): population z (1.732, −0.577, ...), sample z (1.5, −0.5, ...),
     mean (0.75, −0.25, ...), rloo (1, −1/3, ...).
 
+    ``valid`` (bool ``[N]``, default all): rows left out are in no group's statistics and get advantage 0: a
+    completion every reward function said does not apply to (TRL's NaN reward; TRL 1.16's GRPOTrainer masks it so,
+    where a 0 would bias its group's baseline and give it an advantage of its own).
+
     Raises:
         ValueError: unknown estimator or std, mismatched shapes, non-finite rewards.
     """
@@ -45,16 +49,17 @@ def group_advantages(
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards contain non-finite values; scorers must return finite floats")
     inv, g = _group_index(group_ids.reshape(-1), r.numel())
-    size = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
-    mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, r) / size
-    centred = r - mean[inv]
+    w = torch.ones_like(r) if valid is None else valid.reshape(-1).to(torch.float64)
+    size = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, w)
+    mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, r * w) / size.clamp_min(1)
+    centred = (r - mean[inv]) * w
     if estimator == "mean":
         return centred.float()
     if estimator == "rloo":
         s = size[inv]
         return torch.where(s > 1, centred * s / (s - 1).clamp_min(1), 0.0).float()
     sq = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, centred * centred)
-    denom = size if std == "population" else (size - 1).clamp_min(1)
+    denom = size.clamp_min(1) if std == "population" else (size - 1).clamp_min(1)
     sigma = (sq / denom).sqrt()
     return (centred / (sigma[inv] + eps)).float()
 

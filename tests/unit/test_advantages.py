@@ -60,3 +60,21 @@ def test_pass_at_k_matches_enumeration():
     assert pass_at_k(16, 2, 4) == pytest.approx(0.45)
     with pytest.raises(ValueError):
         pass_at_k(4, 5, 1)
+
+
+def test_rows_no_reward_applies_to_are_out_of_their_groups_statistics_and_get_0():
+    """``valid``: TRL 1.16's mask of NaN rewards. By hand: rewards (3, 2, ·, ·) of one group with the last two
+    unscored: mean 2.5; population σ 0.5, sample σ √0.5; rloo over the two scored rows."""
+    import math
+
+    r, g = torch.tensor([3.0, 2.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    valid = torch.tensor([True, True, False, False])
+    expect = {"mean": [0.5, -0.5, 0, 0], "rloo": [1, -1, 0, 0]}
+    for est, want in expect.items():
+        assert group_advantages(r, g, est, valid=valid).tolist() == pytest.approx(want, abs=1e-6)
+    assert group_advantages(r, g, "zscore", valid=valid, eps=1e-12).tolist() == pytest.approx([1, -1, 0, 0], abs=1e-6)
+    s = 0.5 / math.sqrt(0.5)
+    assert group_advantages(r, g, "zscore", std="sample", valid=valid, eps=1e-12).tolist() == pytest.approx(
+        [s, -s, 0, 0], abs=1e-6)
+    # a group with no scored row: all 0, nothing divided by 0
+    assert group_advantages(r, g, "zscore", valid=torch.zeros(4, dtype=torch.bool)).tolist() == [0.0] * 4

@@ -69,3 +69,25 @@ def test_a_round_that_drops_every_group_still_logs_its_truncation():
     assert src.make_batch(0) is None
     assert src.last_metrics["truncated_fraction"] == 1.0 and src.last_metrics["response_length"] == 4.0
     assert len(engine.made) == 8  # two sampling calls of two groups of two
+
+
+class _PoolWithNone:
+    """Reward 2 for the first completion of a group, 1 for the second, and no function applies to the third and
+    fourth (TRL's NaN: ``ScoreResult.none``)."""
+
+    def score(self, completions, references, **kw):
+        rewards = [2.0, 1.0, 0.0, 0.0] * (len(completions) // 4)
+        return ScoreResult(rewards=rewards, errors=0, timeouts=0,
+                           none=[i for i in range(len(completions)) if i % 4 >= 2])
+
+
+def test_a_completion_no_function_applies_to_has_no_advantage_and_is_out_of_its_groups_statistics():
+    """As TRL 1.16's GRPOTrainer: it scored 0, pulled its group's mean down and got an advantage of its own.
+    Reference by hand: the group's scored rewards (2, 1): mean 1.5, population σ 0.5."""
+    spec = SourceSpec(SamplingParams(max_new_tokens=4), group_size=4, prompts_per_step=2, seed=3)
+    src = SyncSource(_Engine(), [[i] for i in range(8)], ["r"] * 8, _PoolWithNone(),
+                     lambda ids: " ".join(str(t) for t in ids), spec, pad_id=0)
+    batch = src.make_batch(0)
+    z = 0.5 / (0.5 + 1e-6)
+    assert batch.advantages.tolist() == pytest.approx([z, -z, 0.0, 0.0] * 2, abs=1e-6)
+    assert src.last_metrics["reward_mean"] == 1.5

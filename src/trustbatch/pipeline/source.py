@@ -169,7 +169,7 @@ class SyncSource:
         if self.world.size == 1:
             if self.check_round is not None:
                 self.check_round(scored, len(ro))
-            return ro, scored.rewards, scored.errors, scored.timeouts, scored.components
+            return ro, scored.rewards, scored.errors, scored.timeouts, scored.components, set(scored.none)
         rollouts, whole = [], None
         for start, (r, s) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
                                  self.world.gather((ro, scored))):
@@ -181,7 +181,7 @@ class SyncSource:
         # stopped that rank alone, the others waiting in the next collective)
         if self.check_round is not None:
             self.check_round(whole, len(rollouts))
-        return rollouts, whole.rewards, whole.errors, whole.timeouts, whole.components
+        return rollouts, whole.rewards, whole.errors, whole.timeouts, whole.components, set(whole.none)
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
         batch = self.make_batch(self.batch_index)
@@ -208,13 +208,16 @@ class SyncSource:
         t0 = time.time()
         G = self.G
         rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
+        scored, kept_scored = [], []  # whether any reward function applies (TRL's non-NaN), sampled and kept
         sampled_lengths, cut = [], 0  # of every sampled completion, dropped groups' too (as ``sampled``'s rewards)
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             idx = self._prompt_indices(b, refill, need)
             drawn += idx
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
-            new, r, e, t, c = self._sample_and_score(idx, seeds)
+            new, r, e, t, c, nowhere = self._sample_and_score(idx, seeds)
+            applies = [i not in nowhere for i in range(len(r))]
+            scored += applies
             errors, timeouts = errors + e, timeouts + t
             for label, v in c.items():
                 parts[label] = parts.get(label, []) + v
@@ -228,20 +231,12 @@ class SyncSource:
                     continue
                 rollouts += new[g]
                 rew += r[g]
+                kept_scored += applies[g]
                 where += [idx[x.prompt_index] for x in new[g]]
             if len(rollouts) // G >= self.P:
                 break
-        self.last_metrics = {"reward_mean": sum(sampled) / len(sampled), "groups_dropped": float(dropped)}
-        # TRL's nanmean: a function's "does not apply" (None, NaN here) is left out; a round where it applied to
-        # nothing logs no value for it
-        applied = {label: [x for x in v if not math.isnan(x)] for label, v in parts.items()}
-        self.last_metrics.update({f"rewards/{label}": sum(v) / len(v) for label, v in applied.items() if v})
-        # over every completion sampled, as reward_mean: the dropped groups (often all cut at max_new_tokens, all 0)
-        # would otherwise hide the truncation warning, even when dynamic sampling dropped every group
-        self.last_metrics.update(response_length=sum(sampled_lengths) / len(sampled_lengths),
-                                 truncated_fraction=cut / len(sampled_lengths))
-        if self.long_prompts is not None:
-            self.last_metrics.update(self.long_prompts.metrics(drawn))
+        judged = [v for v, ok in zip(sampled, scored) if ok] or sampled
+        self.last_metrics = self._sampled_metrics(judged, parts, sampled_lengths, cut, drawn, dropped)
         if not rollouts:
             return None
         rew_t = torch.tensor(rew)
@@ -249,9 +244,9 @@ class SyncSource:
             lengths = torch.tensor([len(x.completion_ids) for x in rollouts])
             rew_t = rew_t + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
         groups = torch.arange(len(rollouts)) // G  # group = position of the group in this batch
-        adv = group_advantages(rew_t, groups, self.advantage, std=self.std)
+        adv = group_advantages(rew_t, groups, self.advantage, std=self.std, valid=torch.tensor(kept_scored))
         self.last_metrics.update(
-            reward_std=float(torch.tensor(sampled).std()),
+            reward_std=float(torch.tensor(judged).std()),
             reward_errors=float(errors),
             reward_timeouts=float(timeouts),
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
@@ -259,6 +254,21 @@ class SyncSource:
         )
         return build_batch(rollouts, adv, self.pad_id, self.last_metrics, self._teachers(), rewards=rew,
                            prompt_index=where)
+
+    def _sampled_metrics(self, judged: list[float], parts: dict[str, list[float]], lengths: list[int], cut: int,
+                         drawn: list[int], dropped: int) -> dict[str, float]:
+        """A round's metrics of every completion it sampled (dynamic sampling's dropped groups too): ``judged``, the
+        rewards of those some function applies to (TRL's nanmean: a function's None is NaN there), each function's
+        ``parts`` (NaN where it does not apply; a round where it applied to nothing logs none), the completions'
+        ``lengths``, ``cut`` of them at max_new_tokens (the dropped groups, often all cut and all 0, would hide the
+        truncation warning), the prompts ``drawn``."""
+        out = {"reward_mean": sum(judged) / len(judged), "groups_dropped": float(dropped)}
+        applied = {label: [x for x in v if not math.isnan(x)] for label, v in parts.items()}
+        out.update({f"rewards/{label}": sum(v) / len(v) for label, v in applied.items() if v})
+        out.update(response_length=sum(lengths) / len(lengths), truncated_fraction=cut / len(lengths))
+        if self.long_prompts is not None:
+            out.update(self.long_prompts.metrics(drawn))
+        return out
 
     def _teachers(self) -> dict | None:
         """The engines' ``teacher`` by the policy version their rows carry, when the spec asks for them."""

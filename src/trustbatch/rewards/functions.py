@@ -86,10 +86,12 @@ class WeightedRewards:
                  for p in self.pools]
         rewards = [sum(w * part.rewards[j] for (_, w), part in zip(self.terms, parts)) for j in range(len(completions))]
         last = [f"{lab}: {p.last_error}" for lab, p in zip(self.labels, parts) if p.last_error]
+        nowhere = set.intersection(*(set(p.none) for p in parts))  # no function applies: TRL's NaN reward
         return ScoreResult(rewards, sum(p.errors for p in parts), sum(p.timeouts for p in parts),
                            sum(p.clamped for p in parts), last[-1] if last else None, sum(p.unscored for p in parts),
                            {lab: _applied(p) for lab, p in zip(self.labels, parts)}, len(parts),
-                           {lab: (p.errors + p.timeouts, p.last_error) for lab, p in zip(self.labels, parts)})
+                           {lab: (p.errors + p.timeouts, p.last_error) for lab, p in zip(self.labels, parts)},
+                           sorted(nowhere))
 
     def close(self) -> None:
         for p in self.pools:

@@ -43,7 +43,8 @@ class ScoreResult:
     # several reward functions: each one's failures (errors + timeouts) and its last error, by label, so that one
     # broken function among k is judged on its own rate, not diluted to 1/k of the scorings
     failures: dict[str, tuple[int, str | None]] = field(default_factory=dict)
-    # the completions a function said does not apply to (None, TRL's NaN): reward 0, left out of its logged mean
+    # the completions a function said does not apply to (None, TRL's NaN): reward 0, left out of its logged mean; of
+    # several functions' (``functions.WeightedRewards``), those none of them applies to: no advantage, no mean
     none: list[int] = field(default_factory=list)
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
