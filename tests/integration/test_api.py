@@ -228,3 +228,19 @@ def test_train_takes_a_new_runs_overrides_and_refuses_them_beside_a_config(tmp_p
     with pytest.raises(UserError, match="the overrides would be lost"):
         train(load_config(None, TINY), overrides=["train.steps=1"])
     assert not (tmp_path / "run").exists()
+
+
+def test_an_async_reward_function_is_awaited_as_in_trl(tmp_path, shared_dir):
+    """TRL awaits an ``async def`` reward function; it returned a coroutine here, an error on every call."""
+    seen: list[str] = []
+
+    async def length(completions, **kwargs):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    run = tmp_path / "run"
+    Trainer(model=shared_dir / "models" / "stories260K-hf", reward_funcs=[length], train_dataset=ROWS[8:],
+            eval_dataset=ROWS[:8], overrides=RUN + [f"run_dir={run}"]).train()
+    for k, rec in enumerate(_rounds(run)):
+        batch = seen[k * P * G:(k + 1) * P * G]
+        assert rec["rewards/length"] == pytest.approx(sum(map(len, batch)) / len(batch), abs=1e-12)

@@ -301,3 +301,22 @@ def test_the_trl_names_the_config_errors_explain_are_grpoconfig_arguments():
 
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert set(TRL_NAMES) - fields == {"max_prompt_length"}, set(TRL_NAMES) - fields  # dropped by TRL 1.x, still met
+
+
+def test_trls_reward_objects_and_partials_are_logged_under_trls_names():
+    """TRL's get_callable_name: a partial's function's ``__name__``, an instance's own ``__name__`` (TRL's reward
+    classes set it to keep their metric keys); they were logged as rewards/partial and rewards/_SoftOverlongPunishment."""
+    import functools
+
+    from trl.rewards import get_soft_overlong_punishment
+    from trl.trainer.utils import get_callable_name
+
+    from trustbatch.rewards.functions import labels
+    from trustbatch.rewards.objects import reward_name
+
+    def length_target(completions, target, **kwargs):
+        return [-abs(target - len(c)) for c in completions]
+
+    funcs = [get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4),
+             functools.partial(length_target, target=5)]
+    assert labels([reward_name(f) for f in funcs]) == [get_callable_name(f) for f in funcs]

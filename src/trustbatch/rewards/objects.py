@@ -13,6 +13,7 @@ TRL's batch form (a ``completions`` parameter) is called once per group, the com
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -69,8 +70,13 @@ def register_again(fns: list, saved: list[str]) -> None:
 
 
 def _object_name(fn: Callable) -> str:
-    """``python:QUALNAME`` of a callable object, before any ``#k`` that tells apart two of one name."""
-    return PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+    """``python:QUALNAME`` of a callable object, before any ``#k`` that tells apart two of one name: a
+    ``functools.partial``'s function's, an instance's own ``__name__`` where it has one (TRL's reward classes set it
+    to keep their metric names), else its class's; the metric label is its last component, as TRL's
+    ``get_callable_name`` names a reward function."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return PREFIX + (getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__)
 
 
 def _importable_name(fn: Callable) -> str | None:

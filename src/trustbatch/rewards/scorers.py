@@ -7,6 +7,7 @@ counting a scorer's errors instead of raising; ``check_scoring`` judges a round'
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import math
@@ -177,7 +178,8 @@ class BatchForm:
     ``completion_ids`` (by name, or ``**kwargs``) gets each completion's token ids too (``COMPLETION_IDS_KEY``; TRL's
     ``get_soft_overlong_punishment`` reads them), where the caller recorded them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
-    ``None`` scores 0 (TRL's "does not apply", its NaN: status ``"none"``, left out of the function's logged mean as
+    ``f`` may be ``async def`` (awaited here, as TRL awaits it). ``None`` scores 0 (TRL's "does not apply", its NaN:
+    status ``"none"``, left out of the function's logged mean as
     TRL's nanmean leaves it); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
 
@@ -202,6 +204,8 @@ class BatchForm:
             out = self.fn(prompts=[p.as_list() for p in prompts] if chat else prompts,
                           completions=[[{"role": "assistant", "content": c}] for c in completions] if chat
                           else list(completions), reference=list(references), **cols)
+            if inspect.iscoroutine(out):  # an async def reward, which TRL awaits
+                out = asyncio.run(out)
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
                                  "completions; return one score per completion")
