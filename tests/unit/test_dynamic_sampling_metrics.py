@@ -91,3 +91,41 @@ def test_a_completion_no_function_applies_to_has_no_advantage_and_is_out_of_its_
     z = 0.5 / (0.5 + 1e-6)
     assert batch.advantages.tolist() == pytest.approx([z, -z, 0.0, 0.0] * 2, abs=1e-6)
     assert src.last_metrics["reward_mean"] == 1.5
+
+
+class _TwoShortTwoCut(_Engine):
+    """Each group of 4: two 1-token finished completions, then two cut at max_new_tokens=4."""
+
+    def generate(self, prompts, n, sampling, seeds=None):
+        return [Rollout(i, list(p), [7] * 4 if j >= 2 else [10 + j], [-0.5] * (4 if j >= 2 else 1), j >= 2, 0)
+                for i, p in enumerate(prompts) for j in range(n)]
+
+
+class _CutNotJudged:
+    """The task function: ``first`` for the two short completions, None (does not apply) for the cut ones."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def score(self, completions, references, **kw):
+        r = [self.first[0] if c == "10" else self.first[1] if c == "11" else 0.0 for c in completions]
+        return ScoreResult(rewards=r, errors=0, timeouts=0, none=[i for i, c in enumerate(completions) if " " in c])
+
+
+def _batch(pool, **kw):
+    spec = SourceSpec(SamplingParams(max_new_tokens=4), group_size=4, prompts_per_step=1, seed=3, **kw)
+    src = SyncSource(_TwoShortTwoCut(), [[i] for i in range(8)], ["r"] * 8, pool,
+                     lambda ids: " ".join(map(str, ids)), spec, pad_id=0)
+    return src.make_batch(0), src.last_metrics
+
+
+def test_overlong_shaping_and_dynamic_sampling_with_completions_no_function_applies_to():
+    """From a review, against TRL (its overlong shaping is a reward function, never NaN): DAPO's penalty scores a
+    completion the task function does not apply to (the mask dropped it: advantage 0); dynamic sampling judges a
+    group by the completions a function applies to (a (1, 1, None, None) group was kept with no signal, taking a
+    slot). By hand, advantage=mean: rewards (1, 0, −1, −1) (the cut ones' penalty −1 at cache 2), mean −0.25."""
+    batch, _ = _batch(_CutNotJudged((1.0, 0.0)), overlong_cache=2, advantage="mean")
+    assert batch.advantages.tolist() == pytest.approx([1.25, 0.25, -0.75, -0.75])
+    batch, m = _batch(_CutNotJudged((1.0, 1.0)), dynamic_sampling=True, max_sampling_rounds=1)
+    assert batch is None and m["groups_dropped"] == 1.0
+

@@ -226,8 +226,9 @@ class SyncSource:
             cut += sum(x.truncated for x in new)
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
-                if self.dynamic_sampling and len(set(r[g])) < 2:
-                    dropped += 1  # all-equal rewards: zero advantage, no signal (DAPO)
+                # all-equal rewards of the completions a function applies to: zero advantage, no signal (DAPO)
+                if self.dynamic_sampling and len({v for v, ok in zip(r[g], applies[g]) if ok}) < 2:
+                    dropped += 1
                     continue
                 rollouts += new[g]
                 rew += r[g]
@@ -239,12 +240,14 @@ class SyncSource:
         self.last_metrics = self._sampled_metrics(judged, parts, sampled_lengths, cut, drawn, dropped)
         if not rollouts:
             return None
-        rew_t = torch.tensor(rew)
+        rew_t, valid = torch.tensor(rew), torch.tensor(kept_scored)
         if self.overlong_cache:
             lengths = torch.tensor([len(x.completion_ids) for x in rollouts])
-            rew_t = rew_t + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
+            penalty = overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_cache)
+            # the penalty scores a completion no function applies to, as TRL's overlong reward function does
+            rew_t, valid = rew_t + penalty, valid | (penalty != 0)
         groups = torch.arange(len(rollouts)) // G  # group = position of the group in this batch
-        adv = group_advantages(rew_t, groups, self.advantage, std=self.std, valid=torch.tensor(kept_scored))
+        adv = group_advantages(rew_t, groups, self.advantage, std=self.std, valid=valid)
         self.last_metrics.update(
             reward_std=float(torch.tensor(judged).std()),
             reward_errors=float(errors),

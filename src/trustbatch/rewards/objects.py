@@ -63,7 +63,9 @@ def register_again(fns: list, saved: list[str]) -> None:
                         "given; give the same callables, in the same order, as reward_funcs")
     for fn, name in zip(objs, wanted):
         own = _object_name(fn)
-        if name.split("#")[0] != own:
+        # before 7a1ea6d a partial was "python:partial" and an instance its class's qualname, in saved runs too
+        legacy = PREFIX + (getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+        if name.split("#")[0] not in (own, legacy):
             raise UserError(f"the run's reward {name!r} is given {own!r}; give the same callables, in the same "
                             "order, as reward_funcs")
         _OBJECTS[name] = fn

@@ -12,7 +12,9 @@ import importlib
 import json
 import math
 import inspect
+import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -178,7 +180,7 @@ class BatchForm:
     ``completion_ids`` (by name, or ``**kwargs``) gets each completion's token ids too (``COMPLETION_IDS_KEY``; TRL's
     ``get_soft_overlong_punishment`` reads them), where the caller recorded them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
-    ``f`` may be ``async def`` (awaited here, as TRL awaits it). ``None`` scores 0 (TRL's "does not apply", its NaN:
+    ``f`` may be ``async def`` (``await_reward``, as TRL awaits it). ``None`` scores 0 (TRL's "does not apply", its NaN:
     status ``"none"``, left out of the function's logged mean as
     TRL's nanmean leaves it); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
@@ -205,7 +207,7 @@ class BatchForm:
                           completions=[[{"role": "assistant", "content": c}] for c in completions] if chat
                           else list(completions), reference=list(references), **cols)
             if inspect.iscoroutine(out):  # an async def reward, which TRL awaits
-                out = asyncio.run(out)
+                out = await_reward(out)
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
                                  "completions; return one score per completion")
@@ -216,6 +218,25 @@ class BatchForm:
             outcomes = [(0.0, "error", one_line(f"{type(e).__name__}: {e}"))]
         cause = next((c for _, status, c in outcomes if status == "error"), None)
         return [(0.0, "error", cause)] * len(completions) if cause is not None else outcomes
+
+
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process it runs in, the loop)
+_LOOP_LOCK = threading.Lock()
+
+
+def await_reward(coro):
+    """The result of an ``async def`` reward's coroutine, run on one long-lived event loop of this process in a
+    daemon thread, as TRL runs them: a loop per call broke a reward's loop-bound state (a semaphore, an HTTP client)
+    from its second call, and ``asyncio.run`` refuses to run under a caller's own loop (a notebook). A forked reward
+    worker starts its own (a thread does not survive a fork)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="trustbatch-async-rewards").start()
+            _LOOP = (os.getpid(), loop)
+        loop = _LOOP[1]
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
 def groups(scorer: Scorer | BatchForm, contexts: list[dict] | None, n: int) -> list[list[int]]:
