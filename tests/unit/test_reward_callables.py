@@ -55,3 +55,14 @@ def test_a_run_saved_under_the_old_names_of_a_partial_and_an_instance_resumes():
     register_again(given, ["python:_length_target", "python:_length_target#1", "python:_Punish"])  # today's names
     with pytest.raises(UserError, match="is given 'python:_length_target'"):
         register_again(given, ["python:other", "python:partial#1", "python:_Punish"])
+
+
+def test_a_reward_model_given_as_a_reward_function_names_reward_model(tmp_path):
+    """TRL takes a reward model's id or folder in reward_funcs; here it met "unknown reward" with no word of
+    reward.model."""
+    from trustbatch.api import Trainer
+    from trustbatch.errors import UserError
+
+    for given in ("org/some-reward-model", str(tmp_path)):
+        with pytest.raises(UserError, match=f"a reward model .TRL's reward_funcs=.MODEL.. is reward.model={given} here"):
+            Trainer(reward_funcs=[given], overrides={"run_dir": str(tmp_path / "run")}).train()

@@ -312,6 +312,10 @@ def get(name: str) -> Scorer:
     if ":" in name:
         fn = _user_function(name)
         return BatchForm(fn) if takes_batch(fn) else fn
+    if "/" in name or os.path.isdir(name):  # TRL takes a reward model's id or folder in reward_funcs
+        raise UserError(f"reward {name!r} is no scorer; a reward model (TRL's reward_funcs=[MODEL]) is "
+                        f"reward.model={name} here (the Python API: overrides={{'reward.model': {name!r}}}; "
+                        "trustbatch eval scores with a scorer)")
     raise UserError(f"unknown reward {name!r}; use one of {sorted(BUILTIN)}, 'rg:TASK' or 'module:function'")
 
 
