@@ -26,7 +26,7 @@ class Conversation(str):
         return self
 
     def __reduce__(self):  # pickled with its messages (to reward and rollout workers), not as its text alone
-        return Conversation, ([dict(m) for m in self.messages],)
+        return Conversation, (self.as_list(),)
 
     def as_list(self) -> list[dict]:
         """The messages as TRL passes a conversational prompt to a reward function: a new list of new dicts."""

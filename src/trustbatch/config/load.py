@@ -173,8 +173,8 @@ def _format_error(e: ValidationError) -> str:
     loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
         near = nearest_key(loc)
-        trl = TRL_NAMES.get(loc.rpartition(".")[2])
-        hint = (f"TRL's {loc.rpartition('.')[2]} is {trl} here; " if trl else
+        name = loc.rpartition(".")[2]
+        hint = (f"TRL's {name} is {TRL_NAMES[name]} here; " if name in TRL_NAMES else
                 f"did you mean {near!r}? " if near else "")
         return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")

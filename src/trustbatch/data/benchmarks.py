@@ -201,11 +201,21 @@ def file_format(name_or_path: str, data_dir: str | None = None, format: str = "a
             with open(path, "rb") as f:
                 first = next((line for line in f if line.strip()), b"")
             row = json.loads(first.removeprefix(codecs.BOM_UTF8))
-        if prompt_field or answer_field:
-            return "jsonl" if answer_field or "answer" in row else "prompts"
-        return detect_format(row)
+        return auto_format(row, prompt_field, answer_field)
     except (UserError, OSError, ValueError, TypeError, IndexError, AttributeError):
         return None
+
+
+def auto_format(row: dict, prompt_field: str | None = None, answer_field: str | None = None) -> str:
+    """``data.format=auto``'s format for a file whose first row is ``row``: plain rows (``jsonl``, or ``prompts``
+    without an answer field) when a field is named, else ``detect_format``'s.
+
+    Raises:
+        UserError: from ``detect_format``.
+    """
+    if prompt_field or answer_field:
+        return "jsonl" if answer_field or "answer" in row else "prompts"
+    return detect_format(row)
 
 
 def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str = "auto") -> str | None:
@@ -220,9 +230,12 @@ def benchmark_kind(name_or_path: str, data_dir: str | None = None, format: str =
         return format
     if format != "math":
         return None
+    try:
+        path = resolve(name_or_path, data_dir)
+    except (UserError, OSError):  # a format given, not read from the file: the file may be missing
+        return None
     # the competition as a word of the name given, the file's name or its folder's (aime2024/, amc_23.jsonl), not of
     # any folder above (a user named aimee)
-    path = resolve(name_or_path, data_dir)
     named = " ".join((name_or_path if name_or_path in KNOWN else "", path.name, path.parent.name)).lower()
     found = re.search(r"(?<![a-z])(aime|amc)(?![a-z])", named)
     return found.group(1) if found else "math"
@@ -310,8 +323,7 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
     fmt = format
     if fmt == "auto":
         try:
-            fmt = (("jsonl" if answer_field or "answer" in rows[0][1] else "prompts") if prompt_field or answer_field
-                   else detect_format(rows[0][1]))
+            fmt = auto_format(rows[0][1], prompt_field, answer_field)
         except UserError as e:
             raise UserError(f"{rows[0][0]}: {e}") from None
     examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit)

@@ -64,7 +64,6 @@ def _writable(p: Path, where: Path | None, flag: str, what: str) -> None:
     above = next(a for a in p.parents if a.exists())  # "." or "/" at worst
     if not above.is_dir():
         raise UserError(f"{flag} {str(p)!r} lies inside {str(above)!r}, which is a file; give {what} elsewhere")
-
     try:
         if where is not None:
             where.mkdir(parents=True, exist_ok=True)
