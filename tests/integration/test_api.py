@@ -88,8 +88,10 @@ def test_a_group_form_reward_sees_whole_groups_and_ranks_within_them(tmp_path, s
     calls: list[tuple[list[str], list[str]]] = []
 
     def longer_than_others(prompts, completions, reference, **columns):
-        # the data's columns and, as TRL passes to every function, the completions' token ids; nothing else
-        assert set(columns) == {"problem", "answer", "completion_ids"}, columns
+        # the data's columns and what TRL passes to every function: the completions' token ids, trainer_state,
+        # log_metric and log_extra; nothing else
+        assert set(columns) == {"problem", "answer", "completion_ids", "trainer_state", "log_metric",
+                                "log_extra"}, columns
         calls.append((list(prompts), list(completions)))
         n = len(completions)
         return [sum(len(o) < len(c) for o in completions) / (n - 1) for c in completions]

@@ -133,3 +133,15 @@ def longer_than_others(prompts, completions, reference, **columns):
     time.sleep(0.5 * completions.count("slow"))
     n = len(completions)
     return [sum(len(o) < len(c) for o in completions) / max(1, n - 1) for c in completions]
+
+
+def trl_state_and_logs(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL 1.x reward that reads ``trainer_state`` and logs through ``log_metric`` and ``log_extra``: a length
+    score, the call's mean length as the metric ``mean_len``, each completion's length as the column ``length``.
+    Each call's (global_step, max_steps, epoch, completions) goes as one JSON line to ``$SCORER_CALLS``."""
+    with open(os.environ["SCORER_CALLS"], "a", encoding="utf-8") as f:
+        f.write(json.dumps([trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch,
+                            list(completions)]) + "\n")
+    log_metric("mean_len", sum(len(c) for c in completions) / len(completions))
+    log_extra("length", [len(c) for c in completions])
+    return [len(c) % 3 / 2 for c in completions]

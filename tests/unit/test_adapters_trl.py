@@ -283,13 +283,13 @@ def test_trls_own_reward_functions_run_as_trustbatch_reward_functions():
     assert takes_batch(overlong) and takes_batch(think_format_reward)
     lengths = [3, 6, 8, 10, 12]
     ctx = [{"prompt": "p", GROUP_KEY: 0, COMPLETION_IDS_KEY: [1] * n} for n in lengths]
-    got = BatchForm(overlong).score_group(["x"] * 5, [""] * 5, ctx)
+    got, _ = BatchForm(overlong).score_group(["x"] * 5, [""] * 5, ctx)
     by_hand = [0.0 if n <= 6 else ((10 - 4) - n) / 4 if n <= 10 else -1.0 for n in lengths]
     assert [v for v, _, _ in got] == by_hand and {s for _, s, _ in got} <= {"ok", "outside"}
     # TRL's format rewards read completion[0]["content"]: conversational prompts (trustbatch.chat.Conversation)
     chat = [{**c, "prompt": Conversation([{"role": "user", "content": "p"}])} for c in ctx]
     texts = ["<think>\nhm\n</think>\n42", "42", "<think>a</think>", "<think>\nx\n</think>y", "x</think>"]
-    got = BatchForm(think_format_reward).score_group(texts, [""] * 5, chat)
+    got, _ = BatchForm(think_format_reward).score_group(texts, [""] * 5, chat)
     assert [v for v, _, _ in got] == [1.0, 0.0, 1.0, 1.0, 0.0]  # TRL's ^<think>(?!.*<think>)(.*?)</think>.*$
 
 

@@ -23,11 +23,11 @@ def test_async_rewards_run_on_one_loop_also_under_a_callers_running_loop():
 
     form = BatchForm(judge)
     for group in (["a", "bb"], ["ccc"]):
-        assert form.score_group(group, [""] * len(group), None) == [(float(len(c)), "outside" if len(c) > 1 else
+        assert form.score_group(group, [""] * len(group), None)[0] == [(float(len(c)), "outside" if len(c) > 1 else
                                                                       "ok", None) for c in group]
 
     async def notebook():  # a synchronous call of the trainer from inside a running loop
-        return form.score_group(["dddd"], [""], None)
+        return form.score_group(["dddd"], [""], None)[0]
 
     assert asyncio.run(notebook()) == [(4.0, "outside", None)]
 

@@ -32,7 +32,8 @@ class TrainBatch:
 
     ``rewards`` [B] float32 (the scorers' rewards, before any shaping) and ``prompt_index`` [B] long (each row's
     training prompt, an index into the source's prompts: the task's training examples) are what the run's sample
-    completions (``log.samples``) need besides the tensors; None where the source did not give them.
+    completions (``log.samples``) need besides the tensors; None where the source did not give them. So are
+    ``extras``, [B] dicts of the columns reward functions logged for each row (TRL's ``log_extra``), or None.
     """
 
     packed: Packed
@@ -49,6 +50,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, C], log π_ref of the sampled tokens (the learner fills it)
     rewards: torch.Tensor | None = None  # [B] float32, the scorers' rewards
     prompt_index: torch.Tensor | None = None  # [B] long, the row's training prompt
+    extras: list[dict] | None = None  # [B], the row's log_extra columns
 
     def __post_init__(self):
         if self.policy_version is None:
@@ -59,8 +61,10 @@ class TrainBatch:
 
     def select(self, idx) -> "TrainBatch":
         """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
+        rows = (None if self.extras is None
+                else [self.extras[i] for i in torch.arange(len(self), device=self.advantages.device)[idx].tolist()])
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], behaviour=self.behaviour, proximal=self.proximal,
+                          self.policy_version[idx], behaviour=self.behaviour, proximal=self.proximal, extras=rows,
                           **{k: None if t is None else t[idx] for k, t in self._optional().items()})
 
     def _optional(self) -> dict:
@@ -76,7 +80,7 @@ class TrainBatch:
             return self
         return TrainBatch(self.packed.to(device), self.behavior_logprobs.to(device), self.advantages.to(device),
                           self.policy_version.to(device), metrics=self.metrics, behaviour=self.behaviour,
-                          proximal=self.proximal,
+                          proximal=self.proximal, extras=self.extras,
                           **{k: None if t is None else t.to(device) for k, t in self._optional().items()})
 
     def behaviour_versions(self) -> torch.Tensor:
@@ -86,13 +90,13 @@ class TrainBatch:
 
 def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict | None = None,
                 behaviour: dict[int, Teacher | Recorded | TopK] | None = None, rewards: list[float] | None = None,
-                prompt_index: list[int] | None = None) -> TrainBatch:
+                prompt_index: list[int] | None = None, extras: list[dict] | None = None) -> TrainBatch:
     """Pack ``Rollout`` records into learner tensors; behaviour log-probs are right-aligned like the completions.
 
     advantages: [B], one per rollout. behaviour: the ``Teacher`` (or ``Recorded``, ``TopK``) of each policy version
     among the rollouts (see ``TrainBatch``), or None. The rows of a ``Recorded`` version give
     ``behavior_logprobs_full``, those of a ``TopK`` version ``behavior_top_logprobs`` and ``behavior_top_ids``.
-    rewards, prompt_index: one per rollout (``TrainBatch.rewards``, ``TrainBatch.prompt_index``), or None.
+    rewards, prompt_index, extras: one per rollout (``TrainBatch.rewards``, ``.prompt_index``, ``.extras``), or None.
 
     Raises:
         ValueError: an empty completion (see ``pack``); a ``behaviour`` without the version of some rollout; a row
@@ -116,7 +120,7 @@ def build_batch(rollouts, advantages: torch.Tensor, pad_id: int, metrics: dict |
                       behavior_logprobs_full=_right_aligned(rollouts, kept[Recorded], C, "behavior_logprobs_full"),
                       rewards=None if rewards is None else torch.tensor(rewards, dtype=torch.float32),
                       prompt_index=None if prompt_index is None else torch.tensor(prompt_index, dtype=torch.long),
-                      **top)
+                      extras=extras, **top)
 
 
 def _right_aligned(rollouts, versions: set, C: int, field: str) -> torch.Tensor | None:

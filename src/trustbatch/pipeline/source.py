@@ -21,7 +21,7 @@ import torch
 from ..advantages import group_advantages, overlong_penalty
 from ..data.tasks import LongPrompts
 from ..parallel import World
-from ..rewards import COMPLETION_IDS_KEY, GROUP_KEY
+from ..rewards import COMPLETION_IDS_KEY, GROUP_KEY, STATE_KEY, ScoreResult, round_state
 from ..rollout.engine import SamplingParams
 from ..seeding import row_seed
 from .batch import TrainBatch, build_batch
@@ -88,6 +88,7 @@ class SourceSpec:
     advantage: str = "zscore"
     std: str = "population"
     behaviour_models: bool = False
+    max_steps: int = 0  # the run's optimizer steps, for a reward function's ``trainer_state`` (``rewards.TrainerState``)
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,21 +156,22 @@ class SyncSource:
             self.pool.close()
 
     # ---- one round -----------------------------------------------------------------------------
-    def _sample_and_score(self, idx: list[int], seeds: list[int]):
-        """Rollouts for prompts ``idx`` (G each, grouped) and their rewards; every rank gets all of them."""
+    def _sample_and_score(self, idx: list[int], seeds: list[int], state: dict) -> tuple[list, ScoreResult]:
+        """Rollouts for prompts ``idx`` (G each, grouped) and their scoring; every rank gets all of them. ``state``:
+        where training stands, for a reward function's ``trainer_state`` (``rewards.TrainerState``)."""
         mine = self.world.shard(len(idx)) if self.world.size > 1 else slice(0, len(idx))
         part = idx[mine]
         ro = sample_groups(self.engine, self.foreign, [self.prompts[i] for i in part], self.G,
                            self.foreign_fraction, self.sampling, seeds[mine])
         ctx = {} if self.contexts is None else {
             "contexts": [{**self.contexts[part[x.prompt_index]], GROUP_KEY: x.prompt_index,
-                          COMPLETION_IDS_KEY: x.completion_ids} for x in ro]}
+                          COMPLETION_IDS_KEY: x.completion_ids, STATE_KEY: state} for x in ro]}
         scored = self.pool.score([self.decode(x.completion_ids) for x in ro],
                                  [self.references[part[x.prompt_index]] for x in ro], **ctx)
         if self.world.size == 1:
             if self.check_round is not None:
                 self.check_round(scored, len(ro))
-            return ro, scored.rewards, scored.errors, scored.timeouts, scored.components, set(scored.none)
+            return ro, scored
         rollouts, whole = [], None
         for start, (r, s) in zip((self.world.shard_of(len(idx), k).start for k in range(self.world.size)),
                                  self.world.gather((ro, scored))):
@@ -181,7 +183,7 @@ class SyncSource:
         # stopped that rank alone, the others waiting in the next collective)
         if self.check_round is not None:
             self.check_round(whole, len(rollouts))
-        return rollouts, whole.rewards, whole.errors, whole.timeouts, whole.components, set(whole.none)
+        return rollouts, whole
 
     def next_batch(self, learner_version: int) -> TrainBatch | None:
         batch = self.make_batch(self.batch_index)
@@ -207,23 +209,18 @@ class SyncSource:
         """
         t0 = time.time()
         G = self.G
-        rollouts, rew, sampled, errors, timeouts, dropped, parts, drawn, where = [], [], [], 0, 0, 0, {}, [], []
-        scored, kept_scored = [], []  # whether any reward function applies (TRL's non-NaN), sampled and kept
-        sampled_lengths, cut = [], 0  # of every sampled completion, dropped groups' too (as ``sampled``'s rewards)
+        rollouts, rew, kept_scored, where, extras, drawn, dropped = [], [], [], [], [], [], 0  # of the kept groups
+        whole, sampled = None, []  # every sampled completion's scoring and rollout, dynamic sampling's dropped too
+        state = round_state(self.engine.version, self.spec.max_steps, b, self.P, len(self.prompts))
         for refill in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = self.P - len(rollouts) // G
             idx = self._prompt_indices(b, refill, need)
             drawn += idx
             seeds = [row_seed(self.seed, b, refill, pos) for pos in range(need)]
-            new, r, e, t, c, nowhere = self._sample_and_score(idx, seeds)
-            applies = [i not in nowhere for i in range(len(r))]
-            scored += applies
-            errors, timeouts = errors + e, timeouts + t
-            for label, v in c.items():
-                parts[label] = parts.get(label, []) + v
-            sampled += r
-            sampled_lengths += [len(x.completion_ids) for x in new]
-            cut += sum(x.truncated for x in new)
+            new, s = self._sample_and_score(idx, seeds, state)
+            whole, sampled = (s if whole is None else whole + s), sampled + new
+            r, nowhere = s.rewards, set(s.none)
+            applies = [i not in nowhere for i in range(len(r))]  # whether any reward function applies (TRL's non-NaN)
             for j in range(need):  # one group per prompt, G consecutive rollouts
                 g = slice(j * G, (j + 1) * G)
                 # all-equal rewards of the completions a function applies to: zero advantage, no signal (DAPO)
@@ -234,10 +231,12 @@ class SyncSource:
                 rew += r[g]
                 kept_scored += applies[g]
                 where += [idx[x.prompt_index] for x in new[g]]
+                extras += [{c: v[i] for c, v in s.extra.items() if i in v} for i in range(g.start, g.stop)]
             if len(rollouts) // G >= self.P:
                 break
-        judged = [v for v, ok in zip(sampled, scored) if ok] or sampled
-        self.last_metrics = self._sampled_metrics(judged, parts, sampled_lengths, cut, drawn, dropped)
+        nowhere = set(whole.none)
+        judged = [v for i, v in enumerate(whole.rewards) if i not in nowhere] or whole.rewards
+        self.last_metrics = self._sampled_metrics(judged, whole, sampled, drawn, dropped)
         if not rollouts:
             return None
         rew_t, valid = torch.tensor(rew), torch.tensor(kept_scored)
@@ -250,25 +249,29 @@ class SyncSource:
         adv = group_advantages(rew_t, groups, self.advantage, std=self.std, valid=valid)
         self.last_metrics.update(
             reward_std=float(torch.tensor(judged).std()),
-            reward_errors=float(errors),
-            reward_timeouts=float(timeouts),
+            reward_errors=float(whole.errors),
+            reward_timeouts=float(whole.timeouts),
             foreign_fraction=float(round(G * self.foreign_fraction) / G),
             rollout_s=time.time() - t0,
         )
         return build_batch(rollouts, adv, self.pad_id, self.last_metrics, self._teachers(), rewards=rew,
-                           prompt_index=where)
+                           prompt_index=where, extras=extras if any(extras) else None)
 
-    def _sampled_metrics(self, judged: list[float], parts: dict[str, list[float]], lengths: list[int], cut: int,
-                         drawn: list[int], dropped: int) -> dict[str, float]:
-        """A round's metrics of every completion it sampled (dynamic sampling's dropped groups too): ``judged``, the
-        rewards of those some function applies to (TRL's nanmean: a function's None is NaN there), each function's
-        ``parts`` (NaN where it does not apply; a round where it applied to nothing logs none), the completions'
-        ``lengths``, ``cut`` of them at max_new_tokens (the dropped groups, often all cut and all 0, would hide the
-        truncation warning), the prompts ``drawn``."""
+    def _sampled_metrics(self, judged: list[float], scored: ScoreResult, sampled: list, drawn: list[int],
+                         dropped: int) -> dict[str, float]:
+        """A round's metrics of every completion it sampled (``sampled``'s rollouts, ``scored`` their scoring:
+        dynamic sampling's dropped groups too): ``judged``, the rewards of those some function applies to (TRL's
+        nanmean: a function's None is NaN there), each function's mean (NaN where it does not apply; a round where it
+        applied to nothing logs none) and what reward functions logged (``reward_metrics/NAME``: each name's mean
+        over its calls), the completions' lengths and share cut at max_new_tokens (the dropped groups, often all cut
+        and all 0, would hide the truncation warning), the prompts ``drawn``."""
         out = {"reward_mean": sum(judged) / len(judged), "groups_dropped": float(dropped)}
-        applied = {label: [x for x in v if not math.isnan(x)] for label, v in parts.items()}
+        applied = {label: [x for x in v if not math.isnan(x)] for label, v in scored.components.items()}
         out.update({f"rewards/{label}": sum(v) / len(v) for label, v in applied.items() if v})
-        out.update(response_length=sum(lengths) / len(lengths), truncated_fraction=cut / len(lengths))
+        out.update({f"reward_metrics/{name}": sum(v) / len(v) for name, v in scored.logged.items()})
+        lengths = [len(x.completion_ids) for x in sampled]
+        out.update(response_length=sum(lengths) / len(lengths),
+                   truncated_fraction=sum(x.truncated for x in sampled) / len(lengths))
         if self.long_prompts is not None:
             out.update(self.long_prompts.metrics(drawn))
         return out

@@ -61,7 +61,13 @@ def source_spec(cfg: Config) -> SourceSpec:
                       prompt_order=ro.prompt_order,
                       behaviour_models=objectives.spec(cfg.objective.name).needs_full_logprobs(cfg.objective.options),
                       dynamic_sampling=ro.dynamic_sampling, max_sampling_rounds=ro.max_sampling_rounds,
-                      overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std)
+                      overlong_cache=ro.overlong_cache, advantage=cfg.objective.advantage, std=cfg.objective.std,
+                      max_steps=optimizer_steps(cfg))
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """The run's optimizer steps: ``train.steps`` rounds of ``train.epochs × train.minibatches``."""
+    return cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
 
 
 def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:

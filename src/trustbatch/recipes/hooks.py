@@ -10,14 +10,15 @@ import torch
 
 from ..config import Config
 from ..eval import evaluate_heldout
-from ..eval.sampling import sample_row
+from ..eval.sampling import sample_row, with_extras
 from ..parallel import World, full_model_state
 from ..records import read_metrics
+from ..rewards import round_state
 from ..seeding import forked_rngs, row_seed
 from ..trainer.checkpoint import save_checkpoint
 from ..trainer.progress import Progress
 from ..trainer.runlog import MetricsLog, log_ratio_histogram, log_step_records
-from .build import scoring_check
+from .build import optimizer_steps, scoring_check
 
 EVAL_STREAM = 0xE7A1  # tags the evaluation's seeds apart from the rollouts' (same seed, same round)
 TRUNCATION_WARNING = 0.2  # a round whose share of completions cut at rollout.max_new_tokens passes this is warned of
@@ -49,7 +50,8 @@ def batch_samples(batch, n: int, group_size: int, examples: list, decode) -> lis
     """``n`` sample completions of a round's batch (``TrainBatch`` with ``rewards`` and ``prompt_index``): the first
     completion of each of the batch's first ``n`` groups of ``group_size`` rows, then the second of each, ...;
     ``examples``: the task's training examples (prompt text, reference answer), ``decode``: token ids -> text.
-    Each as ``eval.sampling.sample_row``: the behaviour log-prob sum is over the completion's tokens (float64)."""
+    Each as ``eval.sampling.sample_row``: the behaviour log-prob sum is over the completion's tokens (float64); with
+    the columns reward functions logged (``batch.extras``, TRL's ``log_extra``), as ``with_extras`` adds them."""
     C = batch.packed.response_mask.shape[1]
     rows = sorted(range(len(batch)), key=lambda r: (r % group_size, r // group_size))[:n]
     out = []
@@ -59,7 +61,7 @@ def batch_samples(batch, n: int, group_size: int, examples: list, decode) -> lis
         out.append(sample_row(example.prompt, decode(batch.packed.input_ids[r, -C:].cpu()[mask].tolist()),
                               float(batch.rewards[r]), example.reference,
                               float(batch.behavior_logprobs[r].cpu()[mask].double().sum())))
-    return out
+    return out if batch.extras is None else with_extras(out, [batch.extras[r] for r in rows])
 
 
 class TrainHooks:
@@ -91,10 +93,13 @@ class TrainHooks:
             # the rollout rounds' failure-rate rule, stopping as soon as it is certain: a scorer that always
             # times out must not cost a whole evaluation before round 1 stops the run
             check = scoring_check(c, self.task, self.console, where=f"held-out evaluation at round {round_}")
+            state = round_state(self.built.parts.learner.version, optimizer_steps(c), round_, c.rollout.prompts_per_step,
+                                len(self.task.train))
             m = evaluate_heldout(self.policy, self.built.eval_engine, self.task.heldout, self.pool,
                                  samples_per_prompt=c.eval.samples_per_prompt, temperature=c.eval.temperature,
                                  max_new_tokens=c.rollout.max_new_tokens, check=check,
-                                 max_failure_rate=c.reward.max_failure_rate, keep_samples=c.log.samples.heldout)
+                                 max_failure_rate=c.reward.max_failure_rate, keep_samples=c.log.samples.heldout,
+                                 state=state)
         self.log.log_samples(round_, "heldout", m.pop("samples", []))
         return m
 

@@ -20,7 +20,7 @@ import math
 from typing import Callable, Sequence
 
 from .pool import RewardPool
-from .scorers import MODEL_PREFIX, ScoreResult, is_model
+from .scorers import MODEL_PREFIX, ScoreResult, is_model, merge_extra, merge_logged
 
 Terms = tuple[tuple[str, float], ...]  # (scorer name, weight) per reward function
 
@@ -91,7 +91,8 @@ class WeightedRewards:
                            sum(p.clamped for p in parts), last[-1] if last else None, sum(p.unscored for p in parts),
                            {lab: _applied(p) for lab, p in zip(self.labels, parts)}, len(parts),
                            {lab: (p.errors + p.timeouts, p.last_error) for lab, p in zip(self.labels, parts)},
-                           sorted(nowhere))
+                           sorted(nowhere), merge_logged([p.logged for p in parts]),
+                           merge_extra([p.extra for p in parts]))
 
     def close(self) -> None:
         for p in self.pools:

@@ -122,11 +122,12 @@ def _worker(name: str, conn, parent_end, parent_pid: int, out_fd: int | None, pr
             progress[0] = k
             if scorer is None:
                 outcomes = [(0.0, "error", f"the scorer failed to load in the worker: {load_error}")] * len(completions)
-            else:
-                outcomes = score_unit(scorer, completions, references, contexts)  # the same checks as in-process
+                logged = None
+            else:  # the same checks as in-process
+                outcomes, logged = score_unit(scorer, completions, references, contexts)
             output = _rewind_output(out_fd)
-            results.append([(v, status, _with_output(cause, output) if status == "error" else None)
-                            for v, status, cause in outcomes])
+            results.append(([(v, status, _with_output(cause, output) if status == "error" else None)
+                             for v, status, cause in outcomes], logged))
         conn.send(results)
 
 
@@ -344,8 +345,8 @@ class RewardPool:
                     code = "unknown" if w.proc.exitcode is None else w.proc.exitcode
                     res.last_error = _with_output(f"the scorer's process died (exit code {code})", w.output())
                 else:
-                    for u, outcomes in zip(w.job, results):
-                        record(res, units[u], outcomes, self.clamp)
+                    for u, (outcomes, logged) in zip(w.job, results):
+                        record(res, units[u], outcomes, self.clamp, logged)
                     w.job = None
                     continue
             elif time.monotonic() < w.current(self.timeout_s)[1]:

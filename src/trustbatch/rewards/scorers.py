@@ -23,6 +23,7 @@ from ..errors import UserError
 from .countdown import countdown_exact_reward, countdown_reward
 from .gsm8k import gsm8k_reward
 from .math_answer import math_reward
+from .trl_kwargs import PASSED, STATE_KEY, RewardLogs
 
 Scorer = Callable[[str, str], float]
 
@@ -49,6 +50,10 @@ class ScoreResult:
     # the completions a function said does not apply to (None, TRL's NaN): reward 0, left out of its logged mean; of
     # several functions' (``functions.WeightedRewards``), those none of them applies to: no advantage, no mean
     none: list[int] = field(default_factory=list)
+    # what reward functions logged through TRL's ``log_metric(name, value)``: each call's value, by name
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    # ... and through ``log_extra(column, values)``: by column, {completion index: value}
+    extra: dict[str, dict[int, object]] = field(default_factory=dict)
 
     def __add__(self, other: "ScoreResult") -> "ScoreResult":
         """Both results in one, e.g. the several scoring calls of one round (dynamic sampling)."""
@@ -59,7 +64,29 @@ class ScoreResult:
         return ScoreResult(self.rewards + other.rewards, self.errors + other.errors, self.timeouts + other.timeouts,
                            self.clamped + other.clamped, other.last_error or self.last_error,
                            self.unscored + other.unscored, components, max(self.functions, other.functions), failures,
-                           self.none + [len(self.rewards) + i for i in other.none])
+                           self.none + [len(self.rewards) + i for i in other.none],
+                           merge_logged([self.logged, other.logged]),
+                           merge_extra([self.extra, {c: {len(self.rewards) + i: v for i, v in col.items()}
+                                                      for c, col in other.extra.items()}]))
+
+
+def merge_logged(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """``ScoreResult.logged`` of several results (calls, functions) in one: each name's values, in order."""
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part.items():
+            out[name] = out.get(name, []) + values
+    return out
+
+
+def merge_extra(parts: list[dict[str, dict[int, object]]]) -> dict[str, dict[int, object]]:
+    """``ScoreResult.extra`` of several results over the same completions in one (a later part's value of a column
+    for a completion wins, as a later ``log_extra`` of a column does)."""
+    out: dict[str, dict[int, object]] = {}
+    for part in parts:
+        for column, values in part.items():
+            out[column] = {**out.get(column, {}), **values}
+    return out
 
 
 def stopped_early(failed: int, n: int, max_failure_rate: float | None) -> bool:
@@ -166,6 +193,7 @@ GROUP_KEY = "_trustbatch_group"
 COMPLETION_IDS_KEY = "_trustbatch_completion_ids"
 
 Outcome = tuple[float, str, str | None]  # one completion's (reward, status, cause), as ``score_one`` gives
+Logged = tuple[list[tuple[str, float]], dict[str, list]]  # a call's log_metric (name, value)s and log_extra columns
 
 
 class BatchForm:
@@ -188,18 +216,23 @@ class BatchForm:
     def __init__(self, fn: Callable):
         self.fn = fn
         self.takes_ids = _takes(fn, "completion_ids")
+        self.takes = {k for k in PASSED if _takes(fn, k)}  # of TRL's trainer_state, log_metric, log_extra
 
     def score_group(self, completions: list[str], references: list[str],
-                    contexts: list[dict] | None) -> list[Outcome]:
-        """One call of ``f`` on one group: an outcome per completion, in order (only KeyboardInterrupt propagates).
+                    contexts: list[dict] | None) -> tuple[list[Outcome], Logged | None]:
+        """One call of ``f`` on one group: an outcome per completion, in order, and what the call logged (TRL's
+        ``log_metric``, ``log_extra``: ``RewardLogs.result``; None on a failed call). Only KeyboardInterrupt
+        propagates.
 
         ``contexts[i]`` is ``{"prompt": ..., **columns}`` of completion i, or None (empty prompts, no columns).
         """
         ctx = contexts or [{"prompt": ""} for _ in completions]
         cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
-                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY, COMPLETION_IDS_KEY)}
+                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY, COMPLETION_IDS_KEY, STATE_KEY)}
         if self.takes_ids and all(COMPLETION_IDS_KEY in c for c in ctx):
             cols["completion_ids"] = [list(c[COMPLETION_IDS_KEY]) for c in ctx]
+        logs = RewardLogs(len(completions))
+        cols.update(logs.kwargs(self.takes, ctx[0].get(STATE_KEY)))  # over a data column of the name, as in TRL
         prompts = [c.get("prompt", "") for c in ctx]
         chat = bool(prompts) and isinstance(prompts[0], Conversation)
         try:
@@ -217,7 +250,7 @@ class BatchForm:
         except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
             outcomes = [(0.0, "error", one_line(f"{type(e).__name__}: {e}"))]
         cause = next((c for _, status, c in outcomes if status == "error"), None)
-        return [(0.0, "error", cause)] * len(completions) if cause is not None else outcomes
+        return ([(0.0, "error", cause)] * len(completions), None) if cause is not None else (outcomes, logs.result())
 
 
 _LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process it runs in, the loop)
@@ -255,12 +288,12 @@ def groups(scorer: Scorer | BatchForm, contexts: list[dict] | None, n: int) -> l
 
 
 def score_unit(scorer: Scorer | BatchForm, completions: list[str], references: list[str],
-               contexts: list[dict] | None) -> list[Outcome]:
-    """The outcomes of one unit of ``groups`` (``outcome``s, for ``record`` to ``settle``): a group's one call of a
-    ``BatchForm``, else its single completion's."""
+               contexts: list[dict] | None) -> tuple[list[Outcome], Logged | None]:
+    """The outcomes of one unit of ``groups`` (``outcome``s, for ``record`` to ``settle``) and what it logged: a
+    group's one call of a ``BatchForm``, else its single completion's (which logs nothing)."""
     if isinstance(scorer, BatchForm):
         return scorer.score_group(completions, references, contexts)
-    return [_unsettled(scorer, completions[0], references[0])]
+    return [_unsettled(scorer, completions[0], references[0])], None
 
 
 def takes_batch(fn: Callable) -> bool:
@@ -415,15 +448,16 @@ def score_local(scorer: Scorer | BatchForm, completions: list[str], references: 
         if stopped_early(res.errors, len(completions), max_failure_rate):
             res.unscored = sum(len(u) for u in units[k:])
             break
-        outcomes = score_unit(scorer, [completions[i] for i in unit], [references[i] for i in unit],
-                              None if contexts is None else [contexts[i] for i in unit])
-        record(res, unit, outcomes, clamp)
+        outcomes, logged = score_unit(scorer, [completions[i] for i in unit], [references[i] for i in unit],
+                                      None if contexts is None else [contexts[i] for i in unit])
+        record(res, unit, outcomes, clamp, logged)
     return res
 
 
-def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome], clamp: bool = True) -> None:
+def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome], clamp: bool = True,
+           logged: Logged | None = None) -> None:
     """Put one unit's outcomes into ``res``: rewards at the unit's indices (``settle``d with ``clamp``), its
-    errors, clamps and last error."""
+    errors, clamps and last error, and what its call logged (``score_unit``)."""
     for i, (v, status, cause) in zip(unit, (settle(o, clamp) for o in outcomes)):
         res.rewards[i] = v
         res.errors += status == "error"
@@ -431,6 +465,12 @@ def record(res: ScoreResult, unit: list[int], outcomes: list[Outcome], clamp: bo
         if status == "none":
             res.none.append(i)
         res.last_error = cause or res.last_error
+    if logged is not None:
+        metrics, extra = logged
+        for name, v in metrics:
+            res.logged.setdefault(name, []).append(v)
+        for column, values in extra.items():
+            res.extra.setdefault(column, {}).update(zip(unit, values))
 
 
 def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, where: str,
