@@ -163,7 +163,8 @@ class RewardConfig(_Strict):
         default_factory=list, description="several reward functions [{name, weight}], summed with their weights for "
                                           "training as they return (outside [0, 1] too, as TRL's reward_funcs; "
                                           "reward.name's are clamped into [0, 1]), each logged as rewards/NAME; "
-                                          "held-out evaluation keeps the data's scorer (reward.name must be unset)")
+                                          "held-out evaluation keeps the data's scorer (eval.reward; reward.name "
+                                          "must be unset)")
     workers: Int = Field(2, ge=0, description="scoring processes; 0 scores in the trainer's process without a time "
                                                "limit (a scorer that exits or hangs takes the run with it)")
     timeout_s: Float = Field(10.0, gt=0, description="seconds per completion (reward 0, counted in reward_timeouts)")
@@ -176,7 +177,7 @@ class RewardConfig(_Strict):
                           "with num_labels=1 whose logit on prompt + completion, unclamped, is one more term of the "
                           "training reward, model_weight times it beside reward.functions' (logged as "
                           "rewards/reward_model); it runs in the trainer's process on the learner's device "
-                          "(rollout.mode=sync); held-out evaluation keeps the data's scorer")
+                          "(rollout.mode=sync); held-out evaluation does not use it (eval.reward)")
     model_weight: Float = Field(1.0, description="reward.model's weight in the training reward")
     model_batch_size: Int = Field(16, ge=1, description="texts per forward of reward.model")
 
@@ -473,6 +474,11 @@ class EvalConfig(_Strict):
     every: Int = Field(50, ge=1, description="held-out evaluation every N rollout rounds")
     samples_per_prompt: Int = Field(4, ge=1, description="samples per held-out prompt")
     temperature: Float = Field(1.0, gt=0, description="sampling temperature of the evaluation")
+    reward: Literal["data", "functions"] = Field(
+        "data", description="what scores held-out evaluation: data: the data's own scorer (plain answers: math), so "
+                            "heldout_accuracy counts correct answers; functions: the training reward's functions "
+                            "(reward.functions, or reward.name), summed as in training, as TRL scores its eval "
+                            "dataset (text answers, which math cannot read); data without answers always the latter")
 
 
 class SamplesConfig(_Strict):

@@ -25,7 +25,7 @@ from ..policy.hub import model_dir
 from ..policy.budget import vocab_size
 from ..policy.lora import adapter_base, apply_lora, merged_copy, read_adapter, restore_adapter
 from ..policy.sft import demos_within_context
-from ..rewards.scorers import MODEL_PREFIX
+from ..rewards.scorers import MODEL_PREFIX, is_model
 from ..rewards.spec import RewardSpec
 from ..rollout import NOT_THE_POLICY, Engine, EngineSpec, SamplingParams, check_engine, make_engine
 from ..rollout.spec import check_temperature
@@ -73,17 +73,19 @@ def optimizer_steps(cfg: Config) -> int:
 def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     """The training reward: ``reward.name`` (default: the data's scorer), or ``reward.functions`` as (name, weight)
     terms, with ``reward.model`` as one more term ``rm:DIR`` (``rewards.functions``); its pool's settings and failure
-    limit. ``heldout``: always the former, as held-out evaluation scores (pass@1 counts correct answers), with a
-    ``data.heldout`` file's own scorer as the data's; on data without answers (``data.format=prompts``, no scorer of
-    its own) the training reward's functions.
+    limit. ``heldout``: the former, as held-out evaluation scores (pass@1 counts correct answers), with a
+    ``data.heldout`` file's own scorer as the data's; with ``eval.reward=functions``, and on data without answers
+    (``data.format=prompts``, no scorer of its own), the training reward's functions (``reward.name`` or
+    ``reward.functions``; a reward model scores training alone).
 
     Raises:
-        UserError: data without answers and neither ``reward.name`` nor a reward function to score it; a
-            plain-answer scorer on data without plain answers (``check_answer_scorers``).
+        UserError: data without answers and neither ``reward.name`` nor a reward function to score it;
+            ``eval.reward=functions`` without either; a plain-answer scorer on data without plain answers
+            (``check_answer_scorers``).
     """
     rw = cfg.reward
-    functions = tuple((f.name, f.weight) for f in rw.functions)
-    terms = functions
+    terms = tuple((f.name, f.weight) for f in rw.functions)
+    functions = tuple(t for t in terms if not is_model(t[0]))  # what held-out evaluation can score with
     if rw.model is not None:
         terms += ((MODEL_PREFIX + str(model_dir(rw.model, key="reward.model").resolve()), rw.model_weight),)
     # held-out evaluation scores a held-out file by its own scorer (trustbatch eval -b FILE does too)
@@ -91,10 +93,12 @@ def reward_spec(cfg: Config, task, *, heldout: bool = False) -> RewardSpec:
     held = getattr(task, "heldout_reward", None) if heldout else None
     data_scorer = held if held is not None else task.reward
     check_answer_scorers([rw.name] + [f.name for f in rw.functions], data_scorer)
+    if heldout and cfg.eval.reward == "functions":  # check_reward refused it without a function
+        data_scorer = NO_SCORER
     if data_scorer == NO_SCORER and not (rw.name or (functions if heldout else terms)):
         what = "the held-out data has" if held == NO_SCORER and task.reward != NO_SCORER else "this data has"
         alone = (" (a reward model alone scores training, not held-out evaluation, which is scored in its own "
-                 "pool)" if heldout and rw.model is not None else "")
+                 "pool)" if heldout and terms else "")
         raise UserError(f"{what} prompts and no answers (no 'answer' field: data.format=prompts), so it has no scorer "
                         f"of its own{alone}; give reward functions (reward.functions, the Python API's reward_funcs) "
                         "or reward.name=module:function, or name the answer field: data.answer_field=...")

@@ -162,7 +162,8 @@ def check_learner(cfg: Config) -> None:
 
 
 def check_reward(cfg: Config) -> None:
-    """Refuse a reward model (``reward.model``, or an ``rm:`` term of ``reward.functions``) that is no
+    """Refuse ``eval.reward=functions`` without a reward function (``reward.name`` or a ``reward.functions`` term that
+    is no reward model); refuse a reward model (``reward.model``, or an ``rm:`` term of ``reward.functions``) that is no
     sequence-classification model with one label (``policy.reward_model.check_reward_model``, its config alone), or
     that the run would need in rollout worker processes (``rollout.mode=async``, ``orchestrator=ray``): it runs in
     the trainer's process beside the learner, as ``rewards.objects`` keeps Python objects there.
@@ -172,6 +173,10 @@ def check_reward(cfg: Config) -> None:
     """
     rw = cfg.reward
     models = ([rw.model] if rw.model is not None else []) + [f.name for f in rw.functions if is_model(f.name)]
+    if cfg.eval.reward == "functions" and not (rw.name or any(not is_model(f.name) for f in rw.functions)):
+        raise UserError("eval.reward=functions scores held-out evaluation by the training reward's functions, and this "
+                        "run has none (a reward model scores training alone); give reward.functions, or drop "
+                        "eval.reward")
     if not models:
         return
     if cfg.rollout.mode == "async" or cfg.orchestrator == "ray":

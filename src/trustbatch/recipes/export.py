@@ -133,8 +133,8 @@ def _heldout_at(run: Path, step: int) -> dict:
 def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) -> list[str] | None:
     """The ``trustbatch eval`` arguments that sample round ``step``'s held-out evaluation of a data-file run again
     (the prompts: ``data.heldout``, else the first ``heldout_size`` distinct ``data.train`` rows); None for a
-    reasoning-gym task, whose prompts are no file, and for data without answers scored by reward functions (held-out
-    evaluation scored those, which ``trustbatch eval`` does not take).
+    reasoning-gym task, whose prompts are no file, and where held-out evaluation was scored by reward functions
+    (``eval.reward=functions``, data without answers), which ``trustbatch eval`` does not take.
 
     ``start``: the directory the run started in (``rundir.start_directory``). Given, a relative data path
     (``data.heldout``/``data.train``, ``data.dir``) that exists from there is made absolute, so the command runs from
@@ -142,9 +142,10 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
     d, n = cfg.data, cfg.eval.samples_per_prompt
     if not d.train:
         return None
-    if cfg.reward.name is None and file_format(_from_start(start, d.heldout or d.train), _from_start(start, d.dir),
-                                               d.format, d.prompt_field, d.answer_field) == "prompts":
-        return None  # data without answers: held-out evaluation scored the reward functions, which eval does not take
+    if cfg.reward.name is None and (cfg.eval.reward == "functions" or file_format(
+            _from_start(start, d.heldout or d.train), _from_start(start, d.dir), d.format, d.prompt_field,
+            d.answer_field) == "prompts"):
+        return None  # held-out evaluation scored the reward functions, which eval does not take
     cmd = ["trustbatch", "eval", "--model", str(model), "-b", _from_start(start, d.heldout or d.train),
            "--limit", str(d.heldout_size),
            "-n", str(n), "-k", "1" if n == 1 else f"1,{n}", "--temperature", f"{cfg.eval.temperature:g}",
