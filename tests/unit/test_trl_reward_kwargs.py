@@ -116,3 +116,21 @@ class _LocalPool:
 
     def close(self):
         pass
+
+
+def test_a_column_named_as_a_samples_own_key_is_left_out(tmp_path):
+    """A log_extra column "round" overwrote the line's round in samples.jsonl: every line said round 1, and a resume,
+    which cuts the file back by round, kept the rounds it redid (a reviewer's run: 52 lines where 40)."""
+    from trustbatch.eval.sampling import sample_row, with_extras
+    from trustbatch.trainer.runlog import MetricsLog
+
+    rows = [sample_row("p", "c", 1.0, "r", -2.0), sample_row("q", "d", 0.0, "s", -1.0)]
+    extras = [{"round": 1, "split": "x", "step": 9, "reward": 5, "mine": "a"}, {"other": 2}]
+    got = with_extras(rows, extras)
+    assert got == [{**rows[0], "mine": "a", "other": None}, {**rows[1], "mine": None, "other": 2}]
+    log = MetricsLog(tmp_path)
+    log.log_samples(3, "train", [{**got[0], "round": 1, "split": "x"}])  # a caller that let one through
+    import json
+
+    line = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert (line["round"], line["split"]) == (3, "train")

@@ -127,12 +127,17 @@ def sample_row(prompt: str, completion: str, reward: float, reference, logprob_s
             "behaviour_logprob_sum": float(logprob_sum)}
 
 
+RECORD_KEYS = ("round", "split", "step")  # what ``samples.jsonl`` adds to a sample row, and its older name of round
+
+
 def with_extras(rows: list[dict], extras: list[dict]) -> list[dict]:
     """``sample_row``s with the columns reward functions logged for them (``extras[i]``: row i's, TRL's
     ``log_extra``) after their own: every row gets every column that any of them has, in first-seen order (None
     where a row has none; a tracker's table takes its columns from the first row), and a column named as one of the
-    row's own keys is left out (the row's value stands)."""
-    columns = list(dict.fromkeys(c for e in extras for c in e if c not in (rows[0] if rows else {})))
+    row's own keys or of its record's (``RECORD_KEYS``: a resume cuts ``samples.jsonl`` back by its rounds) is left
+    out (the row's value stands)."""
+    own = set(rows[0] if rows else ()) | set(RECORD_KEYS)
+    columns = list(dict.fromkeys(c for e in extras for c in e if c not in own))
     return [{**row, **{c: e.get(c) for c in columns}} for row, e in zip(rows, extras)]
 
 

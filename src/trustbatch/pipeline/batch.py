@@ -60,11 +60,10 @@ class TrainBatch:
         return self.advantages.shape[0]
 
     def select(self, idx) -> "TrainBatch":
-        """Rows ``idx`` (a slice, index tensor or list); ``metrics`` are not carried over."""
-        rows = (None if self.extras is None
-                else [self.extras[i] for i in torch.arange(len(self), device=self.advantages.device)[idx].tolist()])
+        """Rows ``idx`` (a slice, index tensor or list), for the learner's shards and micro-batches: ``metrics`` and
+        ``extras`` (the run's records, read from the whole batch) are not carried over."""
         return TrainBatch(self.packed.select(idx), self.behavior_logprobs[idx], self.advantages[idx],
-                          self.policy_version[idx], behaviour=self.behaviour, proximal=self.proximal, extras=rows,
+                          self.policy_version[idx], behaviour=self.behaviour, proximal=self.proximal,
                           **{k: None if t is None else t[idx] for k, t in self._optional().items()})
 
     def _optional(self) -> dict:

@@ -119,7 +119,8 @@ class MetricsLog:
         the lines to each tracker (``Tracker.log_samples``: a W&B table, an MLflow JSON artifact, TensorBoard text)."""
         if not self.enabled or not samples:
             return
-        rows = [{"round": round_, "split": split, **smp} for smp in samples]
+        rows = [{"round": round_, "split": split, **{k: v for k, v in smp.items() if k not in ("round", "split")}}
+                for smp in samples]
         with open(self.samples_path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
