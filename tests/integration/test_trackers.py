@@ -548,3 +548,24 @@ def test_samples_sent_before_a_rounds_metrics_line_are_redone_once_in_mlflow(tmp
     assert sorted({json.loads(line)["round"] for line in (run_dir / "samples.jsonl").read_text().splitlines()}) \
         == _mlflow_sample_rounds(uri, run_dir, "train") == [0, 1, 2, 4]
     assert _mlflow_rounds(uri, run_dir, "x") == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
+
+
+def test_what_a_reward_function_logs_reaches_every_tracker(tmp_path, cache, monkeypatch, support_on_pythonpath):
+    """TRL's log_metric and log_extra from a reward function (``rewards.trl_kwargs``): the round's
+    ``reward_metrics/NAME`` and the samples' extra column reach each tracker as metrics.jsonl and samples.jsonl hold
+    them (W&B's table takes its columns from the first row: every row has the column)."""
+    pytest.importorskip("wandb", reason=SKIP)
+    pytest.importorskip("mlflow", reason=SKIP)
+    _offline_wandb_and_mlflow_env(monkeypatch, tmp_path, None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCORER_CALLS", str(tmp_path / "calls.jsonl"))
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "logged"
+    train(load_config(None, RUN + ["train.steps=2", f"run_dir={run_dir}", f"log.mlflow_uri={uri}",
+                                   "log.trackers=[tensorboard, wandb, mlflow]", *SAMPLES,
+                                   "reward.functions=[{name: scorers_for_tests:trl_state_and_logs}]"]))
+    assert all("reward_metrics/mean_len" in m for s, m in _expected(run_dir).items() if s > 0)
+    rows = [row for group in _samples(run_dir).values() for row in group]
+    # held-out evaluation keeps the task's scorer (eval.reward=data): its rows have no such column
+    assert {(r["split"], r.get("length") == len(r["completion"])) for r in rows} == {("train", True),
+                                                                                     ("heldout", False)}
+    _assert_every_tracker_holds_the_record_once(run_dir, uri)
