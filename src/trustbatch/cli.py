@@ -210,7 +210,7 @@ def eval_(
     decode: str = typer.Option("dynamic", "--decode", help="the transformers engine's loop, as rollout.decode: dynamic, static or static_compiled"),
     noise: str = typer.Option("generator", "--noise", help="its random streams, as rollout.noise: generator or philox"),
     precision: str = typer.Option("float32", "--precision", help="the transformers engine's compute, as train.precision: float32, or bf16-mixed (bf16 autocast, as a bf16-mixed run's held-out evaluation samples)"),
-    chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on or off"),
+    chat_template: str = typer.Option("auto", "--chat-template", help="prompts through the tokenizer's chat template: auto (when it has one), on, off, or messages (chat-message prompts alone, TRL's rule)"),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="prompts of more tokens (chat template included) are skipped or truncated, as data.max_prompt_tokens"),
     long_prompts: str = typer.Option("skip", "--long-prompts", help="a prompt over --max-prompt-tokens: skip, or truncate (keep its last tokens), as data.long_prompts"),

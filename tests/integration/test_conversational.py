@@ -133,3 +133,36 @@ def test_a_template_that_refuses_a_rows_messages_is_one_line(tmp_path, chat_mode
                                         r"roles \['system', 'user'\]"):
         Trainer(model=chat_model, reward_funcs=["math"], train_dataset=ROWS[8:], eval_dataset=ROWS[:8],
                 overrides=RUN + [f"run_dir={tmp_path / 'run'}"]).train()
+
+
+def test_messages_sends_text_prompts_as_they_are_through_a_resume(tmp_path, chat_model):
+    """data.chat_template=messages (TRL's rule) on TRL's quickstart rows (text prompts, a chat model): the prompts go
+    untemplated, and a resume keeps them so (the checkpoint's policy took the run's framing; without it the resumed
+    rounds templated them). Reference: the uninterrupted run's weights, and a run that templates them, which differ."""
+    from runproc import assert_same_weights
+
+    rows = [{"prompt": f"Once upon a time, a cat named Tom {i}"} for i in range(40)]
+
+    def reward_len(completions, **kwargs):
+        return [-abs(8 - len(c)) for c in completions]
+
+    def run(name, steps, mode="messages", resume=None):
+        over = [*RUN, f"train.steps={steps}", "checkpoint_every=1",
+                f"data.chat_template={mode}", f"run_dir={tmp_path / name}"]
+        if resume:
+            return Trainer(resume=tmp_path / name, reward_funcs=[reward_len], overrides={"train.steps": steps}).train()
+        Trainer(model=chat_model, reward_funcs=[reward_len], train_dataset=rows[8:], eval_dataset=rows[:8],
+                overrides=over).train()
+
+    run("whole", 2)
+    run("resumed", 1)
+    run("resumed", 2, resume=True)
+    final = "checkpoints/step_000002"
+    assert_same_weights(tmp_path / "whole" / final, tmp_path / "resumed" / final)
+    run("templated", 2, mode="auto")
+    with pytest.raises(AssertionError, match="weights differ"):
+        assert_same_weights(tmp_path / "whole" / final, tmp_path / "templated" / final)
+    from trustbatch.recipes.export import export_run  # the card says how the prompts went
+
+    export_run(tmp_path / "resumed", tmp_path / "export")
+    assert "and text prompts as they are (TRL's rule)" in (tmp_path / "export" / "README.md").read_text()

@@ -72,3 +72,27 @@ def test_a_template_that_refuses_a_system_message_is_one_line_at_set_up():
                                         r"role not supported\); drop --system-prompt"):
         p.set_prompt_format("auto", SYSTEM, keys=("--chat-template", "--system-prompt"))
     assert p.system_prompt is None and p.encode_prompt(PROMPT)  # left usable without it
+
+
+def test_messages_frames_chat_messages_alone_as_trl_does():
+    """data.chat_template=messages is TRL's rule: a prompt given as chat messages through the template, a text prompt
+    as TRL's GRPOTrainer tokenizes a standard-format prompt (``processing_class(text=prompts)``: the tokenizer's
+    special prefix, no template)."""
+    from trustbatch.chat import conversation
+
+    p = _policy(template=True)
+    tok = p.tokenizer
+    p.set_prompt_format("messages")
+    assert p.encode_prompt(PROMPT) == tok(PROMPT)["input_ids"] == [tok.bos_token_id] + _ids(tok, PROMPT)
+    assert not p.uses_chat_template  # SFT demonstrations of text prompts: as plain text
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+    real = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert p.encode_prompt(conversation(messages, "row 1")) == list(real)
+    with pytest.raises(UserError, match="data.system_prompt with data.chat_template=messages"):
+        p.set_prompt_format("messages", SYSTEM)
+    assert load_config(None, ["data.chat_template=messages"]).data.chat_template == "messages"
+    plain = _policy(template=False)  # no template: text as it is, chat messages refused as with auto
+    plain.set_prompt_format("messages")
+    assert plain.encode_prompt(PROMPT) == plain.tokenizer(PROMPT)["input_ids"]
+    with pytest.raises(UserError, match="needs the tokenizer's chat template"):
+        plain.encode_prompt(conversation(messages, "row 1"))

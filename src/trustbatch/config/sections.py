@@ -107,8 +107,9 @@ class DataConfig(_Strict):
     answer_field: str | None = Field(None, description="answer field of a plain JSONL (default: answer)")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
-    chat_template: Annotated[Literal["auto", "on", "off"], BeforeValidator(switch)] = Field(
-        "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one")
+    chat_template: Annotated[Literal["auto", "on", "off", "messages"], BeforeValidator(switch)] = Field(
+        "auto", description="prompts as a user message through the tokenizer's chat template; auto: when it has one; "
+                            "messages: TRL's rule, chat-message prompts through it and text prompts as they are")
     system_prompt: str | None = Field(None, description="a system message before every prompt (needs a chat template)")
     max_prompt_tokens: Int | None = Field(
         None, ge=1, description="prompts of more tokens (as encoded for the model, chat template included) are "

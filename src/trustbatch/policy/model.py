@@ -42,6 +42,7 @@ class Policy:
     # the peft.PeftModel wrapping ``model`` when LoRA adapters train (policy.lora.apply_lora), else None
     adapter: object | None = None
     chat_template: bool | None = None  # prompts through the tokenizer's chat template; None: when it has one
+    text_as_is: bool = False  # a text prompt goes as it is, the template framing chat messages alone (TRL's rule)
     system_prompt: str | None = None  # the system message before each prompt (chat template only)
     max_prompt_tokens: int | None = None  # encode_prompt keeps a prompt's last this many tokens (data.long_prompts)
     # the model's other end tokens (its generation_config's eos_token_id list): an Instruct model's end of turn
@@ -56,25 +57,31 @@ class Policy:
     def set_prompt_format(self, chat_template: str = "auto", system_prompt: str | None = None,
                           keys: tuple[str, str] = ("data.chat_template", "data.system_prompt")) -> None:
         """How ``encode_prompt`` frames a prompt: ``chat_template`` auto (the tokenizer's template when it has
-        one), on or off; ``system_prompt`` a system message before each prompt. ``keys`` name the two settings
-        in the messages (config keys or CLI options).
+        one), on, off, or messages (TRL's rule: a prompt given as chat messages through the template, a text prompt
+        as it is); ``system_prompt`` a system message before each prompt. ``keys`` name the two settings in the
+        messages (config keys or CLI options).
 
         Raises:
-            UserError: ``on`` for a tokenizer without a chat template; a system prompt without one (or with off),
-                or one the template refuses (Gemma's and Mistral's raise "System role not supported").
+            UserError: ``on`` for a tokenizer without a chat template; a system prompt without one (or with off), with
+                messages (text prompts would go without it), or one the template refuses (Gemma's and Mistral's
+                raise "System role not supported").
         """
         has = bool(getattr(self.tokenizer, "chat_template", None))
-        if chat_template not in ("auto", "on", "off"):
-            raise UserError(f"{keys[0]}={chat_template!r} must be auto, on or off")
+        if chat_template not in ("auto", "on", "off", "messages"):
+            raise UserError(f"{keys[0]}={chat_template!r} must be auto, on, off or messages")
         if chat_template == "on" and not has:
             raise UserError(f"{keys[0]}=on but the model's tokenizer has no chat template (no chat_template in its "
                             "tokenizer_config.json); use auto or off, or a chat model")
-        use = has if chat_template == "auto" else chat_template == "on"
+        if system_prompt and chat_template == "messages":
+            raise UserError(f"{keys[1]} with {keys[0]}=messages: text prompts go as they are (TRL's rule), without a "
+                            f"system message; put it into the rows' messages, or use {keys[0]}=auto")
+        use = has if chat_template in ("auto", "messages") else chat_template == "on"
         if system_prompt and not use:
             raise UserError(f"{keys[1]} is sent as a system message through the chat template, and "
                             + ("the model's tokenizer has none" if not has else f"{keys[0]}=off")
                             + f"; drop {keys[1]} or put the instruction into the prompts")
         self.chat_template, self.system_prompt = use, system_prompt or None
+        self.text_as_is = chat_template == "messages"
         if self.system_prompt:  # the template's own refusal, now, as one line: not a traceback at the first prompt
             try:
                 self._encode_whole_prompt("")
@@ -90,7 +97,8 @@ class Policy:
         special prefix (e.g. BOS); with ``max_prompt_tokens``, the last that many of those ids
         (``data.benchmarks.truncate_left``). A ``chat.Conversation`` (TRL's conversational rows) is its own messages
         through the chat template, after ``system_prompt`` unless it has a system message of its own, as TRL's
-        ``apply_chat_template`` renders it (``add_generation_prompt=True``).
+        ``apply_chat_template`` renders it (``add_generation_prompt=True``); with ``data.chat_template=messages`` a
+        text prompt is the text with the tokenizer's special prefix, as TRL tokenizes a standard-format prompt.
 
         Raises:
             UserError: a ``Conversation`` while prompts are not framed by a chat template (none in the tokenizer, or
@@ -100,18 +108,24 @@ class Policy:
 
     @property
     def uses_chat_template(self) -> bool:
-        """Whether ``encode_prompt`` frames prompts with the tokenizer's chat template (``set_prompt_format``)."""
+        """Whether ``encode_prompt`` frames a text prompt with the tokenizer's chat template (``set_prompt_format``)."""
+        return not self.text_as_is and self._frames_messages
+
+    @property
+    def _frames_messages(self) -> bool:
+        """Whether ``encode_prompt`` renders a prompt given as chat messages through the chat template."""
         return self.chat_template if self.chat_template is not None else \
             bool(getattr(self.tokenizer, "chat_template", None))
 
     def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
-        chat = text.as_list() if isinstance(text, Conversation) else [{"role": "user", "content": text}]
-        if isinstance(text, Conversation) and not self.uses_chat_template:
+        messages = isinstance(text, Conversation)
+        chat = text.as_list() if messages else [{"role": "user", "content": text}]
+        if messages and not self._frames_messages:
             raise UserError("a prompt given as chat messages (TRL's conversational format) needs the tokenizer's chat "
                             "template, which this model's tokenizer has none of or data.chat_template=off turns off; "
                             "use a chat model (or data.chat_template=auto), or give the prompt as text")
-        if self.uses_chat_template:
+        if self._frames_messages if messages else self.uses_chat_template:
             own = any(m["role"] == "system" for m in chat)
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own else []
             try:  # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys

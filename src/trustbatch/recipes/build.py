@@ -318,6 +318,7 @@ def restore_checkpoint_policy(cfg: Config, policy, ckpt, loaded):
     if cfg.model.lora is None:
         # the run's framing
         loaded.chat_template, loaded.system_prompt = policy.chat_template, policy.system_prompt
+        loaded.text_as_is = policy.text_as_is
         loaded.max_prompt_tokens = policy.max_prompt_tokens
         return loaded
     saved, now = adapter_base(ckpt), policy.adapter.peft_config["default"].base_model_name_or_path

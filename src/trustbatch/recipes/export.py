@@ -69,7 +69,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | str | None = No
         # directory: its paths as they name files from here, as the command printed before did
         printed = eval_command(cfg, dest.absolute(), step, start=start_directory(run) or os.getcwd())
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)  # as the run framed its prompts
-        card = model_card(cfg, run, ckpt, step, heldout, command, chat=bool(policy.chat_template))
+        card = model_card(cfg, run, ckpt, step, heldout, command, chat=bool(policy.chat_template),
+                          text_as_is=policy.text_as_is)
         (tmp / "README.md").write_text(card, encoding="utf-8")
     return {"out": str(dest), "step": step, "lora": cfg.model.lora is not None, "heldout": heldout,
             "eval_command": printed}
@@ -184,9 +185,10 @@ def _from_start(start: str | None, path: str | None) -> str | None:
 
 
 def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, command: list[str] | None,
-               chat: bool = False) -> str:
+               chat: bool = False, text_as_is: bool = False) -> str:
     """README.md of an export: what was trained from what, the numbers, how to check them, the resolved config.
-    ``chat``: the prompts went through the tokenizer's chat template.
+    ``chat``: the prompts went through the tokenizer's chat template; ``text_as_is``: text prompts did not
+    (``data.chat_template=messages``).
 
     The card is published with the folder, so it holds no absolute local path (``_no_local_paths``: each is given by
     its last component), and names the code by commit, else by package version (an installed copy has no git)."""
@@ -203,8 +205,10 @@ def model_card(cfg: Config, run: Path, ckpt: Path, step: int, heldout: dict, com
              + (", ".join(trained) if trained else "of unknown version (not recorded by this run)") + ".",
              "Local paths are given by their last component.", ""]
     if chat:
-        lines += ["Prompts were sent through the tokenizer's chat template, a text prompt as a user message and a "
-                  "prompt given as chat messages as those messages"
+        lines += [("Prompts given as chat messages were sent through the tokenizer's chat template as those "
+                   "messages, and text prompts as they are (TRL's rule)" if text_as_is else
+                   "Prompts were sent through the tokenizer's chat template, a text prompt as a user message and a "
+                   "prompt given as chat messages as those messages")
                   + (f", after the system message {cfg.data.system_prompt!r} (unless the messages held one)"
                      if cfg.data.system_prompt else "") + ".", ""]
     lines += ["## Held-out evaluation", ""]
