@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from pydantic import BaseModel
 
 from .config import Config, _flatten, load_config
+from .data.benchmarks import first_row
 from .errors import UserError
 from .policy.base import cache_dir
 from .records import atomic_write
@@ -47,6 +48,10 @@ class Trainer:
             model (TRL's model-id reward_funcs) is ``overrides={"reward.model": DIR}``, one more term of that sum.
         train_dataset, eval_dataset: rows as a list of dicts, a ``datasets.Dataset``, a pandas ``DataFrame`` or a
             file path, in any format ``data.train`` reads (GSM8K, MATH, Countdown, or ``prompt``/``answer`` fields).
+            Rows with TRL's ``prompt`` column are framed as TRL frames them (``data.chat_template=messages``: a text
+            prompt as it is, a prompt given as chat messages through the chat template) unless the config or
+            ``overrides`` set ``data.chat_template`` or ``data.system_prompt`` (``auto`` templates text prompts too,
+            the command line's default).
         overrides: ``{"train.steps": 4}``, ``{"train": {"steps": 4}}`` or ``["train.steps=4"]``, applied last. A
             dict is read as a YAML file's mapping is: a dict value sets the keys inside it (``{"model.lora": {"r":
             8}}`` keeps the other LoRA keys set before), never the whole section as ``model.lora={r: 8}`` does on
@@ -96,6 +101,8 @@ class Trainer:
             raise UserError("reward_weights without reward_funcs; give the functions they weigh")
         args = first + [f"{k}={_value(v)}" for k, v in sets.items()] + _override_list(overrides)
         self.config = load_config(path, args, base=base)
+        if train_dataset is not None and _trl_prompts(self.config):
+            self.config = load_config(path, args + ["data.chat_template=messages"], base=base)
         names = [t.name for t in self.config.reward.functions]
         if self.config.rollout.mode == "async":
             in_other_processes(names, "rollout.mode=async (rollout worker processes)")
@@ -107,6 +114,17 @@ class Trainer:
         if self.resume is not None:
             return train(None, resume=self.resume, overrides=self._overrides)
         return train(self.config)
+
+
+def _trl_prompts(cfg: Config) -> bool:
+    """Whether the training rows carry TRL's ``prompt`` column, read as TRL reads it, and nothing set the framing (nor
+    a system prompt, which the template carries): then ``data.chat_template=messages`` (a text prompt as it is, chat
+    messages through the template: TRL's rule)."""
+    d = cfg.data
+    if "chat_template" in d.model_fields_set or d.prompt_field is not None or d.system_prompt or not d.train:
+        return False
+    row = first_row(d.train, d.dir)
+    return row is not None and "prompt" in row
 
 
 def _saved_reward_names(run: Path) -> list[str]:

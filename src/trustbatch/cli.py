@@ -95,7 +95,7 @@ def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
     """
     import difflib
 
-    from .config.load import TRL_NAMES, nearest_key
+    from .config.load import nearest_key, trl_hint
 
     for ov in overrides or []:
         if not ov.startswith("-"):
@@ -104,8 +104,9 @@ def _no_options(overrides: list[str] | None, options: tuple[str, ...]) -> None:
         near = difflib.get_close_matches(given, options, n=1)
         name = given.lstrip("-").replace("-", "_")
         key = None if near else nearest_key(name)
-        hint = (f" (did you mean {near[0]}?)" if near else f" (TRL's {name} is {TRL_NAMES[name]} here)"
-                if name in TRL_NAMES else f" (did you mean {key}=...?)" if key else "")
+        trl = trl_hint(name)
+        hint = (f" (did you mean {near[0]}?)" if near else f" ({trl})" if trl else
+                f" (did you mean {key}=...?)" if key else "")
         raise UserError(f"{given}{hint} is not an option of this command (its options: {', '.join(options)}); config "
                         "keys are key=value overrides, e.g. train.steps=50: every key in docs/config.md")
 

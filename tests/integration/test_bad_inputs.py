@@ -285,9 +285,18 @@ def test_repeated_prompts_are_skipped_counted_and_warned(tmp_path, caplog):
         b = load_benchmark(str(f))
     assert [e.reference for e in b.examples] == ["5", "8", "10"] and b.duplicates == 3
     (msg,) = [r.getMessage() for r in caplog.records]
-    assert "skipped 3 rows" in msg and "line 3" in msg and "1 of them with a different answer" in msg
+    assert "skipped 3 rows" in msg and "line 3" in msg and "1 of them with other values of answer, which no " \
+        "reward sees (TRL trains on every row)" in msg
     assert "3 distinct prompts kept" in msg
     assert [e.reference for e in load_benchmark(str(f), limit=2).examples] == ["5", "8"]
+    # another column's value (a solution TRL's accuracy_reward reads) is named too: it said "0 of them different"
+    g = tmp_path / "solutions.jsonl"
+    g.write_text("".join(json.dumps({"prompt": "p", "answer": "1", "solution": s, "id": 3}) + "\n" for s in "abc"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        load_benchmark(str(g))
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "skipped 2 rows" in msg and "2 of them with other values of solution, which no reward sees" in msg
 
     class DataCfg:  # the training split sees each prompt once, too
         train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (

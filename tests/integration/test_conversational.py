@@ -166,3 +166,15 @@ def test_messages_sends_text_prompts_as_they_are_through_a_resume(tmp_path, chat
 
     export_run(tmp_path / "resumed", tmp_path / "export")
     assert "and text prompts as they are (TRL's rule)" in (tmp_path / "export" / "README.md").read_text()
+
+
+def test_the_api_frames_trls_prompt_rows_as_trl_does(tmp_path, chat_model):
+    """TRL's quickstart through the API (text prompts in a ``prompt`` column, a chat model): TRL's framing, unless
+    the caller sets one; trustbatch's own formats (a GSM8K row) keep the command line's."""
+    text = [{"prompt": f"Once upon a time, a cat named Tom {i}"} for i in range(12)]
+    gsm = [{"question": f"What is {i} plus 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(12)]
+    for rows, over, framing in ((text, {}, "messages"), (ROWS, {}, "messages"), (text, {"data.chat_template": "auto"},
+                                "auto"), (gsm, {}, "auto"), (text, {"data.prompt_field": "prompt"}, "auto"),
+                                (ROWS, {"data.system_prompt": "Be brief."}, "auto")):
+        cfg = Trainer(model=chat_model, reward_funcs=["gsm8k"], train_dataset=rows, overrides=over).config
+        assert cfg.data.chat_template == framing, (rows[0], over)

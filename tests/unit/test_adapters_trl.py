@@ -297,10 +297,11 @@ def test_the_trl_names_the_config_errors_explain_are_grpoconfig_arguments():
     """``config.load.TRL_NAMES``: each is an argument of TRL's own GRPOConfig (or the trainer's reward_weights)."""
     import dataclasses
 
-    from trustbatch.config.load import TRL_NAMES
+    from trustbatch.config.load import TRL_NAMES, TRL_UNSUPPORTED
 
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert set(TRL_NAMES) - fields == {"max_prompt_length"}, set(TRL_NAMES) - fields  # dropped by TRL 1.x, still met
+    assert set(TRL_UNSUPPORTED) <= fields and not set(TRL_UNSUPPORTED) & set(TRL_NAMES)
 
 
 def test_trls_reward_objects_and_partials_are_logged_under_trls_names():

@@ -48,6 +48,8 @@ def test_no_arguments_and_help_still_print_the_help(monkeypatch, capsys, argv):
 @pytest.mark.parametrize("argv,says", [
     (["train", "num_generations=8"], "unknown config key 'num_generations'; TRL's num_generations is rollout.group_size"),
     (["train", "train.learning_rate=1e-6"], "TRL's learning_rate is train.lr here"),
+    (["train", "top_k=50"], "TRL's top_k has no equivalent here: sampling takes rollout.temperature and rollout.top_p"),
+    (["train", "--repetition_penalty", "1.1"], "TRL's repetition_penalty has no equivalent here"),
     (["train", "--max_completion_length", "256"], "--max_completion_length (TRL's max_completion_length is "
                                                   "rollout.max_new_tokens here) is not an option"),
 ])
@@ -62,12 +64,12 @@ def test_every_key_a_trl_name_points_to_exists():
     one the objectives take (TRL's own field names are checked against GRPOConfig in tests/unit/test_adapters_trl.py)."""
     import re
 
-    from trustbatch.config.load import TRL_NAMES, config_fields
+    from trustbatch.config.load import TRL_NAMES, TRL_UNSUPPORTED, config_fields
     from trustbatch.objectives.registry import COMMON_OPTIONS
     from trustbatch.objectives.clipped import _PPO_OPTIONS
 
     keys = {k for k, _, _ in config_fields()}
-    for trl, ours in TRL_NAMES.items():
+    for trl, ours in {**TRL_NAMES, **TRL_UNSUPPORTED}.items():
         named = re.findall(r"\b(?:[a-z_]+\.)+[a-z_]+\b|\brun_dir\b|\bcheckpoint_(?:every|keep)\b", ours)
         assert named and all(k in keys for k in named), (trl, ours)
         for option in re.findall(r"([a-z_]+): \.\.\.", ours.partition("={")[2]) if "options=" in ours else []:

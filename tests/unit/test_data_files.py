@@ -117,3 +117,25 @@ def test_a_nan_answer_is_null_and_a_numbers_demonstration_is_its_gold_text(tmp_p
     path.write_text(json.dumps(rows[0]) + "\n")
     ex = load_benchmark(str(path), format="jsonl").examples[0]
     assert (ex.reference, ex.answer) == ("5", "5")
+
+
+def test_a_rows_own_prompt_column_is_its_prompt_as_trl_reads_it(tmp_path):
+    """open-r1's rows carry problem, solution, answer and the prompt its script built (a system message and the
+    problem), a GSM8K script's rows question, answer and prompt: TRL's GRPOTrainer generates from ``prompt`` alone.
+    It was left unread for the MATH/GSM8K prompt with trustbatch's instruction. The answer still gives the reference."""
+    from trustbatch.chat import Conversation
+
+    messages = [{"role": "system", "content": "Think in <think> tags."}, {"role": "user", "content": "What is 4+1?"}]
+    rows = [{"problem": "What is 4+1?", "solution": "4+1=5", "answer": "5", "prompt": messages},
+            {"question": "Tom has 4 apples and gets 1.", "answer": "4+1=5\n#### 5", "prompt": "Tom: how many?"},
+            {"input": "1,2,3", "output": "6", "prompt": "Use 1, 2, 3 to make 6."}]
+    for row, fmt, ref in zip(rows, ("math", "gsm8k", "countdown"), ("5", "5", '{"numbers": [1, 2, 3], "target": 6}')):
+        f = tmp_path / f"{fmt}.jsonl"
+        f.write_text(json.dumps(row) + "\n")
+        b = load_benchmark(str(f))
+        assert (b.format, b.examples[0].reference) == (fmt, ref)
+        assert b.examples[0].prompt == (Conversation(messages) if fmt == "math" else row["prompt"])
+        assert isinstance(b.examples[0].prompt, Conversation) == (fmt == "math")
+    plain = tmp_path / "plain.jsonl"  # without one, the format's own prompt and instruction, as before
+    plain.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "prompt"}) + "\n")
+    assert load_benchmark(str(plain)).examples[0].prompt == "What is 4+1?" + MATH_INSTRUCTION

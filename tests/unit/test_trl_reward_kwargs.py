@@ -134,3 +134,24 @@ def test_a_column_named_as_a_samples_own_key_is_left_out(tmp_path):
 
     line = json.loads((tmp_path / "samples.jsonl").read_text())
     assert (line["round"], line["split"]) == (3, "train")
+
+
+def test_columns_and_return_types_as_trl_takes_them():
+    """TRL passes every data column but prompt and completion (a column named reference as it is) and reads the
+    return with torch.tensor(...): a NumPy array, a tensor and a list of 0-d tensors were refused here, with a
+    message that blamed the length; a data column named reference was replaced by the gold answers."""
+    seen = {}
+    returns = iter([np.array([0.5, 1.5]), torch.tensor([0.25, -1.0]), [torch.tensor(2.0), np.float32(0.75)],
+                    np.array([[1.0], [0.0]]), [1.0]])
+
+    def f(prompts, completions, reference, **kwargs):
+        seen.update(reference=reference, keys=sorted(kwargs))
+        return next(returns)
+
+    ctx = [{"prompt": "p", "completion": "a gold completion", "reference": "a human summary", "id": 7,
+            GROUP_KEY: 0} for _ in range(2)]
+    got = [score_local(BatchForm(f), ["a", "b"], ["5", "5"], contexts=ctx, clamp=False) for _ in range(5)]
+    assert seen["reference"] == ["a human summary"] * 2 and "completion" not in seen["keys"] and "id" in seen["keys"]
+    assert [r.rewards for r in got[:3]] == [[0.5, 1.5], [0.25, -1.0], [2.0, 0.75]]
+    assert "return a list (or a 1-D array or tensor) of one score per completion" in got[3].last_error
+    assert "returned 1 scores for 2 completions" in got[4].last_error

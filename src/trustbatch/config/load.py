@@ -130,9 +130,21 @@ TRL_NAMES = {
     "per_device_train_batch_size": "rollout.prompts_per_step x rollout.group_size (the completions of a round; "
                                    "train.micro_batch_size of them per forward)",
     "gradient_accumulation_steps": "train.micro_batch_size (the micro-batches of a step are accumulated)",
-    "temperature": "rollout.temperature", "top_p": "rollout.top_p", "beta": "objective.options={ref_kl_coef: ...}",
+    "temperature": "rollout.temperature (the behaviour policy's: the learner scores at T = 1, where TRL divides its "
+                   "logits by the temperature too, so at T != 1 the ratios of a fresh round are not 1 here)",
+    "top_p": "rollout.top_p", "beta": "objective.options={ref_kl_coef: ...}",
     "epsilon": "objective.options={eps_low: ..., eps_high: ...}", "epsilon_high": "objective.options={eps_high: ...}",
-    "loss_type": "objective.name", "scale_rewards": "objective.advantage (zscore, or mean for scale_rewards=none)",
+    "loss_type": "objective.name=grpo with objective.options={aggregation: ...}: TRL's dapo (its default, both clips at "
+                 "epsilon) is token_mean, its grpo seq_mean_token_mean, its dr_grpo seq_mean_token_sum (divided by "
+                 "rollout.max_new_tokens); objective.name=dapo clips above at 0.28",
+    "scale_rewards": "objective.advantage=zscore with objective.std=sample for TRL's group (its default; σ + 1e-4 "
+                     "there, + 1e-6 here), objective.advantage=mean for none; batch has no equivalent",
+    "importance_sampling_level": "objective.name=gspo for sequence (token: the other objectives)",
+    "delta": "objective.options={dual_clip: ...} (the same bound on the ratio of a negative advantage's tokens, "
+             "where delta > 1 + epsilon_high)",
+    "num_generations_eval": "eval.samples_per_prompt", "num_train_epochs": "train.steps (rounds: an epoch over the "
+                                                                          "data is its rows / rollout.prompts_per_step)",
+    "shuffle_dataset": "rollout.prompt_order (epochs: shuffled anew each epoch)", "log_completions": "log.samples",
     "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.lr_schedule",
     "weight_decay": "train.weight_decay", "max_grad_norm": "train.grad_clip",
     "adam_beta1": "train.adam_betas=[b1, b2]", "adam_beta2": "train.adam_betas=[b1, b2]",
@@ -141,6 +153,27 @@ TRL_NAMES = {
     "save_steps": "checkpoint_every", "save_total_limit": "checkpoint_keep", "eval_steps": "eval.every",
     "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions=[{name: ..., weight: ...}]",
 }
+
+
+# TRL's GRPOConfig arguments that have no equivalent here, and why
+TRL_UNSUPPORTED = {
+    "top_k": "sampling takes rollout.temperature and rollout.top_p alone",
+    "min_p": "sampling takes rollout.temperature and rollout.top_p alone",
+    "repetition_penalty": "sampling takes rollout.temperature and rollout.top_p alone",
+    "generation_kwargs": "sampling takes rollout.temperature, rollout.top_p and rollout.max_new_tokens alone",
+    "mask_truncated_completions": "a completion cut at rollout.max_new_tokens trains as it is; rollout.overlong_cache "
+                                  "shapes the reward of long ones instead (DAPO's overlong penalty)",
+}
+
+
+def trl_hint(name: str) -> str | None:
+    """What to write here for TRL's GRPOConfig argument ``name`` (``TRL_NAMES``, ``TRL_UNSUPPORTED``), as a clause
+    for a refusal, or None for another name."""
+    if name in TRL_NAMES:
+        return f"TRL's {name} is {TRL_NAMES[name]} here"
+    if name in TRL_UNSUPPORTED:
+        return f"TRL's {name} has no equivalent here: {TRL_UNSUPPORTED[name]}"
+    return None
 
 
 def nearest_key(key: str) -> str | None:
@@ -174,8 +207,8 @@ def _format_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         near = nearest_key(loc)
         name = loc.rpartition(".")[2]
-        hint = (f"TRL's {name} is {TRL_NAMES[name]} here; " if name in TRL_NAMES else
-                f"did you mean {near!r}? " if near else "")
+        trl = trl_hint(name)
+        hint = f"{trl}; " if trl else f"did you mean {near!r}? " if near else ""
         return f"unknown config key {loc!r}; {hint}every key: docs/config.md (or `trustbatch train --print-config`)"
     msg = err["msg"].removeprefix("Value error, ")
     # a section's own check names its key itself, and a check across sections (no loc) names its keys

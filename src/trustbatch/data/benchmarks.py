@@ -137,6 +137,15 @@ def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_fiel
 
 
 def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
+    # a row's own prompt column (TRL's: open-r1's rows carry problem, solution, answer and the prompt it built) is the
+    # prompt as it is, as TRL's GRPOTrainer reads it; the format's fields still give the reference and demonstration
+    ex = _format_example(row, fmt, prompt_field, answer_field)
+    if fmt not in ("gsm8k", "math", "countdown"):
+        return ex
+    return dataclasses.replace(ex, prompt=_prompt(row, "prompt")) if "prompt" in row else ex
+
+
+def _format_example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
     from ..rewards.countdown import solve
     from ..rewards.gsm8k import after_last_hashes, gsm8k_answer
     from ..rewards.math_answer import gold_text
@@ -193,15 +202,24 @@ def file_format(name_or_path: str, data_dir: str | None = None, format: str = "a
     ``load_benchmark`` reads it), or None when the file cannot be read or no format fits (loading it says why)."""
     if format != "auto":
         return format
+    row = first_row(name_or_path, data_dir)
+    try:
+        return None if row is None else auto_format(row, prompt_field, answer_field)
+    except UserError:
+        return None
+
+
+def first_row(name_or_path: str, data_dir: str | None = None) -> dict | None:
+    """A data file's first row, read as ``load_benchmark`` reads it, or None when it cannot be read (loading it says
+    why)."""
     try:
         path = resolve(name_or_path, data_dir)
         if is_table(path):
-            row = read_table(path)[0][1]
-        else:
-            with open(path, "rb") as f:
-                first = next((line for line in f if line.strip()), b"")
-            row = json.loads(first.removeprefix(codecs.BOM_UTF8))
-        return auto_format(row, prompt_field, answer_field)
+            return read_table(path)[0][1]
+        with open(path, "rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+        row = json.loads(first.removeprefix(codecs.BOM_UTF8))
+        return row if isinstance(row, dict) else None
     except (UserError, OSError, ValueError, TypeError, IndexError, AttributeError):
         return None
 
@@ -328,16 +346,20 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
             raise UserError(f"{rows[0][0]}: {e}") from None
     examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit)
     if dups:
-        different = sum(d for _, d in dups)
+        differ = [d for _, d in dups if d]
+        fields = sorted(set().union(*differ)) if differ else []
         log.warning(f"warning: {source}: skipped {len(dups)} rows whose prompt repeats an earlier row's (the first: "
-                    f"{dups[0][0]}; {different} of them with a different answer); {len(examples)} distinct prompts kept")
+                    f"{dups[0][0]}; {len(differ)} of them with other values"
+                    + (f" of {', '.join(fields[:4])}{', ...' if len(fields) > 4 else ''}, which no reward sees (TRL "
+                       "trains on every row)" if differ else "") + f"); {len(examples)} distinct prompts kept")
     return Benchmark(name=name, format=fmt, reward=REWARD_OF_FORMAT.get(fmt, "math"), examples=examples,
                      duplicates=len(dups))
 
 
 def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field: str | None,
-                       answer_field: str | None, limit: int | None) -> tuple[list[Example], list[tuple[str, bool]]]:
-    """Examples of the first ``limit`` distinct prompts, and ``(where, different answer?)`` of each repeat skipped."""
+                       answer_field: str | None, limit: int | None) -> tuple[list[Example], list[tuple[str, set]]]:
+    """Examples of the first ``limit`` distinct prompts, and ``(where, the fields whose values differ from the first
+    row's)`` of each repeat skipped (``answer`` for the reference)."""
     examples: list[Example] = []
     first: dict[str, Example] = {}
     dups: list[tuple[str, bool]] = []
@@ -349,7 +371,9 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         if e.prompt in first:
-            dups.append((where, first[e.prompt].reference != e.reference))
+            was = first[e.prompt]
+            differ = {k for k in set(was.columns) | set(e.columns) if was.columns.get(k) != e.columns.get(k)}
+            dups.append((where, differ | ({"answer"} if was.reference != e.reference else set())))
             continue
         first[e.prompt] = e
         examples.append(e)

@@ -227,8 +227,10 @@ class BatchForm:
         ``contexts[i]`` is ``{"prompt": ..., **columns}`` of completion i, or None (empty prompts, no columns).
         """
         ctx = contexts or [{"prompt": ""} for _ in completions]
+        # the data's columns but those TRL leaves out (prompt, completion), or that would clash with an argument; a
+        # column named reference is passed as it is, as TRL passes it, over the gold answers
         cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
-                if k not in ("prompt", "prompts", "completions", "reference", GROUP_KEY, COMPLETION_IDS_KEY, STATE_KEY)}
+                if k not in ("prompt", "prompts", "completion", "completions", GROUP_KEY, COMPLETION_IDS_KEY, STATE_KEY)}
         if self.takes_ids and all(COMPLETION_IDS_KEY in c for c in ctx):
             cols["completion_ids"] = [list(c[COMPLETION_IDS_KEY]) for c in ctx]
         logs = RewardLogs(len(completions))
@@ -238,19 +240,34 @@ class BatchForm:
         try:
             out = self.fn(prompts=[p.as_list() for p in prompts] if chat else prompts,
                           completions=[[{"role": "assistant", "content": c}] for c in completions] if chat
-                          else list(completions), reference=list(references), **cols)
+                          else list(completions), **{"reference": list(references), **cols})
             if inspect.iscoroutine(out):  # an async def reward, which TRL awaits
                 out = await_reward(out)
-            if not isinstance(out, (list, tuple)) or len(out) != len(completions):
-                raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)} for {len(completions)} "
-                                 "completions; return one score per completion")
-            outcomes = [(0.0, "none", None) if v is None else outcome(v) for v in out]
+            scores = _scores(out)
+            if scores is None:
+                raise ValueError(f"returned {type(out).__name__} {one_line(repr(out), 60)}; return a list (or a 1-D "
+                                 "array or tensor) of one score per completion")
+            if len(scores) != len(completions):
+                raise ValueError(f"returned {len(scores)} scores for {len(completions)} completions; return one "
+                                 "score per completion")
+            outcomes = [(0.0, "none", None) if v is None else outcome(v) for v in scores]
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
             outcomes = [(0.0, "error", one_line(f"{type(e).__name__}: {e}"))]
         cause = next((c for _, status, c in outcomes if status == "error"), None)
         return ([(0.0, "error", cause)] * len(completions), None) if cause is not None else (outcomes, logs.result())
+
+
+def _scores(out) -> list | None:
+    """A batch-form function's return as a list, or None for no list: a list or tuple as it is, a 1-D NumPy array or
+    torch tensor as its values, and each 0-d array or tensor in a list as its number (TRL reads the return with
+    ``torch.tensor(...)``, which takes them all)."""
+    if getattr(out, "ndim", None) == 1 and callable(getattr(out, "tolist", None)):
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        return None
+    return [v.item() if getattr(v, "ndim", None) == 0 and callable(getattr(v, "item", None)) else v for v in out]
 
 
 _LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process it runs in, the loop)
