@@ -49,6 +49,12 @@ def test_a_failing_function_counts_over_completions_times_functions():
     assert "2 errors" in warning and "8 scorings" in warning
     with pytest.raises(UserError, match="reward function 'misbehave' .* failed on 50% of completions \\(2 of 4\\)"):
         rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.4, where="round 1")
+    # stopped early, the rest unscored: the share is of the round, which the message says (it read as 75 % failing)
+    with WeightedRewards(terms, workers=0) as r:
+        res = r.score(["raise", "raise", "raise", "x"], REFERENCES, max_failure_rate=0.25)
+    assert res.unscored > 0
+    with pytest.raises(UserError, match=r"\(2 of 4; scoring stopped once it was above the limit\)"):
+        rewards.check_scoring(res, scorer=r.name, max_failure_rate=0.25, where="round 1")
 
 
 def test_a_function_that_always_fails_is_judged_on_its_own_rate():

@@ -511,8 +511,9 @@ def check_scoring(result: ScoreResult, *, scorer: str, max_failure_rate: float, 
     for label, (failed, cause) in result.failures.items():
         if completions > 0 and failed / completions > max_failure_rate:
             last = f"; last error: {cause}" if cause else ""
+            stopped = "; scoring stopped once it was above the limit" if result.unscored else ""
             raise UserError(f"{where}: reward function {label!r} of {scorer!r} failed on {failed / completions:.0%} "
-                            f"of completions ({failed} of {completions}), above reward.max_failure_rate="
+                            f"of completions ({failed} of {completions}{stopped}), above reward.max_failure_rate="
                             f"{max_failure_rate:g}{last}; fix it or remove it from reward.functions, or raise "
                             "reward.timeout_s or reward.max_failure_rate")
     n = completions * result.functions
