@@ -130,8 +130,9 @@ TRL_NAMES = {
     "per_device_train_batch_size": "rollout.prompts_per_step x rollout.group_size (the completions of a round; "
                                    "train.micro_batch_size of them per forward)",
     "gradient_accumulation_steps": "train.micro_batch_size (the micro-batches of a step are accumulated)",
-    "temperature": "rollout.temperature (the behaviour policy's: the learner scores at T = 1, where TRL divides its "
-                   "logits by the temperature too, so at T != 1 the ratios of a fresh round are not 1 here)",
+    "temperature": "rollout.temperature with objective.temperature=rollout (the learner's logits divided by it too, "
+                   "as TRL's; by default the learner scores at 1, and a batch sampled at another temperature is "
+                   "off-policy data)",
     "top_p": "rollout.top_p", "beta": "objective.options={ref_kl_coef: ...}",
     "epsilon": "objective.options={eps_low: ..., eps_high: ...}", "epsilon_high": "objective.options={eps_high: ...}",
     "loss_type": "objective.name=grpo with objective.options={aggregation: ...}: TRL's dapo (its default, both clips at "

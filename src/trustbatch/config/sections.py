@@ -249,7 +249,7 @@ class RolloutConfig(_Strict):
         "epochs", description="epochs: every training prompt once per epoch, shuffled anew each epoch (a shuffled "
                               "DataLoader's order); random: each drawn at random with replacement (runs before "
                               "this key)")
-    temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner stays at T = 1)")
+    temperature: Float = Field(1.0, gt=0, description="sampling temperature (the learner scores at objective.temperature, by default 1)")
     top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     max_new_tokens: Int = Field(8, ge=1, description="completion budget in tokens; if unset, data.train on GSM8K / MATH "
                                 "/ AIME / AMC / Countdown gets 512 / 1024 / 20480 / 20480 / 1024, at most half the "
@@ -260,7 +260,7 @@ class RolloutConfig(_Strict):
     max_sampling_rounds: Int = Field(4, ge=1, description="dynamic sampling: sampling calls per batch, the first "
                                                           "included (N - 1 refills; verl's max_num_gen_batches)")
     overlong_cache: Int | None = Field(None, ge=1, description="DAPO overlong shaping: penalty zone length in tokens")
-    # behaviour shifts (the off-policy lab); the learner always trains float32 at T = 1
+    # behaviour shifts (the off-policy lab); the learner trains float32 at objective.temperature (by default 1)
     precision: Literal["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e4m3_rowwise"] = Field(
         "float32", description="rollouts from a copy of the policy in this precision (int8: dynamic quantization; "
                                "fp8_e4m3[_rowwise]: FP8-E4M3 weights and activations emulated, per-tensor/per-row scales)")
@@ -355,6 +355,22 @@ class ObjectiveConfig(_Strict):
     std: Literal["population", "sample"] = Field(
         "population", description="z-score σ: population (the paper's Eq. 3) or sample (the reference code's); "
                                   "advantage=zscore only")
+    temperature: float | Literal["rollout"] = Field(
+        1.0, description="π_θ's temperature in the loss (its logits divided by it; the reference's too): 1 scores the "
+                         "policy itself, so rollouts at another rollout.temperature are off-policy data (the P3O "
+                         "paper's temperature shift); rollout: rollout.temperature, as TRL and verl score (a fresh "
+                         "batch's ratio is then 1)")
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _positive_temperature(cls, v):
+        try:
+            ok = v == "rollout" or (not isinstance(v, bool) and float(v) > 0)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"objective.temperature={v!r} must be a number > 0, or rollout (rollout.temperature)")
+        return v
 
     @model_validator(mode="after")
     def _std_needs_zscore(self) -> "ObjectiveConfig":

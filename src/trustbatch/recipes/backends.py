@@ -115,7 +115,13 @@ def _learner_kwargs(cfg: Config, version: int) -> dict:
                 activation_checkpointing=tr.activation_checkpointing, logprob_chunk_size=tr.logprob_chunk_size,
                 diagnostics=tr.diagnostics, lr_schedule=tr.lr_schedule, total_steps=tr.steps * tr.epochs * tr.minibatches,
                 betas=tuple(tr.adam_betas), eps=tr.adam_eps, padding_free=tr.padding_free,
-                compile_backend="inductor" if tr.compile else None)
+                compile_backend="inductor" if tr.compile else None, temperature=learner_temperature(cfg))
+
+
+def learner_temperature(cfg: Config) -> float:
+    """π_θ's temperature in the loss (``objective.temperature``; ``rollout``: ``rollout.temperature``)."""
+    t = cfg.objective.temperature
+    return cfg.rollout.temperature if t == "rollout" else float(t)
 
 
 def local_learner(inp: Inputs) -> Learner:

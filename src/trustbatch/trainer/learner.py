@@ -91,17 +91,20 @@ class NonFiniteTraining(UserError):
     """``max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
-def _forward_functions(shared_prompt: bool, padding_free: bool, trim: bool, chunk_size: int | None):
+def _forward_functions(shared_prompt: bool, padding_free: bool, trim: bool, chunk_size: int | None,
+                       temperature: float = 1.0):
     """The learner's two forwards: ``(model, packed, with_entropy=, ...) -> (logp [B, C], entropy or None, ...)``
     with gradient, and ``(packed, [(rows, Teacher)]) -> TeacherForced``, the behaviour and proximal models' no-grad
     forward laid out as the learner's own. ``shared_prompt``: each distinct prompt of a micro-batch runs once
     (``policy.shared_prompt``, falling back by itself); ``padding_free``: packed rows (``policy.packed``);
-    ``trim``: each micro-batch at its own longest lengths (``forward.trimmed``)."""
+    ``trim``: each micro-batch at its own longest lengths (``forward.trimmed``); ``temperature``: π_θ's, dividing the
+    logits of the first."""
     if padding_free:
-        return (functools.partial(packed_response_logprobs, chunk_size=chunk_size, share_prompts=shared_prompt),
+        return (functools.partial(packed_response_logprobs, chunk_size=chunk_size, share_prompts=shared_prompt,
+                                  temperature=temperature),
                 functools.partial(packed_teacher_forced, share_prompts=shared_prompt))
     base = grouped_response_logprobs if shared_prompt else response_logprobs
-    forward = functools.partial(base, chunk_size=chunk_size)
+    forward = functools.partial(base, chunk_size=chunk_size, temperature=temperature)
     return (trimmed(forward) if trim else forward), teacher_forced
 
 
@@ -147,6 +150,10 @@ class Learner(ForwardPasses):
             (``policy.compile.compile_blocks``: "inductor" for ``train.compile``; no-grad forwards stay eager), or
             None. The shared-prompt forward then falls back to the plain one (its cache would compile a graph
             per layer).
+        temperature: π_θ's temperature, > 0: every log-prob of the policy (and of the reference and proximal
+            snapshot) is of softmax(logits / temperature); 1 scores the policy itself, so a batch sampled at
+            another temperature is off-policy data (the P3O paper's temperature shift); the sampling temperature
+            scores as TRL and verl do (their ratio on a fresh batch is 1).
         diagnostics: also log, at every optimizer step, the share of tokens GRPO's clip would zero
             (``objectives.clipped.grpo_zeroed_shares``, whatever the objective; the lab sets it).
         lr_schedule, warmup_steps, total_steps: the learning-rate multiplier per optimizer step
@@ -181,9 +188,12 @@ class Learner(ForwardPasses):
                  diagnostics: bool = False, lr_schedule: str = "constant", total_steps: int = 0,
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
                  padding_free: bool = False, reference: torch.nn.Module | None = None,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, temperature: float = 1.0):
         if precision not in ("float32", "bf16-mixed"):
             raise ValueError(f"precision must be 'float32' or 'bf16-mixed', not {precision!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.temperature = temperature
         self.model = model
         self.device = next(model.parameters()).device
         self.precision = precision
@@ -230,7 +240,7 @@ class Learner(ForwardPasses):
         # guard on the shared-prompt cache's per-layer state: one graph per layer, eager past dynamo's recompile limit
         share = shared_prompt and not self.sharded and compile_backend is None
         self.forward_fn, self.teacher_forced = _forward_functions(share, padding_free, trim_micro_batches,
-                                                                  logprob_chunk_size)
+                                                                  logprob_chunk_size, temperature)
         self.version = version
         self.max_bad_steps = max_bad_steps
         self.bad_steps = 0  # consecutive skipped steps

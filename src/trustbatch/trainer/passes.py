@@ -157,8 +157,9 @@ class ForwardPasses:
         ``proximal``, the model the learner rebuilds it from), before the batch's first update."""
         local.proximal_logprobs = self.logprobs(local)
         if self.full:
-            local.proximal = Teacher(self._frozen_policy(), autocast=torch.bfloat16 if self.precision == "bf16-mixed"
-                                     else None, name="the proximal snapshot")
+            local.proximal = Teacher(self._frozen_policy(), self.temperature,
+                                     torch.bfloat16 if self.precision == "bf16-mixed" else None,
+                                     name="the proximal snapshot")
 
     def _frozen_policy(self) -> torch.nn.Module:
         """The policy as it is now, for the rest of this ``train_on``: the module itself when it takes one optimizer
