@@ -178,7 +178,7 @@ def sft(
         # the weak teacher is the default base's; a user's own model learns their demonstrations unless they ask
         if "sft_teacher_error" not in cfg.model.model_fields_set:
             model_cfg["sft_teacher_error"] = 0.0
-        demos = fit_demos(policy, sft_demos(task, model_cfg, chat=policy.uses_chat_template), console)
+        demos = fit_demos(policy, sft_demos(task, model_cfg, chat=policy.frames), console)
         loss = run_sft(policy, demos, steps=cfg.model.sft_steps,
                        batch_size=cfg.model.sft_batch_size, lr=cfg.model.sft_lr, seed=cfg.model.seed)
         console.print(f"SFT done, last loss {loss:.4f}" if cfg.model.sft_steps else "no SFT step (model.sft_steps=0)")

@@ -178,3 +178,27 @@ def test_the_api_frames_trls_prompt_rows_as_trl_does(tmp_path, chat_model):
                                 (ROWS, {"data.system_prompt": "Be brief."}, "auto")):
         cfg = Trainer(model=chat_model, reward_funcs=["gsm8k"], train_dataset=rows, overrides=over).config
         assert cfg.data.chat_template == framing, (rows[0], over)
+
+
+def test_a_prompt_column_of_messages_falls_back_to_the_question_where_no_template_frames_it(tmp_path, shared_dir,
+                                                                                              capsys):
+    """GSM8K rows with a chat-message prompt column (a TRL script's) on a model without a chat template (the
+    default base, a base model): the column made every run fail in one line; each row now falls back to its
+    question and the format's instruction, as before the column was read, with a warning."""
+    from rich.console import Console
+
+    from trustbatch.config import load_config
+    from trustbatch.data.benchmarks import GSM8K_INSTRUCTION
+    from trustbatch.recipes.build import prepare_run
+
+    f = tmp_path / "gsm.jsonl"
+    f.write_text("".join(json.dumps({"question": f"Tom has {i} apples and gets 1.", "answer": f"#### {i + 1}",
+                                     "prompt": [{"role": "user", "content": f"Tom: {i} + 1?"}]}) + "\n"
+                         for i in range(20)))
+    cfg = load_config(None, [f"data={f}", "data.heldout_size=4", f"model.path={shared_dir / 'models' / 'stories260K-hf'}",
+                             "reward.workers=0"])
+    task, policy, pool, _ = prepare_run(cfg, Console(stderr=True, width=400))
+    pool.close()
+    assert [e.prompt for e in task.heldout] == [f"Tom has {i} apples and gets 1." + GSM8K_INSTRUCTION for i in range(4)]
+    assert "20 rows' prompt column holds chat messages, which this model cannot frame" in capsys.readouterr().err
+    assert policy.encode_prompt(task.train[0].prompt)  # text: no refusal

@@ -133,7 +133,10 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path, monkeypatch):
     common.update({"threads": 1, "rollout.prompts_per_step": 8})
     spec = {"description": "tiny", "common": common, "seeds": [0, 1],
             "arms": {"onpolicy": {}, "p3o@T0.5": {"objective.name": "p3o", "rollout.temperature": 0.5},
-                     "p3o@k2": {"objective.name": "p3o", "rollout.staleness": 2}}}
+                     "p3o@k2": {"objective.name": "p3o", "rollout.staleness": 2},
+                     # the learner at the sampling temperature too (as TRL and verl score): on-policy again
+                     "p3o@T0.5-learnerT": {"objective.name": "p3o", "rollout.temperature": 0.5,
+                                           "objective.temperature": "rollout"}}}
     f = tmp_path / "tiny_pf.yaml"
     f.write_text(yaml.safe_dump(spec, sort_keys=False))
     monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
@@ -145,7 +148,8 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "out" / "tiny_pf" / "preflight.json").read_text())
     # its own time, base build included, for the report's cost table (issue 47: the pre-flight is a cost)
     assert before <= res["start"] < res["end"] <= after and res["commit"]
-    assert res["seeds"] == [0] and [a["arm"] for a in res["arms"]] == ["onpolicy", "p3o@T0.5", "p3o@k2"]
+    assert res["seeds"] == [0] and [a["arm"] for a in res["arms"]] == ["onpolicy", "p3o@T0.5", "p3o@k2",
+                                                                       "p3o@T0.5-learnerT"]
     on = next(p for p in res["probes"] if p["arm"] == "onpolicy")
     # no shift: P3O's gradient is the plain policy gradient, and so is GRPO's at ρ = 1
     assert on["informative"] > 0  # otherwise both gradients are 0 and the cosine says nothing
@@ -154,6 +158,9 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path, monkeypatch):
     cold = next(p for p in res["probes"] if p["arm"] == "p3o@T0.5")
     assert cold["ess"] < 0.99 and cold["zeroed@0.2"] > 0 and cold["verdict"] == "test"
     assert next(p for p in res["probes"] if p["arm"] == "p3o@k2")["age"] == 2  # the lag, read from the tags
+    warm = next(p for p in res["probes"] if p["arm"] == "p3o@T0.5-learnerT")  # it was probed at T = 1: "test"
+    assert abs(warm["ess"] - 1) < 1e-6 and warm["zeroed@0.2"] == 0 and warm["verdict"] == "control"
+    assert warm["shift"] == "none"
     for arm in ("onpolicy", "p3o@T0.5", "p3o@k2", "control", "test", "T=0.5", "lag 2"):
         assert arm in r.output
 

@@ -96,3 +96,22 @@ def test_messages_frames_chat_messages_alone_as_trl_does():
     assert plain.encode_prompt(PROMPT) == plain.tokenizer(PROMPT)["input_ids"]
     with pytest.raises(UserError, match="needs the tokenizer's chat template"):
         plain.encode_prompt(conversation(messages, "row 1"))
+
+
+def test_an_sft_demonstration_starts_at_once_after_the_assistant_header():
+    """Under data.chat_template=messages a chat-message prompt still goes through the template, so its answer
+    starts at once; a text prompt goes as it is, so its answer starts with a space (the messages prompts got the
+    space too: a leading-space token taught after the assistant header)."""
+    from trustbatch.chat import conversation
+    from trustbatch.data import Example, TaskSplit
+    from trustbatch.policy.base import sft_demos
+
+    p = _policy(template=True)
+    messages = conversation([{"role": "user", "content": PROMPT}], "row 1")
+    task = TaskSplit("t", "math", train=[Example(messages, "5", "5"), Example(PROMPT, "5", "5")])
+    cfg = {"sft_examples": 2, "seed": 0}
+    for mode, leads in (("messages", ["5", " 5"]), ("auto", ["5", "5"]), ("off", None)):
+        p.set_prompt_format(mode)
+        if leads is not None:
+            assert [c for _, c in sft_demos(task, cfg, chat=p.frames)] == leads, mode
+    assert [c for _, c in sft_demos(task, cfg)] == [" 5", " 5"]  # no policy: plain text (the default base)

@@ -139,3 +139,38 @@ def test_a_rows_own_prompt_column_is_its_prompt_as_trl_reads_it(tmp_path):
     plain = tmp_path / "plain.jsonl"  # without one, the format's own prompt and instruction, as before
     plain.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "prompt"}) + "\n")
     assert load_benchmark(str(plain)).examples[0].prompt == "What is 4+1?" + MATH_INSTRUCTION
+
+
+def test_held_out_problems_stay_out_of_training_behind_a_prompt_column(tmp_path):
+    """Held-out rows were kept out of training by prompt text alone: a training file with TRL's prompt column and a
+    held-out file of the same problems without it (MATH-500's rows) trained on every held-out problem, and so did
+    one problem under two system messages in one file. Reference: the problems counted by hand."""
+    def row(i, system=None):
+        r = {"problem": f"What is {i} + 1?", "answer": str(i + 1)}
+        if system is not None:
+            r["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": r["problem"]}]
+        return r
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps(row(i, "Think first.")) + "\n" for i in range(10)))
+    held.write_text("".join(json.dumps(row(i)) + "\n" for i in range(3)))
+    task = load_file_task(load_config(None, [f"data={train}", f"data.heldout={held}", "data.heldout_size=3"]).data)
+    problems = [e.columns["problem"] for e in task.train]
+    assert problems == [f"What is {i} + 1?" for i in range(3, 10)]
+    both = tmp_path / "both.jsonl"  # each problem twice, behind two system messages, no held-out file
+    both.write_text("".join(json.dumps(row(i, s)) + "\n" for i in range(10) for s in ("Think first.", "Be brief.")))
+    task = load_file_task(load_config(None, [f"data={both}", "data.heldout_size=4"]).data)
+    held_problems = {e.columns["problem"] for e in task.heldout}
+    assert len(task.heldout) == 4 and not held_problems & {e.columns["problem"] for e in task.train}
+
+
+def test_a_repeat_whose_columns_are_both_missing_is_no_other_value(tmp_path, caplog):
+    import logging
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"prompt": "p", "answer": "1", "hint": float("nan"), "n": None}) + "\n"
+                         for _ in range(3)))
+    with caplog.at_level(logging.WARNING, logger="trustbatch"):
+        load_benchmark(str(f))
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "skipped 2 rows" in msg and "0 of them with other values)" in msg

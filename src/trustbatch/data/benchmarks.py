@@ -142,7 +142,7 @@ def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | 
     ex = _format_example(row, fmt, prompt_field, answer_field)
     if fmt not in ("gsm8k", "math", "countdown"):
         return ex
-    return dataclasses.replace(ex, prompt=_prompt(row, "prompt")) if "prompt" in row else ex
+    return dataclasses.replace(ex, prompt=_prompt(row, "prompt"), question=ex.prompt) if "prompt" in row else ex
 
 
 def _format_example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
@@ -372,12 +372,19 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
             raise UserError(f"{where}: {err}") from None
         if e.prompt in first:
             was = first[e.prompt]
-            differ = {k for k in set(was.columns) | set(e.columns) if was.columns.get(k) != e.columns.get(k)}
+            differ = {k for k in set(was.columns) | set(e.columns) if not _same(was.columns.get(k), e.columns.get(k))}
             dups.append((where, differ | ({"answer"} if was.reference != e.reference else set())))
             continue
         first[e.prompt] = e
         examples.append(e)
     return examples, dups
+
+
+def _same(a, b) -> bool:
+    """Two cells of a data column alike: equal, or both missing (None, or NaN: pandas' missing value)."""
+    def missing(v):
+        return v is None or (isinstance(v, float) and not math.isfinite(v))
+    return (missing(a) and missing(b)) or (not missing(a) and not missing(b) and a == b)
 
 
 def load_file_task(data_cfg) -> "TaskSplit":
@@ -403,10 +410,13 @@ def load_file_task(data_cfg) -> "TaskSplit":
     if data_cfg.heldout:
         held_file = load_benchmark(data_cfg.heldout, limit=data_cfg.heldout_size, **kw)
         heldout, heldout_reward = held_file.examples, held_file.reward
-        held = {e.prompt for e in heldout}
-        rest = [e for e in pool if e.prompt not in held]
+        rest = pool
     else:
         heldout, rest = pool[:data_cfg.heldout_size], pool[data_cfg.heldout_size:]
+    # by prompt, or by the format's question where a prompt column took its place (the same problem behind another
+    # system message, or a held-out file without the column)
+    held = set().union(*(e.keys for e in heldout))
+    rest = [e for e in rest if not e.keys & held]
     rest = rest[:data_cfg.train_size] if data_cfg.train_size else rest
     if not rest and data_cfg.heldout:
         raise UserError(f"{data_cfg.train!r} has no rows left for training: every prompt of it is also in data.heldout "

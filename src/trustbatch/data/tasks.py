@@ -64,6 +64,14 @@ class Example:
     reference: str
     answer: str  # the SFT demonstration: the gold answer text, or worked steps ending in it (STEPS_TASKS)
     columns: dict = field(default_factory=dict, compare=False, hash=False)
+    # the format's own prompt (question and instruction) of a row whose prompt column took its place, else "": a
+    # held-out row is kept out of training by either text
+    question: str = field(default="", compare=False, hash=False)
+
+    @property
+    def keys(self) -> set[str]:
+        """The texts that make this example the same prompt as another: its prompt, and its ``question``."""
+        return {self.prompt, self.question} - {""}
 
     def context(self) -> dict:
         """What a batch-form reward function is told about this prompt: its text and its data row's fields."""

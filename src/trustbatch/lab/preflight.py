@@ -101,13 +101,15 @@ def is_control(cosine: dict[float, float], zeroed: dict[float, float]) -> bool:
 
 
 def learner_gradient(model: torch.nn.Module, batch, objective: str, options: dict | None = None, *,
-                     micro_batch_size: int = 512, ess_scope: str = "batch") -> tuple[torch.Tensor, dict]:
+                     micro_batch_size: int = 512, ess_scope: str = "batch",
+                     temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     """The flattened parameter gradient ``[P]`` (float64) of one ``Learner.step`` on ``batch``, not applied.
 
     A throwaway ``Learner`` on ``model`` runs the step as training would (micro-batches, the global token
     mean, the batch ESS over every micro-batch, the shared-prompt forward); its optimizer's ``step`` is
     replaced by a recorder, so ``model`` is left unchanged. ``grad_clip`` is off, so the gradient is the
-    raw one. Returns ``(gradient, the step's metrics)`` (e.g. ``ess``, ``clip_fraction``, ``grad_norm``).
+    raw one. ``temperature``: π_θ's in the loss (``Learner``'s). Returns ``(gradient, the step's metrics)`` (e.g.
+    ``ess``, ``clip_fraction``, ``grad_norm``).
 
     Raises:
         ValueError: the objective rejected the batch (a non-finite loss or gradient), so no step was taken.
@@ -115,7 +117,7 @@ def learner_gradient(model: torch.nn.Module, batch, objective: str, options: dic
     from ..trainer.learner import Learner
 
     learner = Learner(model, objective, options, lr=1.0, grad_clip=math.inf, micro_batch_size=micro_batch_size,
-                      ess_scope=ess_scope)
+                      ess_scope=ess_scope, temperature=temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     got: list[torch.Tensor] = []
 
@@ -142,7 +144,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = None, ess_scope: str = "batch",
-                micro_batch_size: int = 512, epsilons=EPSILONS) -> dict:
+                micro_batch_size: int = 512, epsilons=EPSILONS, temperature: float = 1.0) -> dict:
     """ESS, GRPO's zeroed share and the P3O–GRPO gradient cosine on one batch at the model's current θ.
 
     Args:
@@ -150,6 +152,7 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
         batch: a ``TrainBatch`` (``behavior_logprobs`` [B, C], ``advantages`` [B], mask [B, C]).
         p3o_options, ess_scope: P3O's options (e.g. ``kl``) and ESS scope, as the arm trains it.
         epsilons: GRPO clip widths (eps_low = eps_high = ε).
+        temperature: π_θ's in the loss, as the arm trains (``objective.temperature``).
 
     Returns:
         ``{"ess", "zeroed": {ε: share}, "cosine": {ε: cos}, "norm_ratio": {ε: |∇P3O|/|∇GRPO|},
@@ -164,17 +167,17 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
 
     mask = batch.packed.response_mask
     with torch.no_grad():
-        logp, _ = response_logprobs(model, batch.packed)
+        logp, _ = response_logprobs(model, batch.packed, temperature=temperature)
         ess = RatioStats.from_logprobs(logp, batch.behavior_logprobs, mask,
                                        log_ratio_clip=(p3o_options or {}).get("log_ratio_clip", DEFAULT_LOG_RATIO_CLIP)).ess()[0]
         valid = mask.bool()
         gap = (logp.double() - batch.behavior_logprobs.double())[valid].abs()
     g_p3o, _ = learner_gradient(model, batch, PROBED, p3o_options, micro_batch_size=micro_batch_size,
-                                ess_scope=ess_scope)
+                                ess_scope=ess_scope, temperature=temperature)
     zeroed, cos, ratio = {}, {}, {}
     for eps in epsilons:
         g, m = learner_gradient(model, batch, "grpo", {"eps_low": eps, "eps_high": eps},
-                                micro_batch_size=micro_batch_size)
+                                micro_batch_size=micro_batch_size, temperature=temperature)
         zeroed[eps] = float(m["clip_fraction"])
         cos[eps] = cosine(g_p3o, g)
         ratio[eps] = float(g_p3o.norm() / g.norm()) if float(g.norm()) > 0 else math.nan
@@ -186,10 +189,13 @@ def probe_batch(model: torch.nn.Module, batch, *, p3o_options: dict | None = Non
 
 
 def shift_label(cfg: Config) -> str:
-    """A short description of an arm's behaviour shift (what differs from on-policy float32 at T = 1)."""
+    """A short description of an arm's behaviour shift (what differs from on-policy float32 at the learner's
+    temperature, ``objective.temperature``: by default 1)."""
+    from ..recipes.backends import learner_temperature
+
     ro, tr = cfg.rollout, cfg.train
     parts = []
-    if ro.temperature != 1.0:
+    if ro.temperature != learner_temperature(cfg):
         parts.append(f"T={ro.temperature:g}")
     if ro.top_p != 1.0:
         parts.append(f"top-p={ro.top_p:g}")
@@ -255,7 +261,7 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         UserError: the arm cannot be built here (e.g. an engine that is not installed), or no batch had an
             informative group.
     """
-    from ..recipes.backends import learner_options
+    from ..recipes.backends import learner_options, learner_temperature
     from ..recipes.build import build_parts, foreign_engine, preflight, prepare_run, scoring_check
     from ..trainer.loop import run_loop
 
@@ -292,7 +298,7 @@ def probe_arm(cfg: Config, arm: str = "", *, max_batches: int = 8, console=None)
         own = cfg.objective.name == PROBED
         res = probe_batch(policy.model, measured, p3o_options=learner_options(cfg) if own else {},
                           ess_scope=cfg.train.ess_scope if own else "batch",
-                          micro_batch_size=cfg.train.micro_batch_size)
+                          micro_batch_size=cfg.train.micro_batch_size, temperature=learner_temperature(cfg))
     finally:
         if parts is not None:
             parts.source.close()

@@ -106,16 +106,15 @@ def weak_teacher(demos: list[tuple[str, str]], error: float, seed: int) -> list[
     return [(p, rng.choice(answers) if rng.random() < error else c) for p, c in demos]
 
 
-def sft_demos(task: TaskSplit, model_cfg: dict, chat: bool = False) -> list[tuple[str, str]]:
+def sft_demos(task: TaskSplit, model_cfg: dict, chat: Callable[[str], bool] | None = None) -> list[tuple[str, str]]:
     """(prompt, completion) pairs for the SFT warm-up: the first ``sft_examples`` train prompts, with a
     ``sft_teacher_error`` fraction of answers replaced by ``weak_teacher``.
 
     A plain-text prompt's completion starts with a space (the prompt ends a sentence); after a chat template's
-    assistant header (``chat``: ``Policy.uses_chat_template``) the answer starts at once, as the template renders an
-    assistant turn and as TRL's SFT keeps a conversational completion."""
+    assistant header (``chat(prompt)``: ``Policy.frames``; None: no prompt is) the answer starts at once, as the
+    template renders an assistant turn and as TRL's SFT keeps a conversational completion."""
     n = model_cfg.get("sft_examples") or len(task.train)
-    lead = "" if chat else " "
-    demos = [(e.prompt, lead + e.answer) for e in task.train[:n]]
+    demos = [(e.prompt, ("" if chat is not None and chat(e.prompt) else " ") + e.answer) for e in task.train[:n]]
     return weak_teacher(demos, model_cfg.get("sft_teacher_error", 0.0), seed=model_cfg["seed"])
 
 

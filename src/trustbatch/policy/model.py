@@ -117,15 +117,21 @@ class Policy:
         return self.chat_template if self.chat_template is not None else \
             bool(getattr(self.tokenizer, "chat_template", None))
 
+    def frames(self, prompt: str) -> bool:
+        """Whether ``encode_prompt`` renders ``prompt`` through the chat template: a ``chat.Conversation`` wherever
+        the template frames chat messages, a text prompt where ``uses_chat_template``."""
+        return self._frames_messages if isinstance(prompt, Conversation) else self.uses_chat_template
+
     def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
         messages = isinstance(text, Conversation)
         chat = text.as_list() if messages else [{"role": "user", "content": text}]
         if messages and not self._frames_messages:
+            why = ("data.chat_template=off turns it off; use data.chat_template=auto or messages"
+                   if getattr(tok, "chat_template", None) else "this model's tokenizer has none; use a chat model")
             raise UserError("a prompt given as chat messages (TRL's conversational format) needs the tokenizer's chat "
-                            "template, which this model's tokenizer has none of or data.chat_template=off turns off; "
-                            "use a chat model (or data.chat_template=auto), or give the prompt as text")
-        if self._frames_messages if messages else self.uses_chat_template:
+                            f"template, and {why}, or give the prompt as text")
+        if self.frames(text):
             own = any(m["role"] == "system" for m in chat)
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own else []
             try:  # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys

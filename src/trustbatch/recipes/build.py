@@ -9,10 +9,12 @@ more entry there, never a branch here or in the loop.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 from .. import objectives
 from ..config import Config
+from ..chat import Conversation
 from ..data import load_task
 from ..data.benchmarks import NO_SCORER, fit_prompts, limit_prompts, load_file_task
 from ..data.tasks import LongPrompts
@@ -187,6 +189,27 @@ def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     return reward_spec(cfg, task, heldout=where != "a rollout round").check(where, warn)
 
 
+def questions_for_messages(task, frames_messages: bool, console=None) -> None:
+    """Where the model cannot frame chat messages (no chat template: the default base; ``data.chat_template=off``),
+    a GSM8K, MATH or Countdown row whose ``prompt`` column holds them is prompted with its format's own question
+    instead (``Example.question``), with a warning, as before that column was read; a row without one keeps its
+    messages, which ``Policy.encode_prompt`` refuses in one line."""
+    if frames_messages:
+        return
+    swapped = 0
+    for split in ("train", "heldout"):
+        examples = getattr(task, split)
+        swap = [isinstance(e.prompt, Conversation) and bool(e.question) for e in examples]
+        if any(swap):
+            setattr(task, split, [dataclasses.replace(e, prompt=e.question, question="") if s else e
+                                  for e, s in zip(examples, swap)])
+            swapped += sum(swap)
+    if swapped and console is not None:
+        console.print(f"[yellow]warning: {swapped} rows' prompt column holds chat messages, which this model cannot "
+                      "frame (its tokenizer has no chat template, or data.chat_template=off): each is prompted with "
+                      "its question and the format's instruction instead[/yellow]", highlight=False)
+
+
 def fit_to_context(task, policy, max_new_tokens: int, console=None) -> int:
     """Drop (with a warning) the prompts that leave no room for ``max_new_tokens`` in the model's context. Returns
     how many train prompts were dropped.
@@ -277,6 +300,7 @@ def prepare_run(cfg: Config, console=None):
     task = configured_task(cfg)
     if not cfg.model.path:
         check_demonstrations(task, "the default base (warmed up on the data's answers)")
+        questions_for_messages(task, False, console)  # the default base has no chat template
     pool = reward_spec(cfg, task, heldout=True).pool()
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path, revision=cfg.model.revision), cfg.model.path
@@ -287,6 +311,7 @@ def prepare_run(cfg: Config, console=None):
     lo = cfg.model.lora
     try:
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        questions_for_messages(task, policy.frames(Conversation([{"role": "user", "content": "x"}])), console)
         cut, skipped = limit_prompt_length(task, policy, cfg.data, console) if cfg.data.max_prompt_tokens else (set(), 0)
         skipped += fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
         if cfg.data.max_prompt_tokens:  # indices once the splits are final
