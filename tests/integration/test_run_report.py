@@ -22,6 +22,7 @@ from trustbatch.eval.heldout import evaluate_heldout
 from trustbatch.lab.reproduce import compare_run
 from trustbatch.recipes import train
 from trustbatch.recipes.compare import config_differences, labels, load_run, plot_runs, write_comparison
+from trustbatch.rewards import ScoreResult
 
 from tiny import TINY
 
@@ -239,7 +240,7 @@ class _Pool:
 
     def score(self, completions, references, **_):
         rewards = [self.REWARDS[int(c.split(":")[0])][int(c.split(":")[1])] for c in completions]
-        return SimpleNamespace(rewards=rewards, errors=0, timeouts=0, unscored=0)
+        return ScoreResult(rewards, errors=0, timeouts=0)
 
 
 def test_heldout_standard_error_is_over_prompts():
