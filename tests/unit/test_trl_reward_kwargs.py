@@ -155,3 +155,16 @@ def test_columns_and_return_types_as_trl_takes_them():
     assert [r.rewards for r in got[:3]] == [[0.5, 1.5], [0.25, -1.0], [2.0, 0.75]]
     assert "return a list (or a 1-D array or tensor) of one score per completion" in got[3].last_error
     assert "returned 1 scores for 2 completions" in got[4].last_error
+
+
+def test_nan_from_a_batch_form_function_does_not_apply_as_in_trl():
+    """TRL turns None into NaN and sums with nansum, so a function's NaN is its "does not apply" (a NumPy array can
+    hold no None); it was counted here as the function's error (reward 0, toward the failure limit)."""
+    def f(completions, **kwargs):
+        return np.array([1.0, np.nan, 0.5])
+
+    res = score_local(BatchForm(f), ["a", "b", "c"], [""] * 3, contexts=_ctx([3]), clamp=False)
+    assert res.rewards == [1.0, 0.0, 0.5] and res.errors == 0 and res.none == [1]
+    inf = score_local(BatchForm(lambda completions, **kw: [float("inf")] * 3), ["a", "b", "c"], [""] * 3,
+                      contexts=_ctx([3]))
+    assert inf.errors == 3  # an infinite score is still an error

@@ -208,7 +208,7 @@ class BatchForm:
     ``completion_ids`` (by name, or ``**kwargs``) gets each completion's token ids too (``COMPLETION_IDS_KEY``; TRL's
     ``get_soft_overlong_punishment`` reads them), where the caller recorded them. A raise, a list of the wrong
     length, or a value that is not a finite number fails the whole group (reward 0, counted per completion);
-    ``f`` may be ``async def`` (``await_reward``, as TRL awaits it). ``None`` scores 0 (TRL's "does not apply", its NaN:
+    ``f`` may be ``async def`` (``await_reward``, as TRL awaits it). ``None`` or NaN scores 0 (TRL's "does not apply":
     status ``"none"``, left out of the function's logged mean as
     TRL's nanmean leaves it); a finite score outside [0, 1] is ``settle``d by the pool that records it.
     """
@@ -250,7 +250,9 @@ class BatchForm:
             if len(scores) != len(completions):
                 raise ValueError(f"returned {len(scores)} scores for {len(completions)} completions; return one "
                                  "score per completion")
-            outcomes = [(0.0, "none", None) if v is None else outcome(v) for v in scores]
+            # None or NaN: does not apply (TRL turns None into NaN and reads NaN so; an array holds no None)
+            outcomes = [(0.0, "none", None) if v is None or (is_score(v) and math.isnan(float(v))) else outcome(v)
+                        for v in scores]
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - a reward's bug is counted, as for every scorer
