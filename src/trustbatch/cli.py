@@ -150,7 +150,7 @@ def sft(
     from .policy.sft import sft as run_sft
     from .recipes import configured_task, task_key
     from .recipes.base import load_default_base
-    from .recipes.build import check_demonstrations, fit_demos, limit_prompt_length
+    from .recipes.build import check_demonstrations, fit_demos, limit_prompt_length, questions_for_messages
     from .recipes.outputs import output_folder, staged_folder
 
     console = Console(soft_wrap=True)
@@ -166,6 +166,7 @@ def sft(
     check_demonstrations(task, "trustbatch sft")
     model_cfg = cfg.model.model_dump(mode="json")
     if cfg.model.path is None:
+        questions_for_messages(task, None, console)  # as train builds the same base
         policy, path, how = load_default_base(task, task_key(cfg), model_cfg, console)
         console.print(f"default base ({how}) at {path}")
     else:
@@ -173,6 +174,7 @@ def sft(
             raise UserError("SFT of model.path needs --out DIR for the result")
         policy = load_policy(cfg.model.path, revision=cfg.model.revision)
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
+        questions_for_messages(task, policy, console)
         if cfg.data.max_prompt_tokens:  # the prompts RL will train on: skipped or cut alike
             limit_prompt_length(task, policy, cfg.data, console)
         # the weak teacher is the default base's; a user's own model learns their demonstrations unless they ask
@@ -215,6 +217,7 @@ def eval_(
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="a system message before every prompt (needs a chat template)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="prompts of more tokens (chat template included) are skipped or truncated, as data.max_prompt_tokens"),
     long_prompts: str = typer.Option("skip", "--long-prompts", help="a prompt over --max-prompt-tokens: skip, or truncate (keep its last tokens), as data.long_prompts"),
+    prompt_column: bool = typer.Option(True, "--prompt-column/--no-prompt-column", help="a GSM8K, MATH or Countdown row's prompt field is its prompt (TRL's), as data.prompt_column"),
 ):
     """pass@k (unbiased, with standard errors) of a model on benchmarks, sampled with the training engine."""
     from datetime import datetime
@@ -235,7 +238,7 @@ def eval_(
                    data_dir=data_dir, reward=reward, fmt=fmt, prompt_field=prompt_field, answer_field=answer_field,
                    workers=workers, timeout=timeout, seed=seed, engine=engine_name, device=device, decode=decode, noise=noise,
                    precision=precision, chat_template=chat_template, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens,
-                   long_prompts=long_prompts, progress=progress,
+                   long_prompts=long_prompts, progress=progress, prompt_column=prompt_column,
                    warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/yellow]", soft_wrap=True))  # one line
     console.print(_passk_table(res, ks, n, temperature))
     dest = save_results(res, dest)

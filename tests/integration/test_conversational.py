@@ -202,3 +202,57 @@ def test_a_prompt_column_of_messages_falls_back_to_the_question_where_no_templat
     assert [e.prompt for e in task.heldout] == [f"Tom has {i} apples and gets 1." + GSM8K_INSTRUCTION for i in range(4)]
     assert "20 rows' prompt column holds chat messages, which this model cannot frame" in capsys.readouterr().err
     assert policy.encode_prompt(task.train[0].prompt)  # text: no refusal
+
+
+def _gsm_with_messages(tmp_path, n=30):
+    f = tmp_path / "gsm.jsonl"
+    f.write_text("".join(json.dumps({"question": f"Tom has {i} apples and gets 1.", "answer": f"#### {i + 1}",
+                                     "prompt": [{"role": "user", "content": f"Tom: {i} + 1?"}]}) + "\n"
+                         for i in range(n)))
+    return f
+
+
+def test_eval_and_sft_fall_back_to_the_question_as_training_does(tmp_path, shared_dir, monkeypatch, capsys):
+    """The fallback ran in training alone: trustbatch eval (the model card's command) and trustbatch sft refused the
+    rows that a run trained on. Reference: the prompts training held out."""
+    from trustbatch.recipes.evaluate import evaluate
+    from runproc import main_in_process
+
+    f = _gsm_with_messages(tmp_path)
+    warned: list[str] = []
+    res = evaluate(shared_dir / "models" / "stories260K-hf", [str(f)], n=1, ks=[1], max_new_tokens=2, workers=0,
+                   limit=4, warn=warned.append)
+    assert res["benchmarks"][f.stem]["pass@1"] >= 0 and any("4 rows' prompt column holds chat messages" in w
+                                                          for w in warned)
+    monkeypatch.setenv("TRUSTBATCH_CACHE", str(tmp_path / "cache"))
+    code, out, err = main_in_process(monkeypatch, capsys, "sft", f"data={f}", "data.heldout_size=4", "model.sft_steps=2")
+    assert code == 0, err
+    assert "30 rows' prompt column holds chat messages" in out + err  # the train and held-out rows
+
+
+def test_a_run_saved_before_the_prompt_column_was_read_resumes_on_its_prompts(tmp_path, chat_model):
+    """A run whose config has no data.prompt_column (saved before it) read GSM8K rows' question: its resume kept
+    training and evaluating on them (it switched to the prompt column mid-run, under the same metrics)."""
+    import yaml
+
+    from trustbatch.config import load_config
+    from trustbatch.recipes import train
+
+    f = _gsm_with_messages(tmp_path)
+    run = tmp_path / "run"
+    over = [f"data={f}", "data.heldout_size=4", f"model.path={chat_model}", "reward.workers=0", "threads=1",
+            "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "eval.every=1",
+            "eval.samples_per_prompt=1", "checkpoint_every=1", "log.samples.every=1", "log.samples.train=2",
+            "log.samples.heldout=2", f"run_dir={run}"]
+    train(load_config(None, over + ["train.steps=1", "data.prompt_column=false"]))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["data"]["prompt_column"]  # as a run saved before the key
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    train(resume=str(run), overrides=["train.steps=2"])
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["round"] for s in samples} == {0, 1, 2}
+    assert all(s["prompt"].startswith("Tom has ") for s in samples), [s["prompt"][:20] for s in samples]
+    from trustbatch.recipes.export import eval_command  # the card's command reads the rows as the run did
+
+    assert "--no-prompt-column" in eval_command(load_config(None, over + ["data.prompt_column=false"]), run, 1)
+    assert "--no-prompt-column" not in eval_command(load_config(None, over), run, 1)

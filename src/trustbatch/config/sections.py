@@ -105,6 +105,10 @@ class DataConfig(_Strict):
                             "that need no gold answer (TRL's prompt-only rows), when it has a prompt field alone)")
     prompt_field: str | None = Field(None, description="prompt field of a plain JSONL (default: prompt)")
     answer_field: str | None = Field(None, description="answer field of a plain JSONL (default: answer)")
+    prompt_column: bool = Field(True, description="a GSM8K, MATH or Countdown row's prompt field is its prompt, as "
+                                                  "TRL's GRPOTrainer reads it (its question and the format's "
+                                                  "instruction where the model cannot frame chat messages); false: "
+                                                  "the question and instruction (a run saved before this key)")
     train_size: Int | None = Field(None, ge=1, description="use at most this many train rows")
     heldout_size: Int = Field(256, ge=1, description="held-out rows")
     chat_template: Annotated[Literal["auto", "on", "off", "messages"], BeforeValidator(switch)] = Field(
@@ -127,8 +131,8 @@ class DataConfig(_Strict):
             raise ValueError("data.heldout needs data.train (without it the run trains and evaluates on task.name); "
                              "set data.train=FILE too, or evaluate a file alone with trustbatch eval -b FILE")
         if self.train is None:  # the reasoning-gym task (task.*) is the data; a value given here would do nothing
-            unread = next((k for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field")
-                           if getattr(self, k) != type(self).model_fields[k].default), None)
+            unread = next((k for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field",
+                                       "prompt_column") if getattr(self, k) != type(self).model_fields[k].default), None)
             if unread is not None:
                 fix = f"use task.{unread}" if unread in ("train_size", "heldout_size") else f"drop data.{unread}"
                 raise ValueError(f"data.{unread} is read only with data.train (without it the run trains on "

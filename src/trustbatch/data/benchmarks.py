@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..chat import conversation, is_messages
+from ..chat import Conversation, conversation, is_messages
 from ..errors import UserError
 from .files import import_datasets, is_table, read_table
 from .tasks import Example
@@ -124,7 +124,8 @@ def _field(row: dict, name: str, what: str, hint: str = "") -> str:
     return v if isinstance(v, str) else str(v)
 
 
-def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_field: str | None = None) -> Example:
+def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_field: str | None = None,
+               prompt_column: bool = True) -> Example:
     """One row as an Example: the prompt with its format's instruction, the scorer's reference, a demonstration,
     and the row's fields as ``columns`` (for batch-form reward functions).
 
@@ -133,14 +134,15 @@ def to_example(row: dict, fmt: str, prompt_field: str | None = None, answer_fiel
             (GSM8K without ``#### N`` or with an empty last ``####``, Countdown numbers that are not
             integers). The message does not name the file; ``load_benchmark`` adds it.
     """
-    return dataclasses.replace(_example(row, fmt, prompt_field, answer_field), columns=dict(row))
+    return dataclasses.replace(_example(row, fmt, prompt_field, answer_field, prompt_column), columns=dict(row))
 
 
-def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None) -> Example:
+def _example(row: dict, fmt: str, prompt_field: str | None, answer_field: str | None,
+             prompt_column: bool = True) -> Example:
     # a row's own prompt column (TRL's: open-r1's rows carry problem, solution, answer and the prompt it built) is the
     # prompt as it is, as TRL's GRPOTrainer reads it; the format's fields still give the reference and demonstration
     ex = _format_example(row, fmt, prompt_field, answer_field)
-    if fmt not in ("gsm8k", "math", "countdown"):
+    if fmt not in ("gsm8k", "math", "countdown") or not prompt_column:  # data.prompt_column=false: as before it
         return ex
     return dataclasses.replace(ex, prompt=_prompt(row, "prompt"), question=ex.prompt) if "prompt" in row else ex
 
@@ -318,11 +320,12 @@ def _hub_rows(spec: str) -> list[dict]:
 
 def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: str = "auto",
                    prompt_field: str | None = None, answer_field: str | None = None,
-                   limit: int | None = None) -> Benchmark:
+                   limit: int | None = None, prompt_column: bool = True) -> Benchmark:
     """Load a benchmark or training file into Examples.
 
     ``limit`` keeps the first ``limit`` distinct prompts. A row whose prompt repeats an earlier
     row's is skipped and counted in ``duplicates``, with a warning on the ``trustbatch.data`` logger.
+    ``prompt_column``: a GSM8K, MATH or Countdown row's ``prompt`` field is its prompt (``data.prompt_column``).
 
     Raises:
         UserError: missing file, a line that is not UTF-8 or not JSON, a table that does not read (``data.files``), unknown format, a missing,
@@ -344,7 +347,7 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
             fmt = auto_format(rows[0][1], prompt_field, answer_field)
         except UserError as e:
             raise UserError(f"{rows[0][0]}: {e}") from None
-    examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit)
+    examples, dups = _distinct_examples(rows, fmt, prompt_field, answer_field, limit, prompt_column)
     if dups:
         differ = [d for _, d in dups if d]
         fields = sorted(set().union(*differ)) if differ else []
@@ -357,7 +360,8 @@ def load_benchmark(name_or_path: str, *, data_dir: str | None = None, format: st
 
 
 def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field: str | None,
-                       answer_field: str | None, limit: int | None) -> tuple[list[Example], list[tuple[str, set]]]:
+                       answer_field: str | None, limit: int | None,
+                       prompt_column: bool = True) -> tuple[list[Example], list[tuple[str, set]]]:
     """Examples of the first ``limit`` distinct prompts, and ``(where, the fields whose values differ from the first
     row's)`` of each repeat skipped (``answer`` for the reference)."""
     examples: list[Example] = []
@@ -367,7 +371,7 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
         if limit is not None and len(examples) >= limit:
             break
         try:
-            e = to_example(row, fmt, prompt_field, answer_field)
+            e = to_example(row, fmt, prompt_field, answer_field, prompt_column)
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         if e.prompt in first:
@@ -378,6 +382,13 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
         first[e.prompt] = e
         examples.append(e)
     return examples, dups
+
+
+def questions_in_place(examples: list[Example]) -> tuple[list[Example], int]:
+    """``examples`` with each chat-message prompt that stood in front of its format's question (``Example.question``)
+    back to that question, and how many: for a model that cannot frame chat messages."""
+    swap = [isinstance(e.prompt, Conversation) and bool(e.question) for e in examples]
+    return [dataclasses.replace(e, prompt=e.question, question="") if s else e for e, s in zip(examples, swap)], sum(swap)
 
 
 def _same(a, b) -> bool:
@@ -399,7 +410,7 @@ def load_file_task(data_cfg) -> "TaskSplit":
     from .tasks import TaskSplit
 
     kw = dict(data_dir=data_cfg.dir, format=data_cfg.format, prompt_field=data_cfg.prompt_field,
-              answer_field=data_cfg.answer_field)
+              answer_field=data_cfg.answer_field, prompt_column=data_cfg.prompt_column)
     if data_cfg.train in KNOWN:  # a benchmark's name is its evaluation split: say so before anyone reports on it
         log.warning(f"warning: data.train={data_cfg.train} trains on {KNOWN[data_cfg.train]}, the benchmark's test "
                     f"split: an evaluation on {data_cfg.train} afterwards scores prompts the run trained on; give a "

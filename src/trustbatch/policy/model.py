@@ -43,6 +43,7 @@ class Policy:
     adapter: object | None = None
     chat_template: bool | None = None  # prompts through the tokenizer's chat template; None: when it has one
     text_as_is: bool = False  # a text prompt goes as it is, the template framing chat messages alone (TRL's rule)
+    format_keys: tuple[str, str] = ("data.chat_template", "data.system_prompt")  # what set them, for messages
     system_prompt: str | None = None  # the system message before each prompt (chat template only)
     max_prompt_tokens: int | None = None  # encode_prompt keeps a prompt's last this many tokens (data.long_prompts)
     # the model's other end tokens (its generation_config's eos_token_id list): an Instruct model's end of turn
@@ -82,6 +83,7 @@ class Policy:
                             + f"; drop {keys[1]} or put the instruction into the prompts")
         self.chat_template, self.system_prompt = use, system_prompt or None
         self.text_as_is = chat_template == "messages"
+        self.format_keys = keys
         if self.system_prompt:  # the template's own refusal, now, as one line: not a traceback at the first prompt
             try:
                 self._encode_whole_prompt("")
@@ -127,7 +129,8 @@ class Policy:
         messages = isinstance(text, Conversation)
         chat = text.as_list() if messages else [{"role": "user", "content": text}]
         if messages and not self._frames_messages:
-            why = ("data.chat_template=off turns it off; use data.chat_template=auto or messages"
+            key = self.format_keys[0]
+            why = (f"{key}=off turns it off; use {key}=auto or messages"
                    if getattr(tok, "chat_template", None) else "this model's tokenizer has none; use a chat model")
             raise UserError("a prompt given as chat messages (TRL's conversational format) needs the tokenizer's chat "
                             f"template, and {why}, or give the prompt as text")

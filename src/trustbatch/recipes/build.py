@@ -9,14 +9,13 @@ more entry there, never a branch here or in the loop.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 
 from .. import objectives
 from ..config import Config
 from ..chat import Conversation
 from ..data import load_task
-from ..data.benchmarks import NO_SCORER, fit_prompts, limit_prompts, load_file_task
+from ..data.benchmarks import NO_SCORER, fit_prompts, limit_prompts, load_file_task, questions_in_place
 from ..data.tasks import LongPrompts
 from ..errors import UserError
 from ..pipeline.source import SourceSpec
@@ -175,10 +174,13 @@ def configured_task(cfg: Config):
 def task_key(cfg: Config) -> dict:
     """What determines the task's prompts, for the default base's cache key."""
     # the prompt format is not the task's: the default base's tokenizer has no chat template
-    # nor how long prompts are cut (the base is trained on its own prompts, before any limit applies)
-    return (cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt", "max_prompt_tokens",
-                                                      "long_prompts"}) if cfg.data.train
-            else cfg.task.model_dump(mode="json"))
+    # nor how long prompts are cut (the base is trained on its own prompts, before any limit applies); a run that
+    # read no prompt column (data.prompt_column false, as every run before the key) keeps the key it had
+    if not cfg.data.train:
+        return cfg.task.model_dump(mode="json")
+    return cfg.data.model_dump(mode="json", exclude={"chat_template", "system_prompt", "max_prompt_tokens",
+                                                     "long_prompts"} | ({"prompt_column"} if not cfg.data.prompt_column
+                                                                        else set()))
 
 
 def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
@@ -189,25 +191,27 @@ def scoring_check(cfg: Config, task, console, where: str = "a rollout round"):
     return reward_spec(cfg, task, heldout=where != "a rollout round").check(where, warn)
 
 
-def questions_for_messages(task, frames_messages: bool, console=None) -> None:
-    """Where the model cannot frame chat messages (no chat template: the default base; ``data.chat_template=off``),
-    a GSM8K, MATH or Countdown row whose ``prompt`` column holds them is prompted with its format's own question
-    instead (``Example.question``), with a warning, as before that column was read; a row without one keeps its
-    messages, which ``Policy.encode_prompt`` refuses in one line."""
-    if frames_messages:
+def questions_for_messages(task, policy, console=None) -> None:
+    """Where ``policy`` cannot frame chat messages (no chat template; ``data.chat_template=off``; None: the default
+    base, which has no template), a GSM8K, MATH or Countdown row whose ``prompt`` column holds them is prompted with
+    its format's own question instead (``Example.question``), with a warning, as before that column was read; a row
+    without one keeps its messages, which ``Policy.encode_prompt`` refuses in one line."""
+    if policy is not None and policy.frames(Conversation([{"role": "user", "content": "x"}])):
         return
     swapped = 0
     for split in ("train", "heldout"):
-        examples = getattr(task, split)
-        swap = [isinstance(e.prompt, Conversation) and bool(e.question) for e in examples]
-        if any(swap):
-            setattr(task, split, [dataclasses.replace(e, prompt=e.question, question="") if s else e
-                                  for e, s in zip(examples, swap)])
-            swapped += sum(swap)
+        examples, n = questions_in_place(getattr(task, split))
+        setattr(task, split, examples)
+        swapped += n
+    warn_questions(swapped, console)
+
+
+def warn_questions(swapped: int, console=None, key: str = "data.chat_template") -> None:
+    """The warning of ``questions_for_messages`` (``swapped`` rows; ``key``: the framing setting as the user set it)."""
     if swapped and console is not None:
         console.print(f"[yellow]warning: {swapped} rows' prompt column holds chat messages, which this model cannot "
-                      "frame (its tokenizer has no chat template, or data.chat_template=off): each is prompted with "
-                      "its question and the format's instruction instead[/yellow]", highlight=False)
+                      f"frame (its tokenizer has no chat template, or {key}=off): each is prompted with its question "
+                      "and the format's instruction instead[/yellow]", highlight=False)
 
 
 def fit_to_context(task, policy, max_new_tokens: int, console=None) -> int:
@@ -300,7 +304,7 @@ def prepare_run(cfg: Config, console=None):
     task = configured_task(cfg)
     if not cfg.model.path:
         check_demonstrations(task, "the default base (warmed up on the data's answers)")
-        questions_for_messages(task, False, console)  # the default base has no chat template
+        questions_for_messages(task, None, console)  # before the default base learns them
     pool = reward_spec(cfg, task, heldout=True).pool()
     if cfg.model.path:
         policy, source = load_policy(cfg.model.path, revision=cfg.model.revision), cfg.model.path
@@ -311,7 +315,7 @@ def prepare_run(cfg: Config, console=None):
     lo = cfg.model.lora
     try:
         policy.set_prompt_format(cfg.data.chat_template, cfg.data.system_prompt)
-        questions_for_messages(task, policy.frames(Conversation([{"role": "user", "content": "x"}])), console)
+        questions_for_messages(task, policy, console)
         cut, skipped = limit_prompt_length(task, policy, cfg.data, console) if cfg.data.max_prompt_tokens else (set(), 0)
         skipped += fit_to_context(task, policy, cfg.rollout.max_new_tokens, console)
         if cfg.data.max_prompt_tokens:  # indices once the splits are final

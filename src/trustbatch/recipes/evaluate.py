@@ -8,6 +8,7 @@ builds the engine and runs ``eval.benchmarks.evaluate_benchmarks``; it returns t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -45,7 +46,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
              decode: str = "dynamic", noise: str = "generator", precision: str = "float32", chat_template: str = "auto",
              system_prompt: str | None = None,
              max_prompt_tokens: int | None = None, long_prompts: str = "skip", progress=None,
-             warn: Callable[[str], None] | None = None) -> dict:
+             warn: Callable[[str], None] | None = None, prompt_column: bool = True) -> dict:
     """Sample ``n`` completions per prompt of each benchmark from ``model`` and return pass@k for every k in ``ks``.
 
     ``model``: a local Hugging Face model directory; ``max_new_tokens`` None: 512, or half its context if less (as
@@ -59,7 +60,9 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     bf16-mixed (the transformers engine under bf16 autocast, as a bf16-mixed run's held-out evaluation samples). ``chat_template`` (auto, on, off) and ``system_prompt`` frame the prompts as in training
     (``Policy.set_prompt_format``); ``max_prompt_tokens`` and ``long_prompts`` limit them as ``data.max_prompt_tokens``
     and ``data.long_prompts`` do in training (skip, or keep the last tokens), so a run's held-out evaluation is
-    sampled again on the same prompts (the model card's command). ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
+    sampled again on the same prompts (the model card's command); ``prompt_column`` reads a GSM8K, MATH or Countdown
+    row's prompt column as ``data.prompt_column`` does, falling back to its question where the model cannot frame its
+    chat messages, as training does. ``progress``: a rich Progress, entered only while sampling; ``warn(message)``
     hears of the prompts skipped because they and ``max_new_tokens`` exceed the model's context
     (``data.benchmarks.fit_prompts``, as training skips them; counted in each benchmark's ``prompts_skipped``), and
     of a scorer that failed or returned a reward outside [0, 1] (``eval.benchmarks.evaluate_benchmarks``).
@@ -92,7 +95,8 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     dev = _checked_device(n, ks, temperature, 1 if max_new_tokens is None else max_new_tokens, limit, timeout,
                           workers, spec, reward, device)
     benches = _distinct_names([load_benchmark(b, data_dir=data_dir, format=fmt, prompt_field=prompt_field,
-                                              answer_field=answer_field, limit=limit) for b in benchmarks], benchmarks)
+                                              answer_field=answer_field, limit=limit, prompt_column=prompt_column)
+                              for b in benchmarks], benchmarks)
     for b in benches:
         if reward is None and b.reward == NO_SCORER:
             raise UserError(f"benchmark {b.name!r} has prompts and no answers (data format prompts), so it has no "
@@ -102,7 +106,7 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
             check_answer_scorers([reward], b.reward, other=None)
     policy = load_policy(model, key="--model")
     policy.set_prompt_format(chat_template, system_prompt, keys=("--chat-template", "--system-prompt"))
-    benches = _limit_prompt_tokens(benches, policy, max_prompt_tokens, long_prompts, warn)
+    benches = _limit_prompt_tokens(_questions(benches, policy, warn), policy, max_prompt_tokens, long_prompts, warn)
     ctx = getattr(policy.model.config, "max_position_embeddings", None)
     if max_new_tokens is None:
         max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, ctx // 2 if ctx else DEFAULT_MAX_NEW_TOKENS)
@@ -119,6 +123,26 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
     return {"model": str(model), "engine": engine, "decode": decode, "noise": noise, "precision": precision, "n": n,
             "k": ks, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "limit": limit,
             "max_prompt_tokens": max_prompt_tokens, "long_prompts": long_prompts, **res}
+
+
+def _questions(benches: list, policy, warn: Callable[[str], None] | None) -> list:
+    """``benches`` with each chat-message prompt column back to its format's question where ``policy`` cannot frame
+    chat messages (``data.benchmarks.questions_in_place``), as a training run's held-out evaluation prompts them."""
+    from ..chat import Conversation
+    from ..data.benchmarks import questions_in_place
+
+    if policy.frames(Conversation([{"role": "user", "content": "x"}])):
+        return benches
+    out, swapped = [], 0
+    for b in benches:
+        examples, n = questions_in_place(b.examples)
+        out.append(dataclasses.replace(b, examples=examples))
+        swapped += n
+    if swapped and warn is not None:
+        warn(f"{swapped} rows' prompt column holds chat messages, which this model cannot frame (its tokenizer has no "
+             "chat template, or --chat-template off): each is prompted with its question and the format's instruction "
+             "instead")
+    return out
 
 
 def _distinct_names(benches: list, given: list[str]) -> list:

@@ -159,6 +159,8 @@ def eval_command(cfg: Config, model: Path, step: int, start: str | None = None) 
             cmd += [flag, value]
     if d.format != "auto":
         cmd += ["--format", d.format]
+    if not d.prompt_column:
+        cmd += ["--no-prompt-column"]
     if d.chat_template != "auto":
         cmd += ["--chat-template", d.chat_template]
     if d.max_prompt_tokens is not None:  # the held-out prompts training kept, as it kept them

@@ -151,6 +151,7 @@ def as_read_now(saved: dict) -> dict:
     exports (``train._resolve_run``, ``export``).
 
     - ``task.heldout_reserve`` 0: the base's SFT skipped the held-out prompts alone.
+    - ``data.prompt_column`` false: a format row's question and instruction were its prompt.
     - ``rollout.prompt_order`` random: prompts were drawn at random with replacement.
     - ``objective.std`` population under ``advantage`` mean or rloo (no σ); ``data.*`` size and format keys without
       ``data.train`` (the task's own ran), and ``task.*`` with it (the file ran); ``rollout.quantization`` on the
@@ -170,10 +171,12 @@ def as_read_now(saved: dict) -> dict:
     if obj.get("advantage") in ("mean", "rloo"):
         obj["std"] = "population"
     if data and not data.get("train"):
-        for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field"):
+        for k in ("train_size", "heldout_size", "dir", "format", "prompt_field", "answer_field", "prompt_column"):
             data[k] = DataConfig.model_fields[k].default
     if data.get("train") and task:
         saved["task"] = TaskConfig().model_dump(mode="json")
+    if data.get("train"):
+        data.setdefault("prompt_column", False)
     train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
     _unread_to_default(saved, ro, obj, train)
     rows = int(ro.get("prompts_per_step", 64)) * int(ro.get("group_size", 8)) if ro else None
