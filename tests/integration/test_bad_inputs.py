@@ -299,6 +299,7 @@ def test_repeated_prompts_are_skipped_counted_and_warned(tmp_path, caplog):
     assert "skipped 2 rows" in msg and "2 of them with other values of solution, which no reward sees" in msg
 
     class DataCfg:  # the training split sees each prompt once, too
+        prompt_column = True
         train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
             str(f), None, None, "auto", None, None, None, 1)
 
@@ -312,6 +313,7 @@ def test_a_benchmark_name_as_training_data_warns_that_it_is_the_test_split(tmp_p
     (tmp_path / "gsm8k" / "test.jsonl").write_text("\n".join([GSM, GSM2]) + "\n")
 
     class DataCfg:
+        prompt_column = True
         train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
             "gsm8k", None, str(tmp_path), "auto", None, None, None, 1)
 
@@ -334,6 +336,7 @@ def test_no_rows_left_for_training_names_which_setting_took_them(tmp_path):
     f.write_text("\n".join([GSM, GSM2]) + "\n")
 
     class DataCfg:
+        prompt_column = True
         train, heldout, dir, format, prompt_field, answer_field, train_size, heldout_size = (
             str(f), None, None, "auto", None, None, None, 2)
 
