@@ -174,3 +174,17 @@ def test_a_repeat_whose_columns_are_both_missing_is_no_other_value(tmp_path, cap
         load_benchmark(str(f))
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "skipped 2 rows" in msg and "0 of them with other values)" in msg
+
+
+def test_the_fallback_to_questions_asks_each_question_once():
+    """One problem behind two system messages falls back to one question, asked once (held-out accuracy counted it
+    twice)."""
+    from trustbatch.data.benchmarks import questions_in_place
+
+    rows = [{"problem": f"What is {i} + 1?", "answer": str(i + 1),
+             "prompt": [{"role": "system", "content": s}, {"role": "user", "content": f"What is {i} + 1?"}]}
+            for i in range(3) for s in ("Think first.", "Be brief.")]
+    from trustbatch.data.benchmarks import to_example
+
+    examples, n = questions_in_place([to_example(r, "math") for r in rows])
+    assert n == 6 and [e.prompt for e in examples] == [f"What is {i} + 1?" + MATH_INSTRUCTION for i in range(3)]

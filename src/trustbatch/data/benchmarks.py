@@ -386,9 +386,16 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
 
 def questions_in_place(examples: list[Example]) -> tuple[list[Example], int]:
     """``examples`` with each chat-message prompt that stood in front of its format's question (``Example.question``)
-    back to that question, and how many: for a model that cannot frame chat messages."""
+    back to that question, and how many: for a model that cannot frame chat messages. A question already asked by an
+    earlier example (one problem behind two system messages) is left out, as a file's repeated prompt is."""
     swap = [isinstance(e.prompt, Conversation) and bool(e.question) for e in examples]
-    return [dataclasses.replace(e, prompt=e.question, question="") if s else e for e, s in zip(examples, swap)], sum(swap)
+    out, seen = [], set()
+    for e, s in zip(examples, swap):
+        e = dataclasses.replace(e, prompt=e.question, question="") if s else e
+        if e.prompt not in seen:
+            seen.add(e.prompt)
+            out.append(e)
+    return out, sum(swap)
 
 
 def _same(a, b) -> bool:
