@@ -366,7 +366,7 @@ def _distinct_examples(rows: Iterable[tuple[str, dict]], fmt: str, prompt_field:
     row's)`` of each repeat skipped (``answer`` for the reference)."""
     examples: list[Example] = []
     first: dict[str, Example] = {}
-    dups: list[tuple[str, bool]] = []
+    dups: list[tuple[str, set]] = []
     for where, row in rows:
         if limit is not None and len(examples) >= limit:
             break

@@ -98,8 +98,7 @@ def sample_and_score(policy, engine, examples: list[Example], pool, *, n: int, t
     m = n * len(examples)
     return Scored(n=n, correct=correct, reward_mean=total / m, reward_errors=errors, reward_timeouts=timeouts,
                   response_tokens=tokens / m, truncated_fraction=truncated / m, reward_se=_standard_error(prompt_means),
-                  samples=with_extras(*zip(*kept)) if any(e for _, e in kept) else [row for row, _ in kept],
-                  logged=logged)
+                  samples=with_extras([row for row, _ in kept], [e for _, e in kept]), logged=logged)
 
 
 def _score_chunk(pool, part: list[Example], ro: list, completions: list[str], state: dict | None, check,

@@ -111,10 +111,10 @@ class Policy:
     @property
     def uses_chat_template(self) -> bool:
         """Whether ``encode_prompt`` frames a text prompt with the tokenizer's chat template (``set_prompt_format``)."""
-        return not self.text_as_is and self._frames_messages
+        return not self.text_as_is and self.frames_messages
 
     @property
-    def _frames_messages(self) -> bool:
+    def frames_messages(self) -> bool:
         """Whether ``encode_prompt`` renders a prompt given as chat messages through the chat template."""
         return self.chat_template if self.chat_template is not None else \
             bool(getattr(self.tokenizer, "chat_template", None))
@@ -122,13 +122,13 @@ class Policy:
     def frames(self, prompt: str) -> bool:
         """Whether ``encode_prompt`` renders ``prompt`` through the chat template: a ``chat.Conversation`` wherever
         the template frames chat messages, a text prompt where ``uses_chat_template``."""
-        return self._frames_messages if isinstance(prompt, Conversation) else self.uses_chat_template
+        return self.frames_messages if isinstance(prompt, Conversation) else self.uses_chat_template
 
     def _encode_whole_prompt(self, text: str) -> list[int]:
         tok = self.tokenizer
         messages = isinstance(text, Conversation)
         chat = text.as_list() if messages else [{"role": "user", "content": text}]
-        if messages and not self._frames_messages:
+        if messages and not self.frames_messages:
             key = self.format_keys[0]
             why = (f"{key}=off turns it off; use {key}=auto or messages"
                    if getattr(tok, "chat_template", None) else "this model's tokenizer has none; use a chat model")
@@ -141,7 +141,7 @@ class Policy:
                 return list(tok.apply_chat_template(system + chat, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False))
             except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception in the template)
-                if not isinstance(text, Conversation):
+                if not messages:
                     raise
                 raise UserError(f"the model's chat template refuses a prompt's messages ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else 'no message'}), roles "

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from .. import objectives
 from ..config import Config
-from ..chat import Conversation
 from ..data import load_task
 from ..data.benchmarks import NO_SCORER, fit_prompts, limit_prompts, load_file_task, questions_in_place
 from ..data.tasks import LongPrompts
@@ -196,22 +195,22 @@ def questions_for_messages(task, policy, console=None) -> None:
     base, which has no template), a GSM8K, MATH or Countdown row whose ``prompt`` column holds them is prompted with
     its format's own question instead (``Example.question``), with a warning, as before that column was read; a row
     without one keeps its messages, which ``Policy.encode_prompt`` refuses in one line."""
-    if policy is not None and policy.frames(Conversation([{"role": "user", "content": "x"}])):
+    if policy is not None and policy.frames_messages:
         return
     swapped = 0
     for split in ("train", "heldout"):
         examples, n = questions_in_place(getattr(task, split))
         setattr(task, split, examples)
         swapped += n
-    warn_questions(swapped, console)
-
-
-def warn_questions(swapped: int, console=None, key: str = "data.chat_template") -> None:
-    """The warning of ``questions_for_messages`` (``swapped`` rows; ``key``: the framing setting as the user set it)."""
     if swapped and console is not None:
-        console.print(f"[yellow]warning: {swapped} rows' prompt column holds chat messages, which this model cannot "
-                      f"frame (its tokenizer has no chat template, or {key}=off): each is prompted with its question "
-                      "and the format's instruction instead[/yellow]", highlight=False)
+        console.print(f"[yellow]warning: {questions_warning(swapped, 'data.chat_template')}[/yellow]", highlight=False)
+
+
+def questions_warning(swapped: int, key: str) -> str:
+    """What ``questions_for_messages`` (and ``trustbatch eval``) say of ``swapped`` rows; ``key``: the framing
+    setting as the user gives it."""
+    return (f"{swapped} rows' prompt column holds chat messages, which this model cannot frame (its tokenizer has no "
+            f"chat template, or {key}=off): each is prompted with its question and the format's instruction instead")
 
 
 def fit_to_context(task, policy, max_new_tokens: int, console=None) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import UserError
-from .build import check_answer_scorers
+from .build import check_answer_scorers, questions_warning
 
 
 def parse_ks(k: str, n: int) -> list[int]:
@@ -128,10 +128,9 @@ def evaluate(model: str | Path, benchmarks: Sequence[str], *, n: int = 16, ks: S
 def _questions(benches: list, policy, warn: Callable[[str], None] | None) -> list:
     """``benches`` with each chat-message prompt column back to its format's question where ``policy`` cannot frame
     chat messages (``data.benchmarks.questions_in_place``), as a training run's held-out evaluation prompts them."""
-    from ..chat import Conversation
     from ..data.benchmarks import questions_in_place
 
-    if policy.frames(Conversation([{"role": "user", "content": "x"}])):
+    if policy.frames_messages:
         return benches
     out, swapped = [], 0
     for b in benches:
@@ -139,9 +138,7 @@ def _questions(benches: list, policy, warn: Callable[[str], None] | None) -> lis
         out.append(dataclasses.replace(b, examples=examples))
         swapped += n
     if swapped and warn is not None:
-        warn(f"{swapped} rows' prompt column holds chat messages, which this model cannot frame (its tokenizer has no "
-             "chat template, or --chat-template off): each is prompted with its question and the format's instruction "
-             "instead")
+        warn(questions_warning(swapped, "--chat-template"))
     return out
 
 

@@ -215,8 +215,8 @@ class BatchForm:
 
     def __init__(self, fn: Callable):
         self.fn = fn
-        self.takes_ids = _takes(fn, "completion_ids")
-        self.takes = {k for k in PASSED if _takes(fn, k)}  # of TRL's trainer_state, log_metric, log_extra
+        # of TRL's completion_ids, trainer_state, log_metric, log_extra
+        self.takes = {k for k in ("completion_ids", *PASSED) if _takes(fn, k)}
 
     def score_group(self, completions: list[str], references: list[str],
                     contexts: list[dict] | None) -> tuple[list[Outcome], Logged | None]:
@@ -231,7 +231,7 @@ class BatchForm:
         # column named reference is passed as it is, as TRL passes it, over the gold answers
         cols = {k: [c.get(k) for c in ctx] for k in ctx[0]
                 if k not in ("prompt", "prompts", "completion", "completions", GROUP_KEY, COMPLETION_IDS_KEY, STATE_KEY)}
-        if self.takes_ids and all(COMPLETION_IDS_KEY in c for c in ctx):
+        if "completion_ids" in self.takes and all(COMPLETION_IDS_KEY in c for c in ctx):
             cols["completion_ids"] = [list(c[COMPLETION_IDS_KEY]) for c in ctx]
         logs = RewardLogs(len(completions))
         cols.update(logs.kwargs(self.takes, ctx[0].get(STATE_KEY)))  # over a data column of the name, as in TRL
